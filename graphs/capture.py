@@ -1,0 +1,127 @@
+"""Captured frame steps, one per batch bucket.
+
+`StepRunner` runs `frame_step` for a batch of calls: it pads the batch to the next capture bucket with
+rows that point at the sink slot (so padding touches no real call), replays that bucket's graph, and
+returns the real rows. Buckets are captured at start-up, largest first, never while serving. A batch
+above the largest bucket is split into groups of at most the largest bucket, each replayed. With
+`graphs=False` the very same function runs eagerly, so graphs on and off compute the same thing.
+
+Two capture back ends:
+- "reduce-overhead": `torch.compile(mode="reduce-overhead", fullgraph=True)`; Inductor fuses the
+  pointwise work and records a CUDA graph per shape. The state pools are closed over, so Dynamo sees
+  them as fixed-address tensors that the graph mutates in place.
+- "cudagraph": `torch.compile` (default mode) for fusion, captured by hand with `torch.cuda.CUDAGraph`
+  into static input buffers ("cudagraph-eager": the same capture of the eager function, no compile:
+  seconds to capture instead of minutes, no Inductor fusion). Used where reduce-overhead refuses to record a graph (it skips graphs for
+  functions that mutate tensors it does not own as static inputs, which is what a state pool is);
+  which back end ran is logged at capture.
+On a CPU there are no graphs: "reduce-overhead" still compiles (Inductor's C++ back end), which is
+what the CPU graphs-vs-eager test exercises.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import fields
+
+import torch
+
+from nemo_duplex.frame_step import StepOutput, frame_step
+
+log = logging.getLogger(__name__)
+
+
+class StepRunner:
+    def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool = True,
+                 backend: str = "reduce-overhead"):
+        self.model, self.state, self.specials = model, state, specials
+        self.buckets = sorted(set(int(b) for b in buckets))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"engine.capture_buckets must be positive sizes, got {buckets}")
+        self.graphs = graphs
+        self.backend = backend
+        self.device = state.llm_len.device
+        self.sink = state.sink
+        self._compiled = None
+        self._cuda_graphs: dict[int, tuple] = {}
+        self.capture_seconds: dict[int, float] = {}
+        if backend not in ("reduce-overhead", "cudagraph", "cudagraph-eager"):
+            raise ValueError(f"engine.graph_backend must be reduce-overhead, cudagraph or cudagraph-eager, got {backend!r}")
+        if graphs and backend == "cudagraph-eager":
+            self._compiled = self._eager
+        elif graphs:
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.buckets))
+            mode = "reduce-overhead" if backend == "reduce-overhead" and self.device.type == "cuda" else None
+            self._compiled = torch.compile(self._eager, mode=mode, fullgraph=True, dynamic=False)
+
+    def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor) -> StepOutput:
+        return frame_step(self.model, self.state, slots, audio, forced, self.specials)
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _padded_inputs(self, b: int, slots, audio, forced):
+        n = slots.shape[0]
+        s = torch.full((b,), self.sink, dtype=torch.int64, device=self.device)
+        a = torch.zeros(b, audio.shape[1], dtype=torch.float32, device=self.device)
+        f = torch.full((b,), -1, dtype=torch.int64, device=self.device)
+        s[:n] = slots.to(self.device, non_blocking=True)
+        a[:n] = audio.to(self.device, non_blocking=True)
+        f[:n] = forced.to(self.device, non_blocking=True)
+        return s, a, f
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Record every bucket, largest first, on padding rows only (the sink slot)."""
+        if not self.graphs:
+            return
+        n_in = self.model.cfg.samples_per_frame_in
+        for b in sorted(self.buckets, reverse=True):
+            t0 = time.perf_counter()
+            s, a, f = self._padded_inputs(b, torch.empty(0, dtype=torch.int64), torch.empty(0, n_in),
+                                          torch.empty(0, dtype=torch.int64))
+            if self.backend.startswith("cudagraph") and self.device.type == "cuda":
+                self._capture_cuda_graph(b, s, a, f)
+            else:
+                for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
+                    self._compiled(s, a, f)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.capture_seconds[b] = time.perf_counter() - t0
+            log.info("captured bucket %d (%s) in %.1f s", b, self.backend, self.capture_seconds[b])
+
+    def _capture_cuda_graph(self, b: int, s, a, f) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._compiled(s, a, f)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._compiled(s, a, f)
+        self._cuda_graphs[b] = (graph, s, a, f, out)
+
+    @torch.no_grad()
+    def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor) -> StepOutput:
+        n = slots.shape[0]
+        if not self.graphs:
+            return frame_step(self.model, self.state, slots.to(self.device), audio.to(self.device),
+                              forced.to(self.device), self.specials)
+        largest = self.buckets[-1]
+        if n > largest:  # groups of at most the largest bucket, each replayed
+            parts = [self(slots[i: i + largest], audio[i: i + largest], forced[i: i + largest])
+                     for i in range(0, n, largest)]
+            return StepOutput(**{fl.name: torch.cat([getattr(p, fl.name) for p in parts]) for fl in fields(StepOutput)})
+        b = self.bucket_for(n)
+        if b in self._cuda_graphs:
+            graph, s, a, f, out = self._cuda_graphs[b]
+            ns, na, nf = self._padded_inputs(b, slots, audio, forced)
+            s.copy_(ns)
+            a.copy_(na)
+            f.copy_(nf)
+            graph.replay()
+        else:
+            out = self._compiled(*self._padded_inputs(b, slots, audio, forced))
+        # a replayed graph reuses its output memory on the next replay: copy the real rows out now
+        return StepOutput(**{fl.name: getattr(out, fl.name)[:n].clone() for fl in fields(StepOutput)})

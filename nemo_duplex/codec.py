@@ -1,0 +1,459 @@
+"""RVQ-VAE audio codec (spec 5): 31 codes per 80 ms frame <-> 1764 samples at 22.05 kHz.
+
+codes [B, T, 31] --dequantise (5.1)--> latent [B, T, 512] --decoder (5.2)--> 18 channels per spectrogram
+frame (441 per code frame) --iSTFT head (5.3)--> wav [B, 1764 T].
+
+Module paths give the official keys under `tts_model.audio_codec.` (spec 6.3): `encoder.layers.N`,
+`decoder.layers.N`, `prvq.mus_list.i`, `prvq._variance_list.i.variance`.
+
+Numerics: always fp32 (spec 9.9: bf16 collapses the reconstruction), and TF32 must stay off (spec 1.6,
+NeMo's `disable_tf32`). `decode`, `decode_step` and `encode` refuse parameters that are not fp32 and, on
+CUDA in eager mode, run under `exact_fp32()` (IEEE fp32 matmuls and convolutions). Under torch.compile
+the flags are read at compile time, so the caller must set `torch.backends.cuda.matmul.fp32_precision`
+and `torch.backends.cudnn.conv.fp32_precision` to "ieee" before compiling. The per-frame inverse DFT
+goes through `ops.dft` (IEEE fp32 whatever the flags).
+
+Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
+each causal ConvNeXt keeps its last 6 input frames; the overlap-add keeps the 12 samples (and their
+window envelope) that the next frame's spectrogram frames still add to. The output is the one-shot
+decode delayed by `stream_delay` = 6 samples, EXACTLY (up to fp32 rounding of a different summation
+order), from the first sample on: the stream starts with 6 zeros, and `flush_step` returns the last 6
+samples of the one-shot decode. NeMo's streaming wrapper (spec 5.4, 12.7) delays by 8 and differs
+from one-shot at stream samples 8..13, because it divides the first frame by the full window envelope
+where one-shot divides by the partial one; keeping the envelope's overlap-add tail in the state (zero
+after reset) removes that difference and 6 is the smallest delay at which every output sample is final.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ops.dft import irdft
+
+from .config import CodecConfig
+
+
+# ----------------------------------------------------------------------------------------------------
+# Numerics guards
+# ----------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def exact_fp32(device: torch.device):
+    """IEEE fp32 matmuls and cuDNN convolutions on CUDA for the duration, restoring the flags after.
+    A no-op off CUDA and while torch.compile traces (set the flags before compiling instead)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        yield
+        return
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = (matmul.fp32_precision, conv.fp32_precision)
+    matmul.fp32_precision = "ieee"
+    conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = saved
+
+
+def replace_control_codes(codes: torch.Tensor, silence_codes: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """codes [..., Q]: every code >= codebook_size (speech pad / eos / bos, spec 5.4) becomes the silence
+    code of its codebook, silence_codes [Q]."""
+    return torch.where(codes >= codebook_size, silence_codes.to(codes.dtype).expand_as(codes), codes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blocks
+# ----------------------------------------------------------------------------------------------------
+
+def _normal_(param: torch.Tensor, generator: torch.Generator, std: float, mean: float = 0.0) -> None:
+    """Draw on the CPU with the generator (device independent), then copy to the parameter's device."""
+    with torch.no_grad():
+        param.copy_(torch.randn(param.shape, generator=generator, device=generator.device) * std + mean)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal ConvNeXt1d (spec 5.2): x + pwconv2(GELU(pwconv1(LN_c(dwconv(leftpad(x)))))).
+    dwconv is depthwise with kernel k and a (k-1)-frame causal left pad; LayerNorm over channels with
+    eps 1e-6; exact (erf) GELU; pwconv1/pwconv2 are k=1 convolutions (applied as linears)."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.history = kernel_size - 1  # input frames of left context each output needs
+        self.dwconv = nn.Conv1d(channels, channels, kernel_size, groups=channels)
+        self.norm = nn.LayerNorm(channels, eps=1e-6)
+        self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
+        self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, C, L] from the start of the signal: zeros before it (the causal pad)."""
+        return self.forward_padded(F.pad(x, (self.history, 0)))
+
+    def forward_padded(self, padded: torch.Tensor) -> torch.Tensor:
+        """padded [B, C, history + L]: the input with its `history` preceding frames -> [B, C, L]."""
+        residual = padded[:, :, self.history:]
+        y = self.dwconv(padded).transpose(1, 2)  # [B, L, C]: LayerNorm and k=1 convs over channels
+        y = self.norm(y)
+        y = F.gelu(F.linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias))
+        y = F.linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias)
+        return residual + y.transpose(1, 2)
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        channels, kernel = self.dwconv.weight.shape[0], self.dwconv.weight.shape[-1]
+        _normal_(self.dwconv.weight, generator, kernel ** -0.5)
+        _normal_(self.dwconv.bias, generator, 0.1)
+        _normal_(self.norm.weight, generator, 0.1, mean=1.0)
+        _normal_(self.norm.bias, generator, 0.1)
+        _normal_(self.pwconv1.weight, generator, channels ** -0.5)
+        _normal_(self.pwconv1.bias, generator, 0.1)
+        # Small residual branch: nine blocks in a row must not blow the activations up.
+        _normal_(self.pwconv2.weight, generator, 0.5 * (4 * channels) ** -0.5)
+        _normal_(self.pwconv2.bias, generator, 0.05)
+
+
+def _init_conv(conv: nn.Module, generator: torch.Generator) -> None:
+    """Unit-gain init for a bias-free (transposed) convolution: std 1/sqrt(fan-in). A transposed conv
+    with kernel == stride sums over input channels only; a strided conv over channels x kernel."""
+    if isinstance(conv, nn.ConvTranspose1d):
+        fan_in = conv.in_channels
+    else:
+        fan_in = conv.in_channels * conv.kernel_size[0]
+    _normal_(conv.weight, generator, fan_in ** -0.5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# iSTFT head (spec 5.3)
+# ----------------------------------------------------------------------------------------------------
+
+def hann_window(n: int, device: torch.device) -> torch.Tensor:
+    return torch.hann_window(n, periodic=True, dtype=torch.float32, device=device)
+
+
+def synthesis_frames(head: torch.Tensor, n_fft: int, by_matmul: bool) -> torch.Tensor:
+    """head [B, n_fft + 2, S] (decoder output) -> windowed time frames [B, S, n_fft].
+
+    Channels 0..n/2 are the log-magnitude m, the rest the phase phi. |X| = 100 exp(-softplus(-m + ln 100))
+    (= 100 sigmoid(m - ln 100), NeMo's form kept for its rounding). DC and Nyquist are real (|X| cos phi):
+    their imaginary parts are zeroed here and ignored by the inverse DFT anyway. Each frame is clamped to
+    [-w, w] and multiplied by w (periodic Hann; `constrain_value_range`)."""
+    bins = n_fft // 2 + 1
+    head = head.transpose(1, 2)  # [B, S, 2 bins]
+    log_mag, phase = head[..., :bins], head[..., bins:]
+    mag = 100.0 * torch.exp(-F.softplus(-log_mag + math.log(100.0)))
+    re = mag * torch.cos(phase)
+    im = mag * torch.sin(phase)
+    im = torch.cat([torch.zeros_like(im[..., :1]), im[..., 1:-1], torch.zeros_like(im[..., -1:])], dim=-1)
+    if by_matmul:
+        frames = irdft(re, im, n_fft)  # ops/dft.py: no cuFFT (graph capture)
+    else:
+        frames = torch.fft.irfft(torch.complex(re, im), n=n_fft, dim=-1)
+    window = hann_window(n_fft, head.device)
+    return torch.clamp(frames, -window, window) * window
+
+
+def overlap_add(frames: torch.Tensor, hop: int) -> torch.Tensor:
+    """frames [B, S, n] (n a multiple of hop), frame s starting at sample s*hop -> [B, (S-1)*hop + n]."""
+    batch, num_frames, n = frames.shape
+    shifts = n // hop
+    out = frames.new_zeros(batch, num_frames + shifts - 1, hop)
+    for j in range(shifts):  # part j of frame s lands on hop-block s + j
+        out[:, j:j + num_frames] += frames[:, :, j * hop:(j + 1) * hop]
+    return out.flatten(1)
+
+
+def window_envelope(num_frames: int, n_fft: int, hop: int, device: torch.device) -> torch.Tensor:
+    """Sum of w^2 over the frames overlapping each sample, [1, (S-1)*hop + n] (the same overlap-add)."""
+    square = hann_window(n_fft, device).square()
+    return overlap_add(square.expand(1, num_frames, n_fft), hop)
+
+
+def istft(head: torch.Tensor, n_fft: int, hop: int, by_matmul: bool = False) -> torch.Tensor:
+    """One-shot iSTFT: head [B, n_fft + 2, S] -> wav [B, hop*S]. Overlap-add, trim (n-hop)/2 samples at each
+    end ("same" padding), divide by the window envelope trimmed the same way."""
+    frames = synthesis_frames(head, n_fft, by_matmul)
+    trim = (n_fft - hop) // 2
+    signal = overlap_add(frames, hop)[:, trim:-trim]
+    envelope = window_envelope(frames.shape[1], n_fft, hop, head.device)[:, trim:-trim]
+    return signal / envelope
+
+
+# ----------------------------------------------------------------------------------------------------
+# Encoder, decoder, quantiser
+# ----------------------------------------------------------------------------------------------------
+
+class Wav2Latent(nn.Module):
+    """Encoder (spec 5.5): STFT (16/4, periodic Hann, zero pad 6 | 6, center=False) -> [Re | Im] 18 ch
+    -> Conv1d k1 -> per stage: ConvNeXt x num_blocks, strided Conv1d (rates 7, 7, 9). No biases outside
+    the ConvNeXt blocks."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.n_fft, self.hop = cfg.n_fft, cfg.hop_length
+        widths = [cfg.base_hidden_size * m for m in cfg.channel_mult]
+        layers: list[nn.Module] = [nn.Conv1d(cfg.n_fft + 2, widths[0], 1, bias=False)]
+        for stage, (width, rate) in enumerate(zip(widths, cfg.rates)):
+            layers += [ConvNeXtBlock(width, cfg.kernel_size) for _ in range(cfg.num_blocks)]
+            next_width = widths[stage + 1] if stage + 1 < len(widths) else cfg.latent_size
+            layers.append(nn.Conv1d(width, next_width, rate, stride=rate, bias=False))
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        """wav [B, N] (N a multiple of hop * prod(rates)) -> latent [B, latent, N / 1764]."""
+        pad = (self.n_fft - self.hop) // 2
+        spec = torch.stft(F.pad(wav, (pad, pad)), self.n_fft, hop_length=self.hop, win_length=self.n_fft,
+                          window=hann_window(self.n_fft, wav.device), center=False, return_complex=True)
+        x = torch.cat([spec.real, spec.imag], dim=1)  # [B, 18, N / hop]
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        for layer in self.layers:
+            layer.init_weights(generator) if isinstance(layer, ConvNeXtBlock) else _init_conv(layer, generator)
+
+
+class Latent2Wav(nn.Module):
+    """Decoder (spec 5.2): per stage (rates 9, 7, 7; widths 4C, 2C, C) a ConvTranspose1d with kernel ==
+    stride, then ConvNeXt x num_blocks; a final Conv1d k1 to n_fft + 2 channels (the iSTFT head input)."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        widths = [cfg.base_hidden_size * m for m in reversed(cfg.channel_mult)]
+        layers: list[nn.Module] = []
+        width_in = cfg.latent_size
+        for width, rate in zip(widths, reversed(cfg.rates)):
+            layers.append(nn.ConvTranspose1d(width_in, width, rate, stride=rate, bias=False))
+            layers += [ConvNeXtBlock(width, cfg.kernel_size) for _ in range(cfg.num_blocks)]
+            width_in = width
+        layers.append(nn.Conv1d(width_in, cfg.n_fft + 2, 1, bias=False))
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        """latent [B, latent, T] -> iSTFT head input [B, n_fft + 2, 441 T]."""
+        x = latent
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def convnext_blocks(self) -> list[ConvNeXtBlock]:
+        return [layer for layer in self.layers if isinstance(layer, ConvNeXtBlock)]
+
+    def step(self, latent: torch.Tensor, history: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """One code frame per row: latent [B, latent, 1] -> head input [B, n_fft + 2, 441]. history[i]
+        [S, C_i, k-1] holds the last k-1 input frames of ConvNeXt block i per slot; rows `slots` are read
+        and then overwritten in place."""
+        x = latent
+        block = 0
+        for layer in self.layers:
+            if isinstance(layer, ConvNeXtBlock):
+                padded = torch.cat([history[block].index_select(0, slots), x], dim=-1)
+                history[block].index_copy_(0, slots, padded[:, :, -layer.history:])
+                x = layer.forward_padded(padded)
+                block += 1
+            else:
+                x = layer(x)
+        return x
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        for layer in self.layers:
+            layer.init_weights(generator) if isinstance(layer, ConvNeXtBlock) else _init_conv(layer, generator)
+
+
+class CodebookVariance(nn.Module):
+    """Holds the `variance` scalar of one codebook (`prvq._variance_list.i.variance`, training only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.variance = nn.Parameter(torch.ones(()))
+
+
+class ResidualVQ(nn.Module):
+    """Residual vector quantiser: `mus_list[i]` [codebook, latent] per quantiser (spec 5.1, 5.5)."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.mus_list = nn.ParameterList(
+            [nn.Parameter(torch.empty(cfg.codebook_size, cfg.latent_size)) for _ in range(cfg.num_quantizers)])
+        self._variance_list = nn.ModuleList([CodebookVariance() for _ in range(cfg.num_quantizers)])
+
+    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [..., Q] -> sum_i mus_list[i][codes[..., i]], [..., latent]."""
+        latent = F.embedding(codes[..., 0], self.mus_list[0])
+        for i in range(1, len(self.mus_list)):
+            latent = latent + F.embedding(codes[..., i], self.mus_list[i])
+        return latent
+
+    def quantize(self, latent: torch.Tensor) -> torch.Tensor:
+        """Greedy residual quantisation: latent [..., latent] -> codes [..., Q] int64; code i is the nearest
+        codeword of codebook i to the residual left by codes 0..i-1."""
+        residual = latent
+        codes = []
+        for mus in self.mus_list:
+            # argmin |r - m|^2 = argmin (|m|^2 - 2 r.m): |r|^2 is the same for every codeword.
+            distance = mus.square().sum(-1) - 2.0 * residual @ mus.T
+            code = distance.argmin(-1)
+            codes.append(code)
+            residual = residual - F.embedding(code, mus)
+        return torch.stack(codes, dim=-1)
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        # Codebook i has std sqrt((1 - r) r^i): the sum of all 31 has unit variance, later codebooks refine.
+        ratio = 0.7
+        for i, mus in enumerate(self.mus_list):
+            _normal_(mus, generator, math.sqrt((1 - ratio) * ratio ** i))
+        for entry in self._variance_list:
+            with torch.no_grad():
+                entry.variance.copy_(0.5 + torch.rand((), generator=generator, device=generator.device))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Codec
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class CodecStreamState:
+    """Per-call streaming state, one row per slot (the last row of a pool is the sink)."""
+    convnext_history: list[torch.Tensor]  # per decoder ConvNeXt block (9): [S, C_i, 6] last input frames
+    ola_tail: torch.Tensor       # [S, n_fft - hop] overlap-add samples the next frame still adds to
+    envelope_tail: torch.Tensor  # [S, n_fft - hop] their window envelope (0 after reset: a stream's start)
+    frames_done: torch.Tensor    # [S] int64 code frames decoded since reset
+
+
+class RVQCodec(nn.Module):
+    """The codec under `tts_model.audio_codec.` (spec 5). Always fp32."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        if math.prod(cfg.rates) * cfg.hop_length != cfg.wav_to_token_ratio:
+            raise ValueError(f"prod(rates) * hop_length must equal wav_to_token_ratio: {cfg}")
+        if cfg.n_fft % cfg.hop_length or (cfg.n_fft - cfg.hop_length) % 2:
+            raise ValueError(f"n_fft must be a multiple of hop_length with an even difference: {cfg}")
+        self.cfg = cfg
+        self.encoder = Wav2Latent(cfg)
+        self.decoder = Latent2Wav(cfg)
+        self.prvq = ResidualVQ(cfg)
+
+    @property
+    def samples_per_frame(self) -> int:  # 1764
+        return self.cfg.wav_to_token_ratio
+
+    @property
+    def stream_delay(self) -> int:
+        """Samples by which `decode_step`'s stream lags the one-shot decode: (n_fft - hop) / 2 = 6."""
+        return (self.cfg.n_fft - self.cfg.hop_length) // 2
+
+    def _require_fp32(self) -> None:
+        for name, tensor in self.named_parameters():
+            if tensor.dtype != torch.float32:
+                raise TypeError(f"the codec runs in fp32 only (spec 9.9: bf16 collapses the reconstruction); "
+                                f"{name} is {tensor.dtype}. Keep the codec out of dtype casts (model.codec.float()).")
+
+    # ---- one-shot ------------------------------------------------------------------------------------
+    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, Q] -> latent [B, T, latent] (spec 5.1)."""
+        return self.prvq.dequantize(codes)
+
+    def decode(self, codes: torch.Tensor, by_matmul: bool = False,
+               silence_codes: torch.Tensor | None = None) -> torch.Tensor:
+        """codes [B, T, Q] -> wav [B, 1764 T] fp32. `silence_codes` [Q], if given, replaces control codes
+        first (spec 5.4); otherwise every code must be < codebook_size. `by_matmul` uses ops.dft's inverse
+        DFT instead of torch.fft.irfft (what decode_step uses)."""
+        self._require_fp32()
+        if silence_codes is not None:
+            codes = replace_control_codes(codes, silence_codes, self.cfg.codebook_size)
+        with exact_fp32(codes.device):
+            head = self.decoder(self.dequantize(codes).transpose(1, 2))
+            return istft(head, self.cfg.n_fft, self.cfg.hop_length, by_matmul)
+
+    def encode(self, wav: torch.Tensor) -> torch.Tensor:
+        """wav [B, N] fp32 at 22.05 kHz, N a multiple of 1764 -> codes [B, N / 1764, Q] (spec 5.5)."""
+        self._require_fp32()
+        if wav.shape[-1] % self.samples_per_frame:
+            raise ValueError(f"encode needs a multiple of {self.samples_per_frame} samples; got {wav.shape[-1]}")
+        with exact_fp32(wav.device):
+            latent = self.encoder(wav.float()).transpose(1, 2)
+            return self.prvq.quantize(latent)
+
+    @torch.no_grad()
+    def silence_codes(self, seconds: float = 10.0, sample_rate: int = 22050) -> torch.Tensor:
+        """The most frequent code frame when encoding `seconds` of zeros, [Q] int64 (spec 5.5,
+        `get_codec_silence_frame`). Ties go to the lexicographically smallest frame. The checkpoint's
+        stored `codec_silence_tokens` is what the reference uses; this recomputes it."""
+        num_frames = max(1, int(seconds * sample_rate) // self.samples_per_frame)
+        device = self.prvq.mus_list[0].device
+        codes = self.encode(torch.zeros(1, num_frames * self.samples_per_frame, device=device))[0]
+        frames, counts = torch.unique(codes, dim=0, return_counts=True)  # sorted lexicographically
+        return frames[counts.argmax()]
+
+    # ---- streaming -----------------------------------------------------------------------------------
+    def allocate_stream_state(self, num_slots: int, device) -> CodecStreamState:
+        """Zeroed state for `num_slots` rows (callers include the sink row)."""
+        tail = self.cfg.n_fft - self.cfg.hop_length
+        history = [torch.zeros(num_slots, block.dwconv.in_channels, block.history, device=device)
+                   for block in self.decoder.convnext_blocks()]
+        return CodecStreamState(
+            convnext_history=history,
+            ola_tail=torch.zeros(num_slots, tail, device=device),
+            envelope_tail=torch.zeros(num_slots, tail, device=device),
+            frames_done=torch.zeros(num_slots, dtype=torch.int64, device=device))
+
+    @staticmethod
+    def reset_slots(state: CodecStreamState, slots: torch.Tensor) -> None:
+        """Rows `slots` back to a stream's start (zero history = the one-shot causal zero padding)."""
+        for history in state.convnext_history:
+            history.index_fill_(0, slots, 0.0)
+        state.ola_tail.index_fill_(0, slots, 0.0)
+        state.envelope_tail.index_fill_(0, slots, 0.0)
+        state.frames_done.index_fill_(0, slots, 0)
+
+    @torch.no_grad()
+    def decode_step(self, codes: torch.Tensor, state: CodecStreamState, slots: torch.Tensor,
+                    silence_codes: torch.Tensor | None = None) -> torch.Tensor:
+        """One code frame per call: codes [B, Q], slots [B] -> wav [B, 1764] fp32, which is the one-shot
+        decode of the call's frames so far delayed by `stream_delay` samples (6 zeros at a stream's start).
+        Pure tensor code with fixed shapes (CUDA-graph capturable); the inverse DFT is ops.dft's matmul."""
+        self._require_fp32()
+        if silence_codes is not None:
+            codes = replace_control_codes(codes, silence_codes, self.cfg.codebook_size)
+        n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
+        with exact_fp32(codes.device):
+            latent = self.dequantize(codes[:, None, :]).transpose(1, 2)  # [B, latent, 1]
+            head = self.decoder.step(latent, state.convnext_history, slots)  # [B, 18, 441]
+            frames = synthesis_frames(head, n_fft, by_matmul=True)  # [B, 441, 16]
+            signal = overlap_add(frames, hop)  # [B, 1764 + 12]
+            envelope = window_envelope(frames.shape[1], n_fft, hop, codes.device).expand_as(signal)
+            # The previous frame's last 12 overlap-add samples belong to the start of this one.
+            tail = n_fft - hop
+            signal = torch.cat([signal[:, :tail] + state.ola_tail.index_select(0, slots), signal[:, tail:]], dim=1)
+            envelope = torch.cat([envelope[:, :tail] + state.envelope_tail.index_select(0, slots),
+                                  envelope[:, tail:]], dim=1)
+            done = state.frames_done.index_select(0, slots)
+            out_len = hop * frames.shape[1]
+            # Sample i of this buffer is one-shot sample 1764 t + i - delay; at a stream's start the first
+            # `delay` samples precede the signal (one-shot trims them): emit zeros.
+            before_start = (done[:, None] == 0) & (torch.arange(out_len, device=codes.device) < self.stream_delay)
+            wav = torch.where(before_start, 0.0, signal[:, :out_len] / envelope[:, :out_len])
+            state.ola_tail.index_copy_(0, slots, signal[:, out_len:])
+            state.envelope_tail.index_copy_(0, slots, envelope[:, out_len:])
+            state.frames_done.index_copy_(0, slots, done + 1)
+        return wav
+
+    @torch.no_grad()
+    def flush_step(self, state: CodecStreamState, slots: torch.Tensor) -> torch.Tensor:
+        """The last `stream_delay` samples of the one-shot decode, [B, 6] (zeros for a slot with no frames).
+        Reads the state, changes nothing."""
+        delay = self.stream_delay
+        signal = state.ola_tail.index_select(0, slots)[:, :delay]
+        envelope = state.envelope_tail.index_select(0, slots)[:, :delay]
+        return torch.where(envelope > 0, signal / envelope.clamp_min(1e-30), 0.0)
+
+    # ---- weights -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Seeded random weights keeping activations O(1); codewords distinct (continuous draws)."""
+        self.encoder.init_weights(generator)
+        self.decoder.init_weights(generator)
+        self.prvq.init_weights(generator)

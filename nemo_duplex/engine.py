@@ -1,0 +1,404 @@
+"""The step loop: every call that has a whole 80 ms frame pending advances by one frame in one batched
+step, live appends and uploads alike.
+
+The engine owns the state pools (state.py) and the calls. Clients (the server, run_clip, tests) talk to
+it only through `Call`: `append` PCM of any length, `end_input`, `abort`, `inject_function_tokens`, and
+they receive events through the callback they passed to `open_call`. The loop never blocks on a client
+(appends and events cross threads through locks and callbacks) and knows nothing about sockets or file
+formats. Calls join and leave between ticks; a call's slot is returned when it ends, however it ends.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .frame_step import admit, special_ids
+from .sampling import SamplingParams
+from .state import SlotAllocator, allocate_call_state
+
+
+# ---- errors a client can get ------------------------------------------------------------------------
+class EngineError(Exception):
+    code = "engine_error"
+
+
+class EngineBusy(EngineError):
+    code = "busy"
+
+
+class InputBudgetExceeded(EngineError):
+    code = "input_budget_exceeded"
+
+
+class CallClosed(EngineError):
+    code = "call_closed"
+
+
+# ---- configuration and events -----------------------------------------------------------------------
+@dataclass
+class EngineConfig:
+    max_calls: int = 8
+    max_call_s: float = 160.0          # a call past this many seconds of input ends with reason "limit"
+    max_pending_s: float = 30.0        # input received but not yet stepped, per call
+    max_prompt_tokens: int = 512
+    capture_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    graphs: bool = False
+    graph_backend: str = "reduce-overhead"  # or "cudagraph" (graphs/capture.py says when)
+    idle_wait_s: float = 0.005
+
+
+@dataclass
+class CallOptions:
+    prompt: str | None = None
+    seed: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speaker: str | None = None
+
+
+@dataclass
+class FrameEvent:
+    call_id: str
+    frame: int
+    text: int
+    func: int
+    pcm: np.ndarray          # [1764] float32 at 22.05 kHz
+    user: list[int]          # RNN-T tokens of this frame
+    top2: tuple[float, float]
+    codes: np.ndarray        # [Q] int64
+    ready_at: float          # monotonic time the frame's last input sample arrived
+    sent_at: float           # monotonic time the engine handed the frame out
+
+
+@dataclass
+class DrainedEvent:
+    call_id: str
+    frames: int
+
+
+@dataclass
+class EndedEvent:
+    call_id: str
+    reason: str              # completed | aborted | limit | error | shutdown
+    message: str = ""
+
+
+class Call:
+    """A client's handle on one call. All methods are thread safe and never wait on the GPU."""
+
+    def __init__(self, engine: "Engine", call_id: str, options: CallOptions, on_event: Callable):
+        self.engine, self.id, self.options, self.on_event = engine, call_id, options, on_event
+        self.slot: int | None = None
+        self._lock = threading.Lock()
+        self._buf = np.zeros(0, dtype=np.float32)   # received samples not yet cut into frames
+        self._frames: deque[tuple[np.ndarray, float]] = deque()
+        self._forced: deque[int] = deque()
+        self.input_ended = False
+        self.closed = False
+        self.frames_in = 0        # whole frames received
+        self.frames_out = 0       # frames stepped
+        self.admitted = False
+
+    # client side
+    def append(self, pcm: np.ndarray) -> None:
+        """Append float32 samples in [-1, 1] at 16 kHz, any length; they are regrouped into frames."""
+        n = self.engine.frame_samples
+        with self._lock:
+            if self.closed:
+                raise CallClosed(f"call {self.id} has ended")
+            if self.input_ended:
+                raise CallClosed(f"call {self.id}: append after end of input")
+            budget = self.engine.max_pending_frames
+            pending = len(self._frames) + (self._buf.size + pcm.size) / n
+            if pending > budget:
+                raise InputBudgetExceeded(
+                    f"pending input would be {pending * n / self.engine.sample_rate:.2f} s; the limit is "
+                    f"engine.max_pending_s = {self.engine.cfg.max_pending_s:g} s per call")
+            self._buf = np.concatenate([self._buf, np.asarray(pcm, dtype=np.float32)])
+            now = time.monotonic()
+            while self._buf.size >= n:
+                self._frames.append((self._buf[:n].copy(), now))
+                self._buf = self._buf[n:]
+                self.frames_in += 1
+        self.engine._wake()
+
+    def end_input(self) -> None:
+        """No more audio: a partial last frame is zero-padded; a DrainedEvent follows the last frame."""
+        n = self.engine.frame_samples
+        with self._lock:
+            if self.closed or self.input_ended:
+                return
+            if self._buf.size:
+                self._frames.append((np.pad(self._buf, (0, n - self._buf.size)), time.monotonic()))
+                self._buf = np.zeros(0, dtype=np.float32)
+                self.frames_in += 1
+            self.input_ended = True
+        self.engine._wake()
+
+    def abort(self, reason: str = "aborted", message: str = "") -> None:
+        """End the call now; its slot is freed before the next tick."""
+        self.engine._request_end(self, reason, message)
+
+    def inject_function_tokens(self, ids: list[int]) -> None:
+        """Force these tokens onto the function channel, one per frame (tool results, spec 3.9)."""
+        with self._lock:
+            self._forced.extend(int(i) for i in ids)
+
+    @property
+    def pending_frames(self) -> int:
+        with self._lock:
+            return len(self._frames)
+
+    # engine side
+    def _take_frame(self):
+        with self._lock:
+            if not self._frames:
+                return None
+            audio, ready = self._frames.popleft()
+            forced = self._forced.popleft() if self._forced else -1
+            return audio, ready, forced
+
+
+class Engine:
+    def __init__(self, model, tokenizer, cfg: EngineConfig | None = None, device: torch.device | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.cfg = cfg or EngineConfig()
+        self.device = device or model.stt_model.embed_tokens.weight.device
+        mc = model.cfg
+        self.frame_samples = mc.samples_per_frame_in
+        self.sample_rate = mc.source_sample_rate
+        self.max_frames = math.ceil(self.cfg.max_call_s / mc.frame_length)
+        self.max_pending_frames = math.ceil(self.cfg.max_pending_s / mc.frame_length)
+        self.state = allocate_call_state(model, self.cfg.max_calls, self.max_frames, self.device,
+                                         self.cfg.max_prompt_tokens)
+        self.slots = SlotAllocator(self.cfg.max_calls)
+        self.specials = special_ids(model, self.device)
+        self._calls: dict[str, Call] = {}
+        self._to_admit: deque[Call] = deque()
+        self._to_end: dict[str, tuple[str, str]] = {}
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        from graphs.capture import StepRunner
+        self.step_runner = StepRunner(model, self.state, self.specials, self.cfg.capture_buckets,
+                                      graphs=self.cfg.graphs, backend=self.cfg.graph_backend)
+        self.ready = False        # set once every capture bucket is recorded (GET /health)
+        self.stats = EngineStats()
+        self._prefix_cache: dict = {}
+
+    # ---- client API --------------------------------------------------------------------------------
+    def open_call(self, options: CallOptions | None = None, on_event: Callable | None = None,
+                  call_id: str | None = None) -> Call:
+        """Reserve a slot now (EngineBusy if none is free: never a queue that grows without bound);
+        the prompt prefill and talker warm-up run on the engine thread before the first frame."""
+        options = options or CallOptions()
+        slot = self.slots.take()
+        if slot is None:
+            self.stats.refusals["busy"] = self.stats.refusals.get("busy", 0) + 1
+            raise EngineBusy(f"all {self.cfg.max_calls} call slots are in use (engine.max_calls)")
+        call = Call(self, call_id or f"call_{next(self._ids)}", options, on_event or (lambda ev: None))
+        call.slot = slot
+        with self._lock:
+            self._calls[call.id] = call
+            self._to_admit.append(call)
+            self._work.notify()
+        return call
+
+    @property
+    def active_calls(self) -> int:
+        return self.slots.in_use
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._work.notify()
+
+    def _request_end(self, call: Call, reason: str, message: str) -> None:
+        with self._lock:
+            if call.id in self._calls and call.id not in self._to_end:
+                self._to_end[call.id] = (reason, message)
+                self._work.notify()
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Capture every bucket (largest first) before serving; never while serving."""
+        if not self.ready:
+            self.step_runner.capture()
+            self.ready = True
+
+    def start(self) -> None:
+        self.prepare()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for call in list(self._calls.values()):
+            self._end(call, "shutdown", "the engine stopped")
+
+    def _run(self) -> None:
+        while self._running:
+            try:
+                did = self.tick()
+            except Exception as e:  # a bug must not leave calls hanging: end every call with the reason
+                traceback.print_exc()
+                for call in list(self._calls.values()):
+                    self._end(call, "error", f"engine error: {type(e).__name__}: {e}")
+                did = True
+            if not did:
+                with self._lock:
+                    self._work.wait(timeout=self.cfg.idle_wait_s)
+
+    @torch.no_grad()
+    def tick(self) -> bool:
+        """One pass: end calls asked to end, admit new calls, step every call with a frame pending."""
+        with self._lock:
+            ending = [(self._calls[cid], r) for cid, r in self._to_end.items() if cid in self._calls]
+            self._to_end.clear()
+            admitting = list(self._to_admit)
+            self._to_admit.clear()
+        for call, (reason, message) in ending:
+            self._end(call, reason, message)
+        for call in admitting:
+            if not call.closed:
+                self._admit(call)
+
+        batch = []
+        with self._lock:
+            calls = list(self._calls.values())
+        for call in calls:
+            if not call.admitted or call.closed:
+                continue
+            if call.frames_out >= self.max_frames:
+                self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
+                continue
+            item = call._take_frame()
+            if item is not None:
+                batch.append((call, *item))
+            elif call.input_ended:
+                call.on_event(DrainedEvent(call.id, call.frames_out))
+                self._end(call, "completed")
+        if batch:
+            self._step(batch)
+        return bool(batch or ending or admitting)
+
+    def _admit(self, call: Call) -> None:
+        try:
+            prompt_ids = self.model.prompt_ids(self.tokenizer, call.options.prompt)
+            if prompt_ids is not None and prompt_ids.numel() > self.cfg.max_prompt_tokens:
+                raise EngineError(f"system prompt is {prompt_ids.numel()} tokens; the limit is "
+                                  f"engine.max_prompt_tokens = {self.cfg.max_prompt_tokens}")
+            admit(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
+                  call.options.speaker)
+            call.admitted = True
+        except Exception as e:
+            self._end(call, "error", str(e))
+
+    def _step(self, batch) -> None:
+        t0 = time.perf_counter()
+        n = len(batch)
+        slots = torch.tensor([c.slot for c, *_ in batch], dtype=torch.int64)
+        audio = torch.from_numpy(np.stack([a for _, a, _, _ in batch]))
+        forced = torch.tensor([f for *_, f in batch], dtype=torch.int64)
+        out = self.step_runner(slots, audio, forced)
+        host = {k: getattr(out, k).cpu() for k in ("text", "func", "top2", "codes", "pcm", "user")}
+        sent = time.monotonic()
+        for i, (call, _, ready, _) in enumerate(batch):
+            ev = FrameEvent(call.id, call.frames_out, int(host["text"][i]), int(host["func"][i]),
+                            host["pcm"][i].numpy(), [int(t) for t in host["user"][i] if t >= 0],
+                            (float(host["top2"][i, 0]), float(host["top2"][i, 1])), host["codes"][i].numpy(),
+                            ready, sent)
+            call.frames_out += 1
+            call.on_event(ev)
+        self.stats.record_step(n, time.perf_counter() - t0)
+
+    def _end(self, call: Call, reason: str, message: str = "") -> None:
+        with self._lock:
+            if self._calls.pop(call.id, None) is None:
+                return
+        call.closed = True
+        self.slots.give(call.slot)
+        try:
+            call.on_event(EndedEvent(call.id, reason, message))
+        except Exception:
+            traceback.print_exc()
+
+    # ---- driving clips without a server (run_clip mode=engine, tests) -------------------------------
+    def run_clips(self, clips: list[torch.Tensor], offsets: list[int] | None = None, prompt: str | None = None,
+                  seed: int = 0, sampling: SamplingParams | None = None, uploads: list[bool] | None = None):
+        """Run clips through the engine on the calling thread: clip i opens at tick offsets[i] with seed
+        seed + i, and is fed one frame per tick (live) or all at once (upload). Returns ClipResults."""
+        from .model import ClipResult
+
+        offsets = offsets or [0] * len(clips)
+        uploads = uploads or [False] * len(clips)
+        events: dict[int, list] = {i: [] for i in range(len(clips))}
+        calls: dict[int, Call] = {}
+        fed = [0] * len(clips)
+        n = self.frame_samples
+        tick = 0
+        while True:
+            for i, clip in enumerate(clips):
+                if i not in calls and tick >= offsets[i]:
+                    opts = CallOptions(prompt=prompt, seed=seed + i, sampling=sampling or SamplingParams())
+                    calls[i] = self.open_call(opts, on_event=events[i].append)
+                    if uploads[i]:
+                        calls[i].append(clip.numpy())
+                        calls[i].end_input()
+                        fed[i] = clip.shape[0]
+                if i in calls and not uploads[i] and fed[i] < clip.shape[0]:
+                    calls[i].append(clip[fed[i]: fed[i] + n].numpy())
+                    fed[i] += n
+                    if fed[i] >= clip.shape[0]:
+                        calls[i].end_input()
+            self.tick()
+            tick += 1
+            if len(calls) == len(clips) and all(c.closed for c in calls.values()):
+                break
+        results = []
+        for i in range(len(clips)):
+            frames = [e for e in events[i] if isinstance(e, FrameEvent)]
+            ended = [e for e in events[i] if isinstance(e, EndedEvent)]
+            if ended and ended[-1].reason != "completed":
+                raise EngineError(f"clip {i} ended with {ended[-1].reason}: {ended[-1].message}")
+            results.append(ClipResult(
+                encoder_out=torch.empty(0), audio_embeds=torch.empty(0),
+                text_tokens=torch.tensor([f.text for f in frames], dtype=torch.int64),
+                function_tokens=torch.tensor([f.func for f in frames], dtype=torch.int64),
+                text_logits_top2=torch.tensor([f.top2 for f in frames]),
+                codes=torch.from_numpy(np.stack([f.codes for f in frames])) if frames else torch.empty(0),
+                wav=torch.from_numpy(np.concatenate([f.pcm for f in frames])) if frames else torch.empty(0),
+                user_tokens=[t for f in frames for t in f.user]))
+        return results
+
+
+class EngineStats:
+    """Counters the server exports on /metrics."""
+
+    def __init__(self):
+        self.steps = 0
+        self.frames = 0
+        self.last_step_s = 0.0
+        self.step_seconds: deque[float] = deque(maxlen=1000)
+        self.batch_sizes: deque[int] = deque(maxlen=1000)
+        self.refusals: dict[str, int] = {}
+
+    def record_step(self, batch: int, seconds: float) -> None:
+        self.steps += 1
+        self.frames += batch
+        self.last_step_s = seconds
+        self.step_seconds.append(seconds)
+        self.batch_sizes.append(batch)

@@ -1,0 +1,141 @@
+"""One 80 ms frame for a batch of calls, and the admission of a call into its slot (spec 7.2).
+
+`frame_step` is a pure tensor function over the state pools: no host syncs, no Python branching on
+values, fixed shapes for a given batch size. That is what lets graphs/ capture it per bucket. Rows are
+calls (their slot indices); padding rows point at the sink slot.
+
+Per frame: encoder frame -> fusion with the previous text and function tokens -> one cached LLM step ->
+text token (sampled per call) and function token (greedy; or forced by a tool result) -> talker step
+(31 codes) -> codec (1764 PCM samples); plus the RNN-T user-transcript tokens of the frame.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .sampling import SamplingParams, sample_text
+from .state import CallState
+
+
+@dataclass
+class StepOutput:
+    text: torch.Tensor       # [B] int64 agent text token
+    func: torch.Tensor       # [B] int64 function-channel token
+    top2: torch.Tensor       # [B, 2] top-1/top-2 text logits (margins)
+    codes: torch.Tensor      # [B, Q] int64
+    pcm: torch.Tensor        # [B, 1764] float32 in [-1, 1] (22.05 kHz)
+    user: torch.Tensor       # [B, max_symbols] int64 RNN-T tokens of this frame, -1 padded
+    enc: torch.Tensor        # [B, d_enc] encoder frame before projection
+
+
+def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, forced_func: torch.Tensor,
+               special_ids: torch.Tensor) -> StepOutput:
+    """slots [B] int64, audio [B, 1280] float32, forced_func [B] int64 (-1 = use the head; else the
+    tool-result token to force, with the text channel forced to PAD, spec 3.9)."""
+    cfg = model.cfg
+    pad = cfg.tokens.pad_id
+    enc = model.perception.stream_step(audio, st.encoder, slots)
+    a = model.perception.project(enc).to(model.stt_model.embed_tokens.weight.dtype)
+    x = model.fuse(a, st.prev_text[slots], st.prev_func[slots])
+
+    lengths = st.llm_len[slots]
+    h = model.llm.step(x, st.llm, slots, lengths)
+    st.llm_len.index_copy_(0, slots, lengths + 1)
+    text_logits, func_logits = model.heads(h)
+    frame = st.frame[slots]
+    text = sample_text(text_logits, special_ids, st.seen[slots], st.temperature[slots], st.top_p[slots],
+                       st.rep_penalty[slots], st.greedy[slots], st.seed[slots], frame)
+    func = func_logits.float().argmax(-1) if func_logits is not None else torch.full_like(text, pad)
+    forcing = forced_func >= 0
+    func = torch.where(forcing, forced_func, func)
+    text = torch.where(forcing, torch.full_like(text, pad), text)
+    top2 = text_logits.float().topk(2, dim=-1).values
+
+    n_passes = sum(1 for k in cfg.talker.unmask_schedule() if k > 0)
+    u, z = rng.talker_draws(st.seed[slots], frame, n_passes, cfg.talker.mog.num_predictions, cfg.talker.latent_size)
+    positions = st.talker_pos[slots]
+    codes = model.talker.step(text, st.prev_codes[slots], st.talker, slots, positions, u, z, model.silence_codes)
+    st.talker_pos.index_copy_(0, slots, positions + 1)
+    pcm = model.codec.decode_step(codes, st.codec, slots)
+
+    if model.has_rnnt:
+        user = model.stt_model.rnnt_decoder.stream_step(model.stt_model.rnnt_joint, enc, st.rnnt, slots)
+    else:
+        user = torch.full((slots.shape[0], 1), -1, dtype=torch.int64, device=slots.device)
+
+    st.prev_text.index_copy_(0, slots, text)
+    st.prev_func.index_copy_(0, slots, func)
+    st.prev_codes.index_copy_(0, slots, codes)
+    st.frame.index_copy_(0, slots, frame + 1)
+    newly_seen = torch.zeros_like(st.seen[slots]).scatter_(1, text[:, None], True)
+    newly_seen &= ~torch.isin(text, special_ids)[:, None]
+    st.seen.index_copy_(0, slots, st.seen[slots] | newly_seen)
+    return StepOutput(text=text, func=func, top2=top2, codes=codes, pcm=pcm, user=user, enc=enc)
+
+
+@torch.no_grad()
+def admit(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed: int,
+          sampling: SamplingParams, speaker: str | None = None) -> None:
+    """Reset `slot` and bring it to the state of a call about to hear its first frame: LLM prefill of
+    the system prompt (spec 1.3) and the talker's 37-position speaker warm-up (spec 4.3)."""
+    cfg = model.cfg
+    dev = st.llm_len.device
+    s = torch.tensor([slot], dtype=torch.int64, device=dev)
+    model.perception.reset_slots(st.encoder, s)
+    if st.rnnt is not None:
+        model.stt_model.rnnt_decoder.reset_slots(st.rnnt, s)
+    model.llm.reset_slots(st.llm, s)
+    model.codec.reset_slots(st.codec, s)
+    P = 0
+    if prompt_ids is not None and prompt_ids.numel() > 0:
+        P = prompt_ids.shape[0]
+        x = model.prompt_embeddings(prompt_ids.to(dev))[None]
+        model.llm.prefill(x, st.llm, s, torch.zeros(1, dtype=torch.int64, device=dev))
+    model.talker.prefill_warmup(st.talker, s, model.speaker_latent(speaker), model.silence_codes)
+    pad = cfg.tokens.pad_id
+    st.llm_len[slot] = P
+    st.talker_pos[slot] = cfg.prompt_frames
+    st.frame[slot] = 0
+    st.prev_text[slot] = pad
+    st.prev_func[slot] = pad
+    st.prev_codes[slot] = cfg.talker.speech_pad_code
+    st.seed[slot] = seed
+    st.temperature[slot] = sampling.temperature
+    st.top_p[slot] = sampling.top_p
+    st.rep_penalty[slot] = sampling.repetition_penalty
+    st.greedy[slot] = sampling.greedy
+    st.seen[slot] = False
+
+
+def special_ids(model, device) -> torch.Tensor:
+    t = model.cfg.tokens
+    return torch.tensor([t.pad_id, t.bos_id, t.eos_id], dtype=torch.int64, device=device)
+
+
+@torch.no_grad()
+def stream_inference(model, audio: torch.Tensor, prompt_ids: torch.Tensor | None = None, seed: int = 0,
+                     sampling: SamplingParams | None = None):
+    """The streaming reference (spec 7.2) as a plain loop: one call, one 1280-sample chunk per step
+    (a partial last chunk is zero-padded, as at end of input), cached state throughout."""
+    from .model import ClipResult
+    from .state import allocate_call_state
+
+    dev = model.stt_model.embed_tokens.weight.device
+    n = model.cfg.samples_per_frame_in
+    audio = audio.to(dev, torch.float32)
+    K = -(-audio.shape[0] // n)
+    chunks = torch.nn.functional.pad(audio, (0, K * n - audio.shape[0])).view(K, n)
+    st = allocate_call_state(model, 1, K, dev, max_prompt_tokens=0 if prompt_ids is None else prompt_ids.numel())
+    admit(model, st, 0, prompt_ids, seed, sampling or SamplingParams())
+    slots = torch.zeros(1, dtype=torch.int64, device=dev)
+    no_force = torch.full((1,), -1, dtype=torch.int64, device=dev)
+    specials = special_ids(model, dev)
+    outs = [frame_step(model, st, slots, chunks[k: k + 1], no_force, specials) for k in range(K)]
+    cat = lambda name: torch.cat([getattr(o, name) for o in outs])  # noqa: E731
+    enc = cat("enc")
+    user = cat("user")
+    return ClipResult(encoder_out=enc, audio_embeds=model.perception.project(enc), text_tokens=cat("text"),
+                      function_tokens=cat("func"), text_logits_top2=cat("top2"), codes=cat("codes"),
+                      wav=cat("pcm").reshape(-1), user_tokens=[int(t) for t in user.reshape(-1) if t >= 0])

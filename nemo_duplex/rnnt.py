@@ -1,0 +1,154 @@
+"""Auxiliary RNN-T head: the user's transcript from the encoder output before `proj` (spec 2.10).
+
+Prediction net: embedding (blank = vocab_size is the padding row, a zero vector) -> 2-layer LSTM.
+Joint: relu(enc(f) + pred(g)) -> Linear to vocab_size + 1 logits. Greedy rule (NeMo GreedyRNNTInfer):
+per encoder frame, repeat up to max_symbols times: run the prediction net on the last emitted token
+(start of sequence = zero input) from the committed LSTM state, take the argmax of the joint; blank ends
+the frame, any other token is emitted and commits the LSTM state and the last token.
+
+Two forms: `rnnt_greedy_decode` (offline, one call, plain loops) and `RNNTDecoder.stream_step` (one frame
+for a batch of calls with per-slot state, a fixed max_symbols iterations with masks: graph friendly).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from nemo_duplex.config import RNNTConfig
+
+
+def _fill_normal_(tensor: torch.Tensor, std: float, generator: torch.Generator, mean: float = 0.0) -> None:
+    draw = torch.randn(tensor.shape, generator=generator, device=generator.device) * std + mean
+    with torch.no_grad():
+        tensor.copy_(draw.to(tensor.device, tensor.dtype))
+
+
+class PredictionRNN(nn.Module):
+    """Holds the LSTM under NeMo's path `dec_rnn.lstm`."""
+
+    def __init__(self, cfg: RNNTConfig):
+        super().__init__()
+        self.lstm = nn.LSTM(cfg.pred_hidden, cfg.pred_hidden, num_layers=cfg.pred_rnn_layers)  # time-first
+
+
+class PredictionNetwork(nn.Module):
+    def __init__(self, cfg: RNNTConfig):
+        super().__init__()
+        self.blank = cfg.vocab_size
+        self.embed = nn.Embedding(cfg.vocab_size + 1, cfg.pred_hidden, padding_idx=cfg.vocab_size)
+        self.dec_rnn = PredictionRNN(cfg)
+
+    def forward(self, token: torch.Tensor, h: torch.Tensor, c: torch.Tensor):
+        """token [B] (blank = start of sequence), h, c [layers, B, H] -> (g [B, H], h', c').
+        The blank input is forced to zero, whatever the checkpoint's padding row holds (spec 2.10)."""
+        x = self.embed(token) * (token != self.blank)[:, None].to(self.embed.weight.dtype)
+        out, (h, c) = self.dec_rnn.lstm(x[None], (h, c))
+        return out[0], h, c
+
+
+@dataclass
+class RNNTStreamState:
+    """Per-slot prediction-net state; the last row is the sink for padding rows."""
+    h: torch.Tensor           # [layers, S, H] committed LSTM state
+    c: torch.Tensor           # [layers, S, H]
+    last_token: torch.Tensor  # [S] int64 last emitted token, blank = none yet (zero input)
+
+
+class RNNTDecoder(nn.Module):
+    """`stt_model.rnnt_decoder`: `prediction.embed`, `prediction.dec_rnn.lstm`."""
+
+    def __init__(self, cfg: RNNTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.blank = cfg.vocab_size
+        self.prediction = PredictionNetwork(cfg)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator):
+        embed = self.prediction.embed.weight
+        _fill_normal_(embed, 1.0, generator)
+        embed[self.blank].zero_()  # the padding row stays zero, as in training
+        bound = 1.0 / math.sqrt(self.cfg.pred_hidden)
+        for _, p in sorted(self.prediction.dec_rnn.lstm.named_parameters()):
+            _fill_normal_(p, bound, generator)
+
+    def initial_state(self, batch: int, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.cfg.pred_rnn_layers, batch, self.cfg.pred_hidden)
+        return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+
+    def allocate_stream_state(self, num_slots: int, device, dtype: torch.dtype | None = None) -> RNNTStreamState:
+        h, c = self.initial_state(num_slots, device, dtype or self.prediction.embed.weight.dtype)
+        last = torch.full((num_slots,), self.blank, dtype=torch.int64, device=device)
+        return RNNTStreamState(h=h, c=c, last_token=last)
+
+    def reset_slots(self, state: RNNTStreamState, slots: torch.Tensor) -> None:
+        state.h.index_fill_(1, slots, 0.0)
+        state.c.index_fill_(1, slots, 0.0)
+        state.last_token.index_fill_(0, slots, self.blank)
+
+    @torch.no_grad()
+    def stream_step(self, joint: "RNNTJoint", enc: torch.Tensor, state: RNNTStreamState,
+                    slots: torch.Tensor) -> torch.Tensor:
+        """enc [B, d_enc] (one encoder frame per call, before proj), slots [B] -> tokens [B, max_symbols]
+        int64, emitted tokens first, -1 padded. Always max_symbols iterations; rows that saw blank stop
+        emitting and committing (masked), so the op sequence does not depend on the data."""
+        batch = enc.shape[0]
+        h, c, last = state.h[:, slots], state.c[:, slots], state.last_token[slots]
+        f = joint.enc(enc.to(joint.enc.weight.dtype))
+        tokens = torch.full((batch, self.cfg.max_symbols_per_step), -1, dtype=torch.int64, device=enc.device)
+        active = torch.ones(batch, dtype=torch.bool, device=enc.device)
+        for i in range(self.cfg.max_symbols_per_step):
+            g, h_next, c_next = self.prediction(last, h, c)
+            k = joint.joint_logits(f, g).argmax(-1)
+            emit = active & (k != self.blank)
+            tokens[:, i] = torch.where(emit, k, -1)
+            h = torch.where(emit[None, :, None], h_next, h)
+            c = torch.where(emit[None, :, None], c_next, c)
+            last = torch.where(emit, k, last)
+            active = emit
+        state.h.index_copy_(1, slots, h)
+        state.c.index_copy_(1, slots, c)
+        state.last_token.index_copy_(0, slots, last)
+        return tokens
+
+
+class RNNTJoint(nn.Module):
+    """`stt_model.rnnt_joint`: `enc`, `pred`, `joint_net` = [ReLU, Dropout, Linear] (key `joint_net.2`)."""
+
+    def __init__(self, cfg: RNNTConfig, encoder_hidden: int):
+        super().__init__()
+        self.enc = nn.Linear(encoder_hidden, cfg.joint_hidden)
+        self.pred = nn.Linear(cfg.pred_hidden, cfg.joint_hidden)
+        self.joint_net = nn.Sequential(nn.ReLU(), nn.Dropout(0.0), nn.Linear(cfg.joint_hidden, cfg.vocab_size + 1))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator):
+        for linear in (self.enc, self.pred, self.joint_net[2]):
+            _fill_normal_(linear.weight, 1.0 / math.sqrt(linear.in_features), generator)
+            _fill_normal_(linear.bias, 0.1, generator)
+
+    def joint_logits(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """f = enc(frame) [B, J], g = prediction output [B, H] -> raw logits [B, vocab+1] (argmax only)."""
+        return self.joint_net(f + self.pred(g))
+
+
+@torch.no_grad()
+def rnnt_greedy_decode(decoder: RNNTDecoder, joint: RNNTJoint, enc: torch.Tensor) -> list[int]:
+    """Offline greedy decode of one call: enc [T, d_enc] (before proj) -> token ids (no blanks)."""
+    dtype = joint.enc.weight.dtype
+    f_all = joint.enc(enc.to(dtype))
+    h, c = decoder.initial_state(1, enc.device, dtype)
+    last = torch.full((1,), decoder.blank, dtype=torch.int64, device=enc.device)
+    out: list[int] = []
+    for t in range(enc.shape[0]):
+        for _ in range(decoder.cfg.max_symbols_per_step):
+            g, h_next, c_next = decoder.prediction(last, h, c)
+            k = int(joint.joint_logits(f_all[t:t + 1], g).argmax(-1))
+            if k == decoder.blank:
+                break
+            out.append(k)
+            h, c, last = h_next, c_next, torch.tensor([k], device=enc.device)
+    return out

@@ -1,0 +1,59 @@
+"""Agent text sampling (spec 1.4), batched with per-row settings and no host syncs.
+
+The rule, ported from NeMo's `ModelInterface._sample_text_token`: if the argmax is PAD, BOS or EOS keep
+it; otherwise apply the repetition penalty over the call's previously generated non-special tokens
+(positive logits / rp, negative * rp), divide by the temperature, keep the top-p nucleus (sorted
+descending, tokens whose preceding cumulative probability already exceeds top_p are removed, the first
+always kept), and draw from the softmax. Temperature 0, or everything disabled (top_p >= 1, rp == 1,
+temperature in {0, 1}), is greedy. The draw is an inverse-CDF lookup of the call's own counter-based
+uniform (rng.py), so a call's tokens do not depend on its batch mates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or (
+            self.top_p >= 1.0 and self.repetition_penalty == 1.0 and self.temperature in (0.0, 1.0))
+
+
+def sample_text(logits: torch.Tensor, special_ids: torch.Tensor, seen: torch.Tensor, temperature: torch.Tensor,
+                top_p: torch.Tensor, rep_penalty: torch.Tensor, greedy: torch.Tensor, seed: torch.Tensor,
+                counter: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (any float dtype), special_ids [k] (PAD, BOS, EOS), seen [B, V] bool (tokens this call
+    generated before, non-special), temperature/top_p/rep_penalty [B] float, greedy [B] bool,
+    seed/counter [B] int64 -> tokens [B] int64."""
+    logits = logits.float()
+    argmax = logits.argmax(dim=-1)
+    keep_argmax = greedy | torch.isin(argmax, special_ids)
+    penalised = torch.where(logits > 0, logits / rep_penalty[:, None], logits * rep_penalty[:, None])
+    x = torch.where(seen, penalised, logits) / temperature.clamp_min(1e-6)[:, None]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    probs = sorted_x.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
+    probs = torch.where(before > top_p[:, None], torch.zeros_like(probs), probs)
+    cdf = probs.cumsum(dim=-1)
+    u = rng.uniform(seed, counter, rng.TEXT_SAMPLE, (1,)) * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)
+    sampled = order.gather(-1, pick).squeeze(-1)
+    return torch.where(keep_argmax, argmax, sampled)

@@ -1,0 +1,112 @@
+"""Per-call state: one pool per kind of state, allocated once for `max_calls` slots.
+
+Every pool has `max_calls + 1` rows; the last is the sink that padding rows of a captured batch point at,
+so padding never touches a real call (docs/design.md). The engine owns one `CallState`; model code only
+reads and writes the rows it is given.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+
+import torch
+
+from .config import ModelConfig, torch_dtype
+
+
+@dataclass
+class CallState:
+    encoder: object          # encoder.EncoderStreamState: front-end tails, bounded KV window, conv caches
+    rnnt: object | None      # rnnt.RNNTStreamState: prediction-net LSTM state, last token
+    llm: object              # llm.LLMCache: Mamba conv + SSM states, attention KV
+    talker: object           # talker.TalkerCache: KV of the cond and uncond streams
+    codec: object            # codec.CodecStreamState: causal-conv and iSTFT tails
+    llm_len: torch.Tensor    # [S] int64: tokens in the LLM attention KV
+    talker_pos: torch.Tensor  # [S] int64: next talker position
+    frame: torch.Tensor      # [S] int64: audio frames done (the call's RNG counter)
+    prev_text: torch.Tensor  # [S] int64
+    prev_func: torch.Tensor  # [S] int64
+    prev_codes: torch.Tensor  # [S, Q] int64
+    seed: torch.Tensor       # [S] int64: the call's generator key
+    temperature: torch.Tensor  # [S] float32
+    top_p: torch.Tensor      # [S] float32
+    rep_penalty: torch.Tensor  # [S] float32
+    greedy: torch.Tensor     # [S] bool
+    seen: torch.Tensor       # [S, V] bool: non-special tokens the call generated (repetition penalty)
+    max_calls: int
+    max_frames: int
+
+    @property
+    def sink(self) -> int:
+        return self.max_calls
+
+    def nbytes_per_slot(self) -> dict[str, int]:
+        """Bytes of each kind of state one call holds (memory planning, issue 7)."""
+        def size(obj) -> int:
+            if obj is None:
+                return 0
+            if isinstance(obj, torch.Tensor):
+                return obj.numel() * obj.element_size()
+            return sum(size(getattr(obj, f.name)) for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor))
+        per = {}
+        for name in ("encoder", "rnnt", "llm", "talker", "codec"):
+            per[name] = size(getattr(self, name)) // (self.max_calls + 1)
+        scalars = sum(size(getattr(self, n)) for n in ("llm_len", "talker_pos", "frame", "prev_text", "prev_func",
+                                                       "prev_codes", "seed", "temperature", "top_p",
+                                                       "rep_penalty", "greedy", "seen"))
+        per["scalars"] = scalars // (self.max_calls + 1)
+        return per
+
+
+def allocate_call_state(model, max_calls: int, max_frames: int, device: torch.device,
+                        max_prompt_tokens: int = 512) -> CallState:
+    """Allocate every pool once. `max_frames` bounds a call (the LLM and talker KV lengths)."""
+    cfg: ModelConfig = model.cfg
+    S = max_calls + 1
+    d = cfg.dtype
+    llm_dtype, talker_dtype = torch_dtype(d.llm), torch_dtype(d.talker)
+    i64 = dict(dtype=torch.int64, device=device)
+    return CallState(
+        encoder=model.perception.allocate_stream_state(S, device, torch_dtype(d.encoder)),
+        rnnt=model.stt_model.rnnt_decoder.allocate_stream_state(S, device) if model.has_rnnt else None,
+        llm=model.llm.allocate_cache(S, max_prompt_tokens + max_frames, device, llm_dtype,
+                                     ssm_dtype=torch_dtype(d.mamba_ssm_state)),
+        talker=model.talker.allocate_cache(S, cfg.prompt_frames + max_frames, device, talker_dtype),
+        codec=model.codec.allocate_stream_state(S, device),
+        llm_len=torch.zeros(S, **i64), talker_pos=torch.zeros(S, **i64), frame=torch.zeros(S, **i64),
+        prev_text=torch.zeros(S, **i64), prev_func=torch.zeros(S, **i64),
+        prev_codes=torch.zeros(S, cfg.talker.num_quantizers, **i64), seed=torch.zeros(S, **i64),
+        temperature=torch.zeros(S, device=device), top_p=torch.ones(S, device=device),
+        rep_penalty=torch.ones(S, device=device), greedy=torch.ones(S, dtype=torch.bool, device=device),
+        seen=torch.zeros(S, cfg.llm.vocab_size, dtype=torch.bool, device=device),
+        max_calls=max_calls, max_frames=max_frames)
+
+
+class SlotAllocator:
+    """Free list of slot indices. Thread safe: the server thread admits, the engine thread frees."""
+
+    def __init__(self, max_calls: int):
+        self._free = list(range(max_calls - 1, -1, -1))
+        self._taken: set[int] = set()
+        self._lock = threading.Lock()
+        self.max_calls = max_calls
+
+    def take(self) -> int | None:
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            self._taken.add(slot)
+            return slot
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            if slot not in self._taken:
+                raise ValueError(f"slot {slot} is not taken")
+            self._taken.remove(slot)
+            self._free.append(slot)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return len(self._taken)

@@ -1,0 +1,655 @@
+"""EAR-TTS talker (MODEL_SPEC section 4): text token + previous codes -> 31 RVQ codes per frame.
+
+Reads top to bottom: Gemma pieces (norm, rotary, attention, MLP), the Gemma3 backbone, the char-aware
+subword encoder with its flag embeddings, gated fusion, the MoG head, then `EarTTS`, which holds them
+under the official checkpoint names (spec 6.3, prefix `tts_model.tts_model.`) and implements the warm-up
+(spec 4.3), one step (4.4) and the iterative RVQ decoding (4.5, 4.6).
+
+Per-call state is a `TalkerCache` pool (one row per call plus a sink row, docs/design.md); every step
+reads and writes only the rows named by `slots`. Random draws are inputs, never drawn here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
+
+# Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
+DEFAULT_BOS_ID, DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 2, 12
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gemma building blocks
+
+
+class GemmaRMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32 (spec 4.1, pitfall 9.6: the weight is an offset)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., head_dim] (fp32) for integer positions [...]: rotate-half layout over the full head dim."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)), no biases (spec 4.1)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                      lengths: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """One query per row against that row's cached keys (torch reference path).
+
+    q [N, heads, D]; cache_k/cache_v [R, kv_heads, L, D] (a pool); slots [N] rows of the pool; lengths [N]
+    keys written so far (the current position is lengths - 1). Key j is visible iff j < lengths and, with a
+    sliding window, j > current - window (same rule as transformers' sliding_window_overlay). -> [N, heads, D].
+    Same semantics as ops/decode_attention.py.
+    """
+    k, v = cache_k[slots], cache_v[slots]  # [N, kv_heads, L, D]
+    n, heads, d = q.shape
+    kv_heads, max_len = k.shape[1], k.shape[2]
+    qg = q.view(n, kv_heads, heads // kv_heads, d)
+    scores = torch.einsum("nhgd,nhld->nhgl", qg, k).float() * scale
+    key_pos = torch.arange(max_len, device=q.device)
+    visible = key_pos[None, :] < lengths[:, None]
+    if window is not None:
+        visible = visible & (key_pos[None, :] >= lengths[:, None] - window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.einsum("nhgl,nhld->nhgd", probs, v).reshape(n, heads, d)
+
+
+class Gemma3Attention(nn.Module):
+    """Gemma3 self-attention: q/k RMSNorm over head_dim before RoPE, query scale query_pre_attn_scalar^-0.5
+    (spec 4.1, pitfall 9.6), RoPE theta and sliding window by layer type."""
+
+    def __init__(self, cfg: GemmaConfig, layer: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        full = cfg.is_full_attention(layer)
+        # spec 4.1: theta 1e6 on full layers, 1e4 (rope_local_base_freq) on sliding ones
+        self.rope_theta = cfg.rope_theta if full else cfg.rope_local_base_freq
+        self.window = None if full else cfg.sliding_window
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, H], positions [B, T] -> q [B, heads, T, D], k, v [B, kv_heads, T, D] (normed, rotated)."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor):
+        """Full sequence, causal by position. -> (out [B, T, H], k, v) so a prefill can store k/v."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, positions)
+        offset = positions[:, :, None] - positions[:, None, :]  # query position - key position
+        visible = offset >= 0
+        if self.window is not None:
+            visible = visible & (offset < self.window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+             rows: torch.Tensor) -> torch.Tensor:
+        """One token per row: x [N, H], positions [N]; writes k/v at (rows, positions) of the pools
+        [R, kv_heads, L, D] in place, then attends over the row's cache. -> [N, H]."""
+        q, k, v = self.project(x[:, None], positions[:, None])
+        pool_k[rows, :, positions] = k[:, :, 0]
+        pool_v[rows, :, positions] = v[:, :, 0]
+        out = _decode_attention(q[:, :, 0], pool_k, pool_v, rows, positions + 1, self.window, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class Gemma3Layer(nn.Module):
+    """x += post_attn_norm(attn(input_norm(x))); x += post_ff_norm(mlp(pre_ff_norm(x))) (spec 4.1)."""
+
+    def __init__(self, cfg: GemmaConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Gemma3Attention(cfg, layer)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor):
+        attn, k, v = self.self_attn(self.input_layernorm(x), positions)
+        x = x + self.post_attention_layernorm(attn)
+        return self.feed_forward(x), k, v
+
+    def step(self, x, positions, pool_k, pool_v, rows):
+        x = x + self.post_attention_layernorm(self.self_attn.step(self.input_layernorm(x), positions, pool_k, pool_v, rows))
+        return self.feed_forward(x)
+
+
+@dataclass
+class TalkerCache:
+    """Backbone KV pools: k, v [n_layers, 2, S, kv_heads, max_len, head_dim]; dim 1 is the CFG stream
+    (0 = conditional, 1 = unconditional), dim 2 the slot (the last slot is the sink)."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
+
+    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [2 * S, kv_heads, max_len, D] of one layer: row = stream * S + slot."""
+        return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
+
+
+class Gemma3Backbone(nn.Module):
+    """HF gemma3_text without its embedding table: inputs_embeds in, no sqrt(hidden) scaling (spec 4.1)."""
+
+    def __init__(self, cfg: GemmaConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def prefill(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, H], positions [B, T] -> (h [B, T, H], per-layer (k, v) [B, kv_heads, T, D])."""
+        kv = []
+        for layer in self.layers:
+            x, k, v = layer(x, positions)
+            kv.append((k, v))
+        return self.norm(x), kv
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.prefill(x, positions)[0]
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, cache: TalkerCache, rows: torch.Tensor) -> torch.Tensor:
+        """x [N, H] one token per row at positions [N]; rows [N] index the stream-major pool (stream * S + slot)."""
+        for i, layer in enumerate(self.layers):
+            pool_k, pool_v = cache.layer_pools(i)
+            x = layer.step(x, positions, pool_k, pool_v, rows)
+        return self.norm(x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Text conditioning: char-aware subword encoder (spec 4.2.2)
+
+
+class CharEncoderAttention(nn.Module):
+    """T5Gemma encoder self-attention: bidirectional, no q/k norm, logit soft-capping tanh(s/c)*c."""
+
+    def __init__(self, cfg: CASConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.rope_theta = cfg.rope_theta
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """x [N, C, H] chars of N tokens, valid [N, C] key-padding mask."""
+        n, c, _ = x.shape
+        q = self.q_proj(x).view(n, c, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(n, c, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(n, c, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        positions = torch.arange(c, device=x.device).expand(n, c)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = (q @ k.transpose(-1, -2)).float() * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        # finite fill (not -inf): a token with no known chars has every key masked; its rows stay finite
+        # and are dropped by the pooling
+        scores = scores.masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
+        out = scores.softmax(-1).to(v.dtype) @ v
+        return self.o_proj(out.transpose(1, 2).reshape(n, c, -1))
+
+
+class CharEncoderLayer(nn.Module):
+    def __init__(self, cfg: CASConfig):
+        super().__init__()
+        self.pre_self_attn_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = CharEncoderAttention(cfg)
+        self.post_self_attn_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_self_attn_layernorm(self.self_attn(self.pre_self_attn_layernorm(x), valid))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class CharEncoder(nn.Module):
+    """T5Gemma encoder stack (no embedding table): inputs scaled by sqrt(hidden), layers, final norm."""
+
+    def __init__(self, cfg: CASConfig):
+        super().__init__()
+        self.hidden_size = cfg.hidden_size
+        self.layers = nn.ModuleList(CharEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, valid)
+        return self.norm(x)
+
+
+class SubwordFlagEmbedding(nn.Module):
+    """Adds cont_emb[is_continuation[id]]; ids past the table map to the pad entry (spec 4.2.2)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.cont_emb = nn.Embedding(2, hidden_size)
+        self.register_buffer("is_continuation", torch.zeros(vocab_size + 1, dtype=torch.long))
+        self.register_buffer("pad_tensor", torch.tensor(vocab_size, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.where(ids >= self.is_continuation.shape[0] - 1, self.pad_tensor, ids)
+        return x + self.cont_emb(self.is_continuation[ids])
+
+
+class BOSEOSEmbedding(nn.Module):
+    """Adds special_emb[special_flags[id]] (0 regular, 1 BOS, 2 EOS); the table's last entry is the pad slot."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.special_emb = nn.Embedding(3, hidden_size)
+        self.register_buffer("special_flags", torch.zeros(vocab_size, dtype=torch.long))
+        self.register_buffer("pad_tensor", torch.tensor(vocab_size - 1, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.where(ids >= self.special_flags.shape[0] - 1, self.pad_tensor, ids)
+        return x + self.special_emb(self.special_flags[ids])
+
+
+class CharAwareSubwordEncoder(nn.Module):
+    """Token id -> embedding of its characters (1-layer T5Gemma encoder, mean-pooled, projected), plus the
+    continuation and BOS/EOS flag embeddings (spec 4.2.2). The char table (`char_ids`, `char_len`) comes
+    from the tokenizer through `set_vocab`; it is not part of the checkpoint."""
+
+    def __init__(self, cfg: CASConfig, vocab_size: int, out_size: int):
+        super().__init__()
+        self.num_chars = cfg.num_chars
+        self.embed_tokens = nn.Embedding(cfg.num_chars + 1, cfg.hidden_size)  # last row: pad char
+        self.backbone = nn.ModuleDict({"encoder": CharEncoder(cfg)})  # official path: T5GemmaEncoderModel.encoder
+        self.proj_embedding = nn.Linear(cfg.hidden_size, out_size, bias=False)
+        self.subword_flag_emb = SubwordFlagEmbedding(vocab_size, out_size)
+        self.bos_eos_emb = BOSEOSEmbedding(vocab_size, out_size)
+        self.register_buffer("char_ids", torch.full((vocab_size, 1), cfg.num_chars, dtype=torch.long), persistent=False)
+        self.register_buffer("char_len", torch.zeros(vocab_size, dtype=torch.long), persistent=False)
+
+    def encode_chars(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] -> mean-pooled, projected char encoding [N, out]; zero for a token with no known chars."""
+        chars, lengths = self.char_ids[ids], self.char_len[ids]
+        valid = torch.arange(chars.shape[1], device=ids.device)[None, :] < lengths[:, None]
+        h = self.backbone["encoder"](self.embed_tokens(chars), valid)
+        pooled = (h * valid[..., None].to(h.dtype)).sum(1) / lengths.clamp(min=1)[:, None].to(h.dtype)
+        return self.proj_embedding(pooled)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [N] -> [N, out]. `mask` false zeroes only the char encoding: the flags are added at every
+        position (spec 12.5)."""
+        emb = self.encode_chars(ids)
+        if mask is not None:
+            emb = emb * mask[:, None].to(emb.dtype)
+        return self.bos_eos_emb(self.subword_flag_emb(emb, ids), ids)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gated fusion of code and text embeddings (spec 4.2.3)
+
+
+class GatedProjectedSumRMSNorm(nn.Module):
+    """final_norm(sigmoid(s) * (g * audio_proj(audio / Q) + (1 - g) * text_proj(text))), g = sigmoid(gate)."""
+
+    def __init__(self, hidden_size: int, num_quantizers: int, eps: float = 1e-6):
+        super().__init__()
+        self.num_quantizers = num_quantizers
+        self.audio_proj = nn.Linear(hidden_size, hidden_size)
+        self.text_proj = nn.Linear(hidden_size, hidden_size)
+        self.gate = nn.Parameter(torch.zeros(hidden_size))
+        self.residual_scale = nn.Parameter(torch.tensor(0.0))
+        self.final_norm = GemmaRMSNorm(hidden_size, eps)
+
+    def forward(self, audio: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        a = self.audio_proj(audio / self.num_quantizers).float()
+        b = self.text_proj(text).float()
+        g = torch.sigmoid(self.gate.float())  # gate and scale in fp32 (spec 4.2.3)
+        h = torch.sigmoid(self.residual_scale.float()) * (g * a + (1 - g) * b)
+        return self.final_norm(h).to(audio.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mixture-of-Gaussians head (spec 4.6)
+
+
+class MoGLayer(nn.Module):
+    """x + post_norm(GatedMLP(pre_norm(x)))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float):
+        super().__init__()
+        self.pre_norm = GemmaRMSNorm(hidden_size, eps)
+        self.mlp = GatedMLP(hidden_size, intermediate_size)
+        self.post_norm = GemmaRMSNorm(hidden_size, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.post_norm(self.mlp(self.pre_norm(x)))
+
+
+class MoGHead(nn.Module):
+    """Trunk (`mlp_stack`: layers then a final norm), then per-component low-rank means."""
+
+    def __init__(self, cfg: MoGConfig, hidden_size: int, latent_size: int):
+        super().__init__()
+        self.num_predictions, self.low_rank, self.min_log_std = cfg.num_predictions, cfg.low_rank, cfg.min_log_std
+        self.mlp_stack = nn.Sequential(*[MoGLayer(hidden_size, cfg.intermediate_size, cfg.eps) for _ in range(cfg.num_layers)],
+                                       GemmaRMSNorm(hidden_size, cfg.eps))
+        self.proj_logits = nn.Linear(hidden_size, cfg.num_predictions, bias=False)
+        self.proj_mus = nn.Linear(hidden_size, cfg.num_predictions * cfg.low_rank, bias=False)
+        self.proj_logs = nn.Linear(hidden_size, 1, bias=False)
+        self.proj_else = nn.Linear(hidden_size, latent_size, bias=False)
+        self.low_mat = nn.Parameter(torch.zeros(cfg.num_predictions, latent_size, cfg.low_rank))
+
+    def component_mean(self, x: torch.Tensor, component: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, H] (trunk output), component [B] -> (mean [B, latent], logs [B, 1]):
+        mean = low_mat[k] (W_mus[k] x) * exp(logs) + proj_else(x)."""
+        w_mus = self.proj_mus.weight.view(self.num_predictions, self.low_rank, -1)[component]  # [B, r, H]
+        mu_low = torch.einsum("brh,bh->br", w_mus, x)
+        mu = torch.einsum("blr,br->bl", self.low_mat[component], mu_low)
+        logs = self.proj_logs(x).clamp_min(self.min_log_std)
+        return mu * torch.exp(logs) + self.proj_else(x), logs
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """HF TopPLogitsWarper: drop (to -inf) the ascending-sorted entries whose cumulative probability is
+    <= 1 - top_p; the most probable entry always stays."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cumulative <= 1 - top_p
+    drop_sorted[..., -1] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """HF TopKLogitsWarper: drop entries below the k-th largest."""
+    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def gumbel(uniform: torch.Tensor) -> torch.Tensor:
+    """-ln(-ln(u + 1e-8) + 1e-8) (spec 4.6)."""
+    return -torch.log(-torch.log(uniform + 1e-8) + 1e-8)
+
+
+def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """Greedy RVQ of z [B, latent] through codebooks [k, codebook, latent] -> codes [B, k]:
+    idx = argmin ||e_j||^2 - 2 r.e_j, then r -= e_idx (spec 4.6)."""
+    r = z.float()
+    codes = []
+    for book in codebooks.float():
+        idx = (book.pow(2).sum(-1)[None, :] - 2 * r @ book.T).argmin(-1)
+        r = r - book[idx]
+        codes.append(idx)
+    return torch.stack(codes, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The talker
+
+
+class EarTTS(nn.Module):
+    """`tts_model.tts_model.*` of the checkpoint (spec 4, keys 6.3)."""
+
+    def __init__(self, cfg: TalkerConfig, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        hidden = cfg.backbone.hidden_size
+        self.backbone = Gemma3Backbone(cfg.backbone)
+        self.embed_code = nn.Linear(cfg.latent_size, hidden, bias=False)
+        self.bos_emb = nn.Parameter(torch.zeros(hidden))
+        self.null_emb = nn.Parameter(torch.zeros(hidden))
+        # frozen projection used only to build a latent from prompt audio; the stored speaker latent replaces it
+        self.audio_prompt_projection_W = nn.Parameter(torch.zeros(hidden, hidden))
+        self.rvq_embs = nn.Parameter(torch.zeros(cfg.num_quantizers, cfg.codebook_size, cfg.latent_size))
+        self.embed_subword = CharAwareSubwordEncoder(cfg.cas, vocab_size, hidden)
+        self.gated_fusion_audio_text = GatedProjectedSumRMSNorm(hidden, cfg.num_quantizers, cfg.backbone.rms_norm_eps)
+        self.mog_head = MoGHead(cfg.mog, hidden, cfg.latent_size)
+        self.bos_id, self.eos_id, self.pad_id = DEFAULT_BOS_ID, DEFAULT_EOS_ID, DEFAULT_PAD_ID
+        self.vocab_is_set = False
+        # codebooks filled by each effective MoG pass (spec 4.6): [1, 1, 3, 4, 22] at 31
+        self.pass_sizes = [k for k in cfg.unmask_schedule() if k > 0]
+
+    @property
+    def num_passes(self) -> int:
+        return len(self.pass_sizes)
+
+    # --- tokenizer tables ------------------------------------------------------------------------------
+
+    def set_vocab(self, id_to_token: list[str], bos_id: int, eos_id: int, pad_id: int = DEFAULT_PAD_ID) -> None:
+        """Flag buffers and the char table from the tokenizer's token strings (spec 4.2.2)."""
+        if len(id_to_token) != self.vocab_size:
+            raise ValueError(f"tokenizer has {len(id_to_token)} tokens, the talker was built for {self.vocab_size}")
+        device = self.embed_subword.char_ids.device
+        char_index: dict[str, int] = {}
+        for token in id_to_token:  # single-character tokens in id order, densely re-indexed
+            if len(token) == 1 and token not in char_index:
+                char_index[token] = len(char_index)
+        if len(char_index) != self.cfg.cas.num_chars:
+            raise ValueError(f"tokenizer has {len(char_index)} single-character tokens, "
+                             f"cas.num_chars is {self.cfg.cas.num_chars}")
+        token_chars = [[char_index[ch] for ch in token if ch in char_index] for token in id_to_token]
+        max_chars = max(1, max(len(chars) for chars in token_chars))
+        pad_char = self.cfg.cas.num_chars
+        char_ids = torch.tensor([chars + [pad_char] * (max_chars - len(chars)) for chars in token_chars], dtype=torch.long)
+        char_len = torch.tensor([len(chars) for chars in token_chars], dtype=torch.long)
+
+        continuation = [0 if token.startswith(("Ġ", "▁", "<")) else 1 for token in id_to_token] + [0]  # + pad
+        special = [1 if i == bos_id else 2 if i == eos_id else 0 for i in range(self.vocab_size)]
+        special[-1] = 0  # last entry is the pad slot of the table
+        sub = self.embed_subword
+        sub.subword_flag_emb.is_continuation.copy_(torch.tensor(continuation))
+        sub.subword_flag_emb.pad_tensor.fill_(self.vocab_size)
+        sub.bos_eos_emb.special_flags.copy_(torch.tensor(special))
+        sub.bos_eos_emb.pad_tensor.fill_(self.vocab_size - 1)
+        sub.char_ids = char_ids.to(device)
+        sub.char_len = char_len.to(device)
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.vocab_is_set = True
+
+    # --- embeddings ------------------------------------------------------------------------------------
+
+    def depthsum(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [..., Q] -> sum_i rvq_embs[i][codes_i] [..., latent]; code == codebook_size (speech pad /
+        masked) adds the appended zero row (spec 4.2.1)."""
+        q, cb, latent = self.rvq_embs.shape
+        table = F.pad(self.rvq_embs, (0, 0, 0, 1)).reshape(q * (cb + 1), latent)
+        offsets = torch.arange(q, device=codes.device) * (cb + 1)
+        return F.embedding(codes + offsets, table).sum(-2)
+
+    def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.embed_code(self.depthsum(codes))
+
+    def text_condition(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B] -> [B, H]: char-aware embedding + flags (mask true)."""
+        return self.embed_subword(ids)
+
+    def fuse(self, audio: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return self.gated_fusion_audio_text(audio, text)
+
+    # --- warm-up (spec 4.3 with the 12.5 correction) ---------------------------------------------------
+
+    def warmup_inputs(self, speaker_latent: torch.Tensor, silence_codes: torch.Tensor):
+        """-> (x_cond [P, H], x_uncond [P, H]), P = the latent's rows (37).
+        Code track: rows 0..P-2 = the stored latent, row P-1 = embed_code(depthsum(silence)) + bos_emb.
+        Text track: PAD at 0..P-2, EOS at P-1; char encoding only at P-2 and P-1, flags everywhere.
+        The unconditional stream replaces the whole text track by null_emb."""
+        latent = speaker_latent.reshape(-1, speaker_latent.shape[-1])
+        p = latent.shape[0]
+        bos_row = self.embed_codes(silence_codes) + self.bos_emb
+        audio = torch.cat([latent[: p - 1].to(bos_row.dtype), bos_row[None]], dim=0)
+        ids = torch.full((p,), self.pad_id, dtype=torch.long, device=audio.device)
+        ids[p - 1] = self.eos_id
+        mask = torch.zeros(p, dtype=torch.bool, device=audio.device)
+        mask[p - 2:] = True
+        cond = self.embed_subword(ids, mask)
+        x = self.fuse(torch.cat([audio, audio]), torch.cat([cond, self.null_emb.expand(p, -1)]))
+        return x[:p], x[p:]
+
+    def prefill_warmup(self, cache: TalkerCache, slots: torch.Tensor, speaker_latent: torch.Tensor,
+                       silence_codes: torch.Tensor) -> None:
+        """Write positions 0..P-1 of both streams of `slots` (the same speaker for all of them)."""
+        x_cond, x_uncond = self.warmup_inputs(speaker_latent, silence_codes)
+        p = x_cond.shape[0]
+        positions = torch.arange(p, device=x_cond.device).expand(2, p)
+        _, kv = self.backbone.prefill(torch.stack([x_cond, x_uncond]), positions)
+        for i, (k, v) in enumerate(kv):  # k, v [2 streams, kv_heads, P, D]
+            cache.k[i, :, slots, :, :p] = k[:, None].to(cache.k.dtype)
+            cache.v[i, :, slots, :, :p] = v[:, None].to(cache.v.dtype)
+
+    def allocate_cache(self, num_slots: int, max_len: int, device, dtype) -> TalkerCache:
+        """num_slots counts the sink row."""
+        b = self.cfg.backbone
+        shape = (b.num_hidden_layers, 2, num_slots, b.num_key_value_heads, max_len, b.head_dim)
+        return TalkerCache(k=torch.zeros(shape, device=device, dtype=dtype),
+                           v=torch.zeros(shape, device=device, dtype=dtype))
+
+    # --- one frame (spec 4.4) --------------------------------------------------------------------------
+
+    def step(self, text_ids: torch.Tensor, prev_codes: torch.Tensor, cache: TalkerCache, slots: torch.Tensor,
+             positions: torch.Tensor, uniform: torch.Tensor, normal: torch.Tensor,
+             silence_codes: torch.Tensor) -> torch.Tensor:
+        """text_ids [B] (this frame's LLM token), prev_codes [B, Q], positions [B] -> codes [B, Q]."""
+        b = text_ids.shape[0]
+        if self.cfg.force_silence_on_eos:  # only true EOS, never PAD (spec 4.4.1)
+            prev_codes = torch.where((text_ids == self.eos_id)[:, None], silence_codes[None, :], prev_codes)
+        audio = self.embed_codes(prev_codes)  # no shift at step time
+        cond = self.text_condition(text_ids)
+        x = self.fuse(torch.cat([audio, audio]), torch.cat([cond, self.null_emb.expand(b, -1)]))
+        rows = torch.cat([slots, slots + cache.num_slots])  # stream-major pool rows
+        h = self.backbone.step(x, torch.cat([positions, positions]), cache, rows)
+        return self.generate_step(h[:b], h[b:], uniform, normal)
+
+    # --- MoG sampling and iterative RVQ decoding (spec 4.5, 4.6, 12.8) ---------------------------------
+
+    def guided_latent(self, x_cond: torch.Tensor, x_uncond: torch.Tensor, uniform: torch.Tensor,
+                      normal: torch.Tensor) -> torch.Tensor:
+        """One MoG pass from the trunk's inputs [B, H] -> z [B, latent]. CFG acts on the trunk output
+        (spec 4.5, pitfall 9.7); component by Gumbel-max over the top-p (or top-k) filtered logits."""
+        b = x_cond.shape[0]
+        x = self.mog_head.mlp_stack(torch.cat([x_cond, x_uncond]))
+        x = x[:b] + self.cfg.guidance_scale * (x[:b] - x[b:])
+        logits = self.mog_head.proj_logits(x).float()
+        logits = top_k_filter(logits, self.cfg.top_k) if self.cfg.top_k > 0 else top_p_filter(logits, self.cfg.top_p)
+        component = (logits.log_softmax(-1) + gumbel(uniform.float())).argmax(-1)
+        mean, logs = self.mog_head.component_mean(x, component)
+        return mean + torch.exp(logs) * normal.to(mean.dtype) * self.cfg.noise_scale
+
+    def generate_step(self, h_cond: torch.Tensor, h_uncond: torch.Tensor, uniform: torch.Tensor,
+                      normal: torch.Tensor) -> torch.Tensor:
+        """h [B, H] per stream; uniform [B, passes, num_predictions], normal [B, passes, latent] -> codes [B, Q].
+        Each pass sees all codes filled so far (the rest masked) and quantises a fresh z into its codebooks."""
+        codes = torch.full((h_cond.shape[0], self.cfg.num_quantizers), self.cfg.codebook_size,
+                           dtype=torch.long, device=h_cond.device)
+        start = 0
+        for p, size in enumerate(self.pass_sizes):
+            e = self.embed_codes(codes)
+            z = self.guided_latent(e + h_cond, e + h_uncond, uniform[:, p], normal[:, p])
+            # restart from z every pass: the MoG predicts the sum of the remaining codebooks (pitfall 9.8)
+            codes[:, start:start + size] = residual_quantise(z, self.rvq_embs[start:start + size])
+            start += size
+        return codes
+
+    # --- random weights --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Seeded random values that keep activations O(1). Drawn on CPU, then copied to each tensor's device.
+        Int flag buffers are drawn only when no tokenizer has set them."""
+        hidden = self.cfg.backbone.hidden_size
+        final_norm = f"mog_head.mlp_stack.{self.cfg.mog.num_layers}.weight"
+
+        def randn(shape, std):
+            return torch.randn(shape, generator=generator, device=generator.device) * std
+
+        for name, param in self.named_parameters():
+            shape = tuple(param.shape)
+            if name.endswith(("norm.weight", "layernorm.weight")) or name == final_norm:
+                value = randn(shape, 0.1)  # Gemma norms scale by (1 + w)
+            elif name == "rvq_embs":
+                value = randn(shape, self.cfg.latent_size ** -0.5)  # continuous draws: distinct codewords
+            elif name == "mog_head.low_mat":
+                value = randn(shape, self.cfg.mog.low_rank ** -0.5)
+            elif name == "embed_subword.embed_tokens.weight":
+                value = randn(shape, hidden ** -0.5)  # the char encoder scales its input by sqrt(hidden)
+            elif name.endswith(("gate", "residual_scale")):
+                value = randn(shape, 0.5)
+            elif name.endswith("bias"):
+                value = randn(shape, 0.02)
+            elif name.endswith(("bos_emb", "null_emb", "cont_emb.weight", "special_emb.weight")):
+                value = randn(shape, 1.0)
+            else:  # [out, in] projections
+                value = randn(shape, shape[-1] ** -0.5)
+            param.copy_(value.to(param.device, param.dtype))
+
+        if not self.vocab_is_set:
+            flags = self.embed_subword.subword_flag_emb
+            cont = torch.randint(0, 2, tuple(flags.is_continuation.shape), generator=generator,
+                                 device=generator.device)
+            cont[-1] = 0
+            flags.is_continuation.copy_(cont.to(flags.is_continuation.device))
+            flags.pad_tensor.fill_(self.vocab_size)
+            special = self.embed_subword.bos_eos_emb
+            table = torch.zeros(tuple(special.special_flags.shape), dtype=torch.long)
+            table[self.bos_id], table[self.eos_id] = 1, 2
+            special.special_flags.copy_(table.to(special.special_flags.device))
+            special.pad_tensor.fill_(self.vocab_size - 1)

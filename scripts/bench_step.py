@@ -1,0 +1,191 @@
+"""Frame-step benchmark: N calls at a given call position, eager vs captured, against the memory floor.
+
+    python scripts/bench_step.py model=nemotron_duplex model.weights=random device=cuda
+    python scripts/bench_step.py ... bench.batch_sizes=[32] bench.positions=[1000] engine.graph_backend=cudagraph
+    python scripts/bench_step.py -m engine.capture_buckets=[1,8,32,128],[1,2,4,8,16,32,64,128] ...
+
+Per (N, position): median GPU time per frame step (CUDA events), host time per step (wall time to
+enqueue the step, before synchronising), the floor = (weight bytes read per step + per-call state bytes
+read and written per step) / measured copy bandwidth, and the ratio. Also the machine's copy bandwidth
+and bf16 GEMM rate. Results: a table on stdout and JSON under the run directory (or $OUT).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nemo_duplex import runtime  # noqa: E402
+from nemo_duplex.frame_step import special_ids  # noqa: E402
+from nemo_duplex.state import allocate_call_state  # noqa: E402
+
+
+def copy_bandwidth(device, gib: float = 4.0) -> float:
+    """Bytes read + written per second of a large device-to-device copy."""
+    n = int(gib * 2**30) // 4
+    a = torch.randn(n, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * a.numel() * 4 / statistics.median(times)
+
+
+def gemm_rate(device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * 10 / (time.perf_counter() - t0)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def state_bytes_per_call(model, st, position: int) -> dict[str, int]:
+    """Bytes one call's step reads and writes in the state pools at `position` frames into the call."""
+    cfg = model.cfg
+    S = st.max_calls + 1
+    def row(t):  # bytes of one slot row of a pooled tensor whose slot dim is `dim`
+        return t.numel() * t.element_size() // S
+    llm, tk, enc = st.llm, st.talker, st.encoder
+    ssm = 2 * row(llm.ssm)                                    # read + write the whole SSM state
+    conv = 2 * row(llm.conv)
+    kv_tok = row(llm.k) // llm.k.shape[-2]                    # one token of one layer's K (all attn layers)
+    llm_kv = 2 * kv_tok * (position + 1) + 2 * kv_tok         # read K and V of every token, write one
+    t_tok = row(tk.k) // tk.k.shape[-2]
+    talker_kv = 2 * t_tok * (cfg.prompt_frames + position + 1) + 2 * t_tok
+    enc_state = 2 * sum(row(getattr(enc, f)) for f in enc.__dataclass_fields__
+                        if isinstance(getattr(enc, f), torch.Tensor) and getattr(enc, f).dim() > 1)
+    return {"mamba_ssm": ssm, "mamba_conv": conv, "llm_kv": llm_kv, "talker_kv": talker_kv, "encoder": enc_state}
+
+
+def fill_random(st, position: int, slots: torch.Tensor, prompt_frames: int, seed: int = 0) -> None:
+    """Put the slots at `position` with random (never zero) caches: timings on zeros can flatter."""
+    g = torch.Generator(device=st.llm_len.device).manual_seed(seed)
+    for obj in (st.llm, st.talker, st.encoder, st.codec):
+        for f in obj.__dataclass_fields__:
+            t = getattr(obj, f)
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.normal_(0, 0.5, generator=g)
+    st.llm_len[slots] = position
+    st.talker_pos[slots] = prompt_frames + position
+    st.frame[slots] = position
+    st.prev_codes[slots] = 0
+    if hasattr(st.encoder, "frames"):
+        st.encoder.frames[slots] = position
+
+
+def time_steps(fn, iters: int, warmup: int, device):
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":  # CPU smoke runs: wall time is both numbers
+        t = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+        return statistics.median(t), statistics.median(t)
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        e.record()
+        torch.cuda.synchronize()
+        gpu.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(gpu), statistics.median(host)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from graphs.capture import StepRunner
+
+    b = cfg.bench
+    for part in ("encoder", "llm", "talker"):
+        cfg.model.dtype[part] = b.dtype
+    device = torch.device(cfg.device)
+    t0 = time.perf_counter()
+    model, tok, _, mcfg = runtime.load(cfg, device)
+    print(f"model ready in {time.perf_counter() - t0:.0f} s; weights {weight_bytes(model) / 2**30:.1f} GiB", flush=True)
+    max_n = max(b.batch_sizes)
+    max_pos = max(b.positions)
+    st = allocate_call_state(model, max_n, max_pos + 4 * (b.iters + b.warmup) + 8, device, max_prompt_tokens=0)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        print(f"state pools for {max_n} calls: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
+    bw = copy_bandwidth(device) if on_gpu else float(cfg.bench.cpu_bandwidth)
+    flops = gemm_rate(device) if on_gpu else float("nan")
+    wbytes = weight_bytes(model)
+    specials = special_ids(model, device)
+    buckets = sorted(set(int(x) for x in cfg.engine.capture_buckets))
+    graphs = StepRunner(model, st, specials, buckets, graphs=bool(cfg.engine.graphs), backend=cfg.engine.graph_backend)
+    eager = StepRunner(model, st, specials, buckets, graphs=False)
+    t0 = time.perf_counter()
+    graphs.capture()
+    capture_s = time.perf_counter() - t0
+    rows = []
+    n_in = mcfg.samples_per_frame_in
+    for pos in b.positions:
+        for n in b.batch_sizes:
+            slots = torch.arange(n, dtype=torch.int64)
+            audio = torch.randn(n, n_in) * 0.1
+            forced = torch.full((n,), -1, dtype=torch.int64)
+            per_call = state_bytes_per_call(model, st, pos)
+            floor_s = (wbytes + n * sum(per_call.values())) / bw
+            row = {"n": n, "position": pos, "floor_ms": floor_s * 1e3,
+                   "state_bytes_per_call": per_call, "weight_bytes": wbytes}
+            for name, runner in (("graphs", graphs), ("eager", eager)):
+                if name == "eager" and not b.compare_eager:
+                    continue
+                fill_random(st, pos, slots.to(device), mcfg.prompt_frames)
+                g, h = time_steps(lambda: runner(slots, audio, forced), b.iters, b.warmup, device)
+                row[f"{name}_gpu_ms"], row[f"{name}_host_ms"] = g * 1e3, h * 1e3
+            row["ratio_to_floor"] = row["graphs_gpu_ms"] / row["floor_ms"]
+            rows.append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                              if k not in ("state_bytes_per_call",)}), flush=True)
+    result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
+              "copy_bandwidth_GBps": bw / 1e9, "bf16_gemm_TFLOPs": flops / 1e12,
+              "capture_s": capture_s, "backend": cfg.engine.graph_backend, "graphs": bool(cfg.engine.graphs),
+              "buckets": buckets, "dtype": b.dtype, "rows": rows,
+              "config": OmegaConf.to_container(cfg, resolve=True)}
+    out_dir = Path(os.environ.get("OUT") or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"bench_step_{int(time.time())}.json").write_text(json.dumps(result, indent=1))
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s, capture {capture_s:.0f} s "
+          f"({cfg.engine.graph_backend}), weights {wbytes / 2**30:.1f} GiB")
+    print(f"{'N':>4} {'pos':>5} {'floor ms':>9} {'graph ms':>9} {'host ms':>8} {'ratio':>6} {'eager ms':>9} {'eager host':>10}")
+    for r in rows:
+        print(f"{r['n']:>4} {r['position']:>5} {r['floor_ms']:>9.2f} {r['graphs_gpu_ms']:>9.2f} "
+              f"{r['graphs_host_ms']:>8.2f} {r['ratio_to_floor']:>6.2f} {r.get('eager_gpu_ms', float('nan')):>9.2f} "
+              f"{r.get('eager_host_ms', float('nan')):>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

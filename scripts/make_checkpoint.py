@@ -1,0 +1,34 @@
+"""Write a seeded random checkpoint in the official layout (spec 6): model.safetensors, config.json,
+llm/config.json, tokenizer.json, rnnt_tokenizer/.
+
+    python scripts/make_checkpoint.py model=nemotron_duplex_tiny out=outputs/ckpt/tiny seed=0
+    python scripts/make_checkpoint.py model=nemotron_duplex out=/data/ckpt/full seed=0   # ~44 GB, 128 GB RAM
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nemo_duplex.checkpoint import make_random_checkpoint  # noqa: E402
+from nemo_duplex.config import model_config_from_dict  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    mcfg = model_config_from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    out = Path(cfg.out) if cfg.get("out") else Path("outputs") / "checkpoints" / f"{mcfg.name}-seed{cfg.seed}"
+    out = out if out.is_absolute() else Path(hydra.utils.get_original_cwd()) / out
+    start = time.time()
+    make_random_checkpoint(mcfg, out, seed=int(cfg.seed))
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {out} ({size / 1e9:.3f} GB) in {time.time() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Decode attention kernel vs its torch reference (TRITON_INTERPRET=1 on CPU), plus full-shape GPU tests."""
+import math
+
+import pytest
+import torch
+
+from ops.decode_attention import decode_attention, decode_attention_reference, decode_attention_triton
+
+# the kernel runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _make(batch, num_heads, kv_heads, head_dim, max_len, num_slots, dtype, device, gen):
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(num_slots, kv_heads, max_len, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(num_slots, kv_heads, max_len, head_dim, generator=gen).to(device, dtype)
+    return q, k, v
+
+
+def _naive(q, k_cache, v_cache, slots, seq_lens, scale, window):
+    """Per-row, per-head loop: the most literal statement of the semantics."""
+    batch, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        lo = 0 if window is None else max(0, n - window)  # pos > (n - 1) - window
+        for h in range(num_heads):
+            k = k_cache[int(slots[b]), h // group, lo:n].double()
+            v = v_cache[int(slots[b]), h // group, lo:n].double()
+            p = torch.softmax(k @ q[b, h].double() * scale, dim=0)
+            out[b, h] = p @ v
+    return out
+
+
+# (num_heads, kv_heads, head_dim, window, num_splits)
+CASES = [
+    (4, 4, 18, None, 1),     # talker-like: ratio 1, head dim not a power of two
+    (4, 4, 18, 7, 1),        # sliding window
+    (4, 2, 24, None, 1),     # LLM-like: GQA ratio 2
+    (10, 2, 24, None, 3),    # GQA ratio 5, split over the sequence
+    (4, 4, 18, 5, 4),        # window with splits (some splits entirely outside the window)
+    (6, 3, 16, None, 2),
+]
+
+
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,window,num_splits", CASES)
+def test_kernel_matches_reference(num_heads, kv_heads, head_dim, window, num_splits):
+    gen = torch.Generator().manual_seed(num_heads * 100 + head_dim + (window or 0) + num_splits)
+    max_len, num_slots = 40, 6
+    q, k, v = _make(5, num_heads, kv_heads, head_dim, max_len, num_slots, torch.float32, DEVICE, gen)
+    # rows at different lengths; two padding rows on the sink slot (last row of the pool)
+    slots = torch.tensor([2, 0, 4, 5, 5], dtype=torch.int64, device=DEVICE)
+    seq_lens = torch.tensor([1, 17, 40, 1, 3], dtype=torch.int64, device=DEVICE)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref = decode_attention_reference(q, k, v, slots, seq_lens, scale, window)
+    naive = _naive(*(t.cpu() for t in (q, k, v, slots, seq_lens)), scale, window).to(DEVICE)
+    out = decode_attention_triton(q, k, v, slots, seq_lens, scale, window, num_splits=num_splits)
+    # tolerances: fp32 everywhere, different summation orders only
+    torch.testing.assert_close(ref.double(), naive, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_cache():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = _make(3, 10, 2, 24, 24, 4, torch.bfloat16, DEVICE, gen)
+    slots, seq_lens = torch.tensor([3, 1, 0], device=DEVICE), torch.tensor([24, 2, 13], device=DEVICE)
+    for num_splits in (1, 2):
+        out = decode_attention_triton(q, k, v, slots, seq_lens, 0.2, window=9, num_splits=num_splits)
+        ref = decode_attention_reference(q, k, v, slots, seq_lens, 0.2, window=9)
+        assert out.dtype == torch.bfloat16
+        # both compute in fp32 from the same bf16 inputs; the output rounding to bf16 dominates
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_garbage_past_length_is_ignored():
+    """Positions at or past seq_len (stale data of an earlier call, even NaN/inf) must not leak in."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _make(2, 4, 2, 24, 32, 3, torch.float32, DEVICE, gen)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    seq_lens = torch.tensor([5, 9], device=DEVICE)
+    clean = decode_attention_triton(q, k, v, slots, seq_lens, 0.2, num_splits=2)
+    k[:, :, 9:] = float("nan")
+    v[:, :, 9:] = float("inf")
+    k[0, :, 5:] = float("nan")
+    v[0, :, 5:] = float("nan")
+    for out in (decode_attention_triton(q, k, v, slots, seq_lens, 0.2, num_splits=2),
+                decode_attention_reference(q, k, v, slots, seq_lens, 0.2)):
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, clean, rtol=1e-5, atol=1e-5)
+
+
+def test_launcher_uses_kernel_under_interpreter():
+    # conftest sets TRITON_INTERPRET=1 on CPU machines: the launcher must then run the kernel
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _make(2, 4, 4, 18, 16, 3, torch.float32, DEVICE, gen)
+    slots, seq_lens = torch.tensor([0, 2], device=DEVICE), torch.tensor([16, 4], device=DEVICE)
+    out = decode_attention(q, k, v, slots, seq_lens, 1.0 / 16, window=6)
+    torch.testing.assert_close(out, decode_attention_reference(q, k, v, slots, seq_lens, 1.0 / 16, 6),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- GPU (full shapes)
+
+GPU_CASES = [
+    # LLM: 40 q / 8 kv heads x 128, NoPE scale 1/sqrt(128), no window (spec 3.4)
+    (40, 8, 128, 1.0 / math.sqrt(128), None),
+    # talker: 16 x 72 heads, query scale 1/16, sliding window 7500 and full layers (spec 4.1)
+    (16, 16, 72, 1.0 / 16, 7500),
+    (16, 16, 72, 1.0 / 16, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 7, 128])
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,scale,window", GPU_CASES)
+def test_gpu_full_shapes(num_heads, kv_heads, head_dim, scale, window, batch, dtype):
+    gen = torch.Generator().manual_seed(batch)
+    max_len, num_slots = 8192, batch + 1
+    q, k, v = _make(batch, num_heads, kv_heads, head_dim, max_len, num_slots, dtype, "cuda", gen)
+    slots = torch.randperm(num_slots, generator=gen)[:batch].cuda()
+    seq_lens = torch.randint(1, max_len + 1, (batch,), generator=gen).cuda()
+    seq_lens[0] = max_len
+    out = decode_attention(q, k, v, slots, seq_lens, scale, window)
+    ref = decode_attention_reference(q, k, v, slots, seq_lens, scale, window)
+    # fp32: ieee dots, only summation order differs; bf16: p is rounded to bf16 before P.V
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)

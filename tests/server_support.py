@@ -1,0 +1,215 @@
+"""Helpers for the server tests: a real `Engine` whose frame step is scripted (so tool calls, turns and
+ordering can be asserted exactly), the embedded tiny model, and a server running on loopback in its own
+thread with its own event loop, exactly as `scripts/serve.py` runs it."""
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import threading
+import time
+import wave
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+import graphs.capture
+from nemo_duplex import engine as engine_mod
+from nemo_duplex.config import tiny_config
+from nemo_duplex.engine import Engine, EngineConfig
+from nemo_duplex.frame_step import StepOutput
+from nemo_duplex.server import Server, ServeConfig
+from nemo_duplex.tokenizer import Tokenizer, make_tiny_rnnt_vocab, make_tiny_tokenizer
+
+
+# ---- a scripted model --------------------------------------------------------------------------------
+@dataclass
+class SlotScript:
+    frame: int = 0
+    seed: int = 0
+    prompt: list[int] | None = None
+    speaker: str | None = None
+
+
+@dataclass
+class ScriptedModel:
+    """Stands in for VoiceChat inside the real Engine. Per call (keyed by seed): `text[seed]` and
+    `func[seed]` are token lists, one per frame (PAD after the end). Output PCM sample 0 holds the frame
+    index and sample 1 the seed (as int16), so a client can check order and ownership of every packet."""
+    cfg: object = field(default_factory=tiny_config)
+    text: dict = field(default_factory=dict)
+    func: dict = field(default_factory=dict)
+    user: dict = field(default_factory=dict)   # seed -> {frame: [rnnt ids]}
+    step_s: float = 0.0
+    slots: dict = field(default_factory=dict)
+    forced: list = field(default_factory=list)   # (seed, frame, token) of every forced function token
+    prompts: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.stt_model = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.zeros(1)))
+
+    def prompt_ids(self, tokenizer, prompt):
+        if not prompt:
+            return None
+        t = self.cfg.tokens
+        return torch.tensor([t.bos_id] + tokenizer.encode(prompt) + [t.eos_id])
+
+    # engine hooks
+    def allocate(self, model, max_calls, max_frames, device, max_prompt_tokens=0):
+        return SimpleNamespace()
+
+    def admit(self, model, st, slot, prompt_ids, seed, sampling, speaker=None):
+        if speaker not in (None, self.cfg.talker.speaker):
+            raise KeyError(f"unknown speaker {speaker!r}")
+        self.slots[slot] = SlotScript(0, seed, None if prompt_ids is None else prompt_ids.tolist(), speaker)
+        self.prompts.append(None if prompt_ids is None else prompt_ids.tolist())
+
+    def step(self, slots, audio, forced):
+        if self.step_s:
+            time.sleep(self.step_s)
+        pad = self.cfg.tokens.pad_id
+        B = slots.shape[0]
+        text = torch.full((B,), pad, dtype=torch.int64)
+        func = torch.full((B,), pad, dtype=torch.int64)
+        pcm = torch.zeros(B, self.cfg.samples_per_frame_out)
+        user = torch.full((B, 2), -1, dtype=torch.int64)
+        for i, s in enumerate(slots.tolist()):
+            sc = self.slots[s]
+            k = sc.frame
+            script_t, script_f = self.text.get(sc.seed, []), self.func.get(sc.seed, [])
+            text[i] = script_t[k] if k < len(script_t) else pad
+            func[i] = script_f[k] if k < len(script_f) else pad
+            if forced[i] >= 0:   # as frame_step: the tool result overrides the head, text is PAD (spec 3.9)
+                func[i], text[i] = forced[i], pad
+                self.forced.append((sc.seed, k, int(forced[i])))
+            u = self.user.get(sc.seed, {}).get(k, [])
+            user[i, :len(u)] = torch.tensor(u, dtype=torch.int64)
+            pcm[i, 0] = k / 32767.0
+            pcm[i, 1] = sc.seed / 32767.0
+            pcm[i, 2] = float(audio[i].abs().max())   # the input reached the step
+            sc.frame += 1
+        Q = self.cfg.talker.num_quantizers
+        return StepOutput(text=text, func=func, top2=torch.zeros(B, 2), codes=torch.zeros(B, Q, dtype=torch.int64),
+                          pcm=pcm, user=user, enc=torch.zeros(B, 1))
+
+
+def scripted_engine(monkeypatch, model: ScriptedModel, tokenizer, max_calls: int = 4, **engine_kwargs) -> Engine:
+    monkeypatch.setattr(engine_mod, "allocate_call_state", model.allocate)
+    monkeypatch.setattr(engine_mod, "admit", model.admit)
+    monkeypatch.setattr(engine_mod, "special_ids", lambda m, d: torch.tensor([0, 1, 2]))
+    monkeypatch.setattr(graphs.capture, "StepRunner", ScriptedRunner)
+    return Engine(model, tokenizer, EngineConfig(max_calls=max_calls, **engine_kwargs), device=torch.device("cpu"))
+
+
+class ScriptedRunner:
+    """Stands in for graphs.capture.StepRunner: nothing to capture, the step is the script."""
+
+    def __init__(self, model, state, specials, buckets, graphs=False, backend=None):
+        self.model = model
+
+    def capture(self) -> None:   # (engine.start calls this before serving)
+        time.sleep(getattr(self.model, "capture_s", 0.0))
+
+    def __call__(self, slots, audio, forced):
+        return self.model.step(slots, audio, forced)
+
+
+def tiny_tokenizer() -> Tokenizer:
+    return Tokenizer(make_tiny_tokenizer())
+
+
+def tiny_rnnt():
+    return make_tiny_rnnt_vocab(tiny_config().rnnt.vocab_size)
+
+
+# ---- a server on loopback ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """`Server(...).app()` served on 127.0.0.1 from a background thread with its own event loop."""
+
+    def __init__(self, server: Server, wait_ready: bool = True):
+        from aiohttp import web
+
+        self.server = server
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+        async def main():
+            self.runner = web.AppRunner(server.app())
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(main())
+            except BaseException as e:  # surfaced by __init__
+                self._error = e
+                self._ready.set()
+                return
+            self._ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="test-server", daemon=True)
+        self.thread.start()
+        self._ready.wait(120)
+        if self._error is not None:
+            raise self._error
+        t0 = time.monotonic()
+        while wait_ready and not server.healthy():   # warm-up runs in the background; /health turns 200 when done
+            if time.monotonic() - t0 > 120:
+                raise TimeoutError("the server did not become ready")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop)
+        fut.result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Every place and engine slot given back (asserts, with the counts, on timeout)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if not self.server.sessions and self.server.engine.active_calls == 0:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"slots not returned: sessions={list(self.server.sessions)}, "
+                             f"engine active={self.server.engine.active_calls}")
+
+
+def wav_bytes(x: np.ndarray, rate: int = 16000, channels: int = 1, width: int = 2) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        pcm = np.clip(np.round(x * 32767), -32768, 32767).astype("<i2")
+        if width == 1:
+            w.writeframes((pcm // 256 + 128).astype(np.uint8).tobytes())
+        else:
+            w.writeframes(np.repeat(pcm, channels).tobytes() if channels > 1 else pcm.tobytes())
+    return buf.getvalue()
+
+
+def tone(seconds: float, rate: int = 16000, freq: float = 220.0, amp: float = 0.3, seed: int = 0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    rng = np.random.default_rng(seed)
+    return (amp * np.sin(2 * np.pi * freq * t) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)

@@ -1,0 +1,206 @@
+"""The gate framework (eval/gate.py, eval/report.py): statuses, exit codes, frozen criteria, the report
+files, the agent_wer row's n/a and pass/fail, and the Hydra entry point. Needs espeak-ng (no skip)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+
+from eval.audio import resample
+from eval.clips.make_clips import make_clips
+from eval.gate import (FAIL, NA, PASS, AgentReply, GateContext, Row, RowResult, agent_wer, freeze, gate_main,
+                       resolve_checkpoint_kind, run_rows, select_rows)
+from eval.report import write_report
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _ctx(tmp_path, clips=(), kind="random", respond=None):
+    return GateContext(clips=list(clips), out_dir=tmp_path, checkpoint_kind=kind, respond=respond,
+                       show_progress=False)
+
+
+def _toy(status, reason="toy"):
+    return lambda ctx, criteria: RowResult(status, reason, {"value": 1.0})
+
+
+def _run(rows, tmp_path, criteria=None):
+    criteria = freeze(criteria if criteria is not None else {r.name: {"bound": 1.0} for r in rows})
+    report, _ = run_rows(rows, criteria, _ctx(tmp_path), "test", {})
+    return report
+
+
+# --- statuses and exit codes -----------------------------------------------------------------------
+
+def test_exit_zero_when_all_pass_or_na(tmp_path):
+    report = _run([Row("a", _toy(PASS)), Row("b", _toy(NA, "random weights")), Row("c", _toy(PASS))], tmp_path)
+    assert report.exit_code == 0 and report.verdict == "pass"
+    only_na = _run([Row("b", _toy(NA, "random weights"))], tmp_path)
+    assert only_na.exit_code == 0
+
+
+def test_exit_nonzero_when_a_row_fails(tmp_path):
+    report = _run([Row("a", _toy(PASS)), Row("b", _toy(FAIL, "too high")), Row("c", _toy(NA, "n/a"))], tmp_path)
+    assert report.exit_code == 1 and report.verdict == "fail"
+
+
+def test_crashing_row_fails_and_later_rows_still_run(tmp_path):
+    def crash(ctx, criteria):
+        raise RuntimeError("boom")
+
+    report = _run([Row("crash", crash), Row("after", _toy(PASS))], tmp_path)
+    assert [r.status for r in report.rows] == [FAIL, PASS]
+    assert "boom" in report.rows[0].reason and "Traceback" in report.rows[0].details["traceback"]
+    assert report.exit_code == 1
+
+
+def test_na_is_never_counted_as_passed(tmp_path):
+    report = _run([Row("p", _toy(PASS)), Row("n", _toy(NA, "random weights"))], tmp_path)
+    paths = write_report(report, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["passed"] == ["p"] and data["not_applicable"] == ["n"]
+    assert data["counts"] == {"pass": 1, "fail": 0, "n/a": 1}
+    row = next(r for r in data["rows"] if r["name"] == "n")
+    assert row["status"] == "n/a" and row["reason"] == "random weights"
+    md = paths["md"].read_text()
+    assert "| n | **n/a** |" in md and "1 passed, 0 failed, 1 not applicable" in md
+
+
+def test_fail_and_na_need_a_reason():
+    with pytest.raises(ValueError):
+        RowResult(NA)
+    with pytest.raises(ValueError):
+        RowResult(FAIL)
+    with pytest.raises(ValueError):
+        RowResult("skipped", "no")
+    RowResult(PASS)
+
+
+# --- criteria --------------------------------------------------------------------------------------
+
+def test_criteria_are_frozen_during_the_run(tmp_path):
+    criteria = freeze({"loosen": {"max_wer": 0.1, "clips": ["a", "b"]}})
+    assert isinstance(criteria["loosen"], MappingProxyType)
+    with pytest.raises(TypeError):
+        criteria["loosen"]["max_wer"] = 1.0
+    with pytest.raises(TypeError):
+        criteria["new_row"] = {}
+
+    def loosen(ctx, row_criteria):
+        row_criteria["max_wer"] = 1.0  # a row may not move its own goalposts
+        return RowResult(PASS)
+
+    report, _ = run_rows([Row("loosen", loosen)], criteria, _ctx(tmp_path), "t", {})
+    assert report.rows[0].status == FAIL and "TypeError" in report.rows[0].reason
+    assert report.criteria["loosen"]["max_wer"] == 0.1 and report.rows[0].criteria["max_wer"] == 0.1
+    with pytest.raises(TypeError, match="frozen"):
+        run_rows([Row("a", _toy(PASS))], {"a": {}}, _ctx(tmp_path), "t", {})  # a plain dict is refused
+
+
+def test_criteria_hash_changes_with_the_criteria(tmp_path):
+    rows = [Row("a", _toy(PASS))]
+    h1 = _run(rows, tmp_path, {"a": {"bound": 1.0}}).criteria_sha256
+    h2 = _run(rows, tmp_path, {"a": {"bound": 1.0}}).criteria_sha256
+    h3 = _run(rows, tmp_path, {"a": {"bound": 1.5}}).criteria_sha256
+    assert h1 == h2 != h3
+
+
+def test_select_rows_checks_names_and_criteria():
+    known = {"a": _toy(PASS), "b": _toy(PASS)}
+    assert [r.name for r in select_rows(["b", "a"], freeze({"a": {}, "b": {}}), known)] == ["b", "a"]
+    with pytest.raises(KeyError, match="unknown gate rows"):
+        select_rows(["c"], freeze({"c": {}}), known)
+    with pytest.raises(KeyError, match="no criteria"):
+        select_rows(["a", "b"], freeze({"a": {}}), known)
+
+
+def test_resolve_checkpoint_kind(tmp_path):
+    assert resolve_checkpoint_kind("auto", "checkpoint", None) == "random"  # seeded tiny model
+    assert resolve_checkpoint_kind("auto", "random", str(tmp_path)) == "random"
+    (tmp_path / "config.json").write_text(json.dumps({"random_weights": True}))
+    assert resolve_checkpoint_kind("auto", "checkpoint", str(tmp_path)) == "random"
+    (tmp_path / "config.json").write_text(json.dumps({"model": {}}))
+    assert resolve_checkpoint_kind("auto", "checkpoint", str(tmp_path)) == "trained"
+    assert resolve_checkpoint_kind("trained", "random", None) == "trained"
+    with pytest.raises(ValueError):
+        resolve_checkpoint_kind("maybe", "checkpoint", None)
+
+
+# --- the agent_wer row -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    return make_clips(tmp_path_factory.mktemp("clips"), names=["question_capital", "tool_weather"],
+                      trailing_silence_s=0.5)
+
+
+CRITERIA = freeze({"max_corpus_wer": 0.5, "min_speech_fraction": 1.0})
+
+
+def test_agent_wer_na_with_random_weights(tmp_path):
+    result = agent_wer(_ctx(tmp_path, kind="random"), CRITERIA)
+    assert result.status == NA and "random weights" in result.reason
+
+
+def test_agent_wer_fails_without_a_model_runner(tmp_path):
+    assert agent_wer(_ctx(tmp_path, kind="trained"), CRITERIA).status == FAIL
+
+
+def test_agent_wer_judges_replies(tmp_path, clips):
+    # A "talker" that says exactly its text (espeak audio at the agent's 22.05 kHz) passes ...
+    def faithful(clip):
+        wav, sr = clip.load()
+        return AgentReply(clip.text, resample(wav, sr, 22050), 22050)
+
+    good = agent_wer(_ctx(tmp_path, clips, "trained", faithful), CRITERIA)
+    assert good.status == PASS, good.reason
+    assert good.metrics["replies_scored"] == 2 and good.metrics["corpus_wer"] <= 0.5
+
+    # ... one whose audio is hiss fails, however loud the hiss.
+    rng = np.random.default_rng()
+
+    def hissing(clip):
+        return AgentReply(clip.text, (0.1 * rng.standard_normal(22050 * 2)).astype(np.float32), 22050)
+
+    bad = agent_wer(_ctx(tmp_path, clips, "trained", hissing), CRITERIA)
+    assert bad.status == FAIL and bad.metrics["speech_fraction"] == 0.0 and bad.metrics["corpus_wer"] == 1.0
+
+
+# --- the entry point -------------------------------------------------------------------------------
+
+def _compose(overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def test_gate_main_writes_reports_and_exit_status(tmp_path):
+    quick = ["eval.only_clips=[question_capital,noise_white]", "wandb.mode=disabled"]
+    ok = gate_main(_compose(quick + [f"eval.out_dir={tmp_path / 'ok'}"]), show_progress=False)
+    assert ok == 0
+    data = json.loads((tmp_path / "ok" / "gate.json").read_text())
+    assert data["counts"] == {"pass": 1, "fail": 0, "n/a": 1}  # agent_wer: random tiny model
+    assert (tmp_path / "ok" / "gate.md").exists() and list((tmp_path / "ok" / "audio").glob("*.wav"))
+    # the same clips again, as a user's folder (its clips.json), under a criterion no ASR can meet
+    strict = quick + [f"eval.out_dir={tmp_path / 'strict'}", f"eval.clips.dir={tmp_path / 'ok' / 'clips'}",
+                      "eval.criteria.wer_pipeline.max_corpus_wer=-1"]
+    assert gate_main(_compose(strict), show_progress=False) == 1
+
+
+def test_gate_script_exit_status_and_offline_wandb(tmp_path):
+    # The Hydra app itself: a failed row must reach the shell as a non-zero status, and wandb's
+    # default offline mode must work with no account.
+    out = tmp_path / "run"
+    cmd = [sys.executable, "eval/gate.py", "eval.only_clips=[question_capital,noise_white]",
+           f"eval.out_dir={out}", "eval.criteria.wer_pipeline.max_corpus_wer=-1", "wandb.mode=offline",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "WANDB_SILENT": "true"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "verdict: FAIL" in proc.stdout
+    assert json.loads((out / "gate.json").read_text())["failed"] == ["wer_pipeline"]
+    assert list((out / "wandb").glob("offline-run-*")), "no offline W&B run written"

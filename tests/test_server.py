@@ -1,0 +1,630 @@
+"""Server protocol, limits and refusals over real loopback sockets, on the real Engine with a scripted
+frame step (tests/server_support.py): scripted tokens make turns, tool calls and packet order exact.
+The same server runs the tiny model in test_server_model.py."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from nemo_duplex.server import ServeConfig, Server, parse_tool_calls, render_tool_prompt, tool_response_ids
+from tests.server_support import (RunningServer, ScriptedModel, scripted_engine, tiny_rnnt, tiny_tokenizer, tone,
+                                  wav_bytes)
+
+FRAME_IN, FRAME_OUT = 1280, 1764
+TOOLCALL = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
+
+
+@pytest.fixture
+def tok():
+    return tiny_tokenizer()
+
+
+def scripted(tok, **text):
+    """text tokens of a turn: BOS at frame 1, the words, EOS, then PAD."""
+    t = ScriptedModel().cfg.tokens
+    return [t.pad_id, t.bos_id] + tok.encode(text.get("say", "hello there")) + [t.eos_id]
+
+
+def make(monkeypatch, tok, model=None, engine_kwargs=None, wait_ready=True, **serve):
+    model = model or ScriptedModel()
+    cfg = ServeConfig(**{"max_calls": 4, "warmup_frames": 1, **serve})
+    eng = scripted_engine(monkeypatch, model, tok, max_calls=cfg.max_calls, max_call_s=cfg.max_call_s,
+                          max_pending_s=cfg.max_pending_s, **(engine_kwargs or {}))
+    srv = RunningServer(Server(eng, tok, tiny_rnnt(), cfg), wait_ready=wait_ready)
+    return srv, model
+
+
+@pytest.fixture
+def server(monkeypatch, tok):
+    made = []
+
+    def factory(**kw):
+        srv, model = make(monkeypatch, tok, **kw)
+        made.append(srv)
+        return srv, model
+
+    yield factory
+    for s in made:
+        s.close()
+
+
+def b64(x: np.ndarray) -> str:
+    return base64.b64encode(np.clip(np.round(x * 32767), -32768, 32767).astype("<i2").tobytes()).decode()
+
+
+def frames_of(events) -> list[np.ndarray]:
+    return [np.frombuffer(base64.b64decode(e["delta"]), "<i2") for e in events
+            if e["type"] == "response.output_audio.delta"]
+
+
+async def realtime(url, audio=None, chunk=1000, pace=0.0, session=None, final=True, extra=(), query="",
+                   on_event=None):
+    """One Realtime call: optional session.update, appends of `chunk` samples, commit{final}; returns
+    (events, close code). `on_event(ev, ws)` may send more (runs on every event)."""
+    events = []
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/realtime{query}") as ws:
+            if session is not None:
+                await ws.send_json({"type": "session.update", "session": session})
+            for e in extra:
+                await (ws.send_str(e) if isinstance(e, str) else ws.send_json(e))
+
+            async def send():
+                try:
+                    await send_all()
+                except ConnectionError:   # the server ended the call (a limit): stop sending
+                    pass
+
+            async def send_all():
+                if audio is not None:
+                    for i in range(0, audio.size, chunk):
+                        await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(audio[i:i + chunk])})
+                        if pace:
+                            await asyncio.sleep(pace)
+                if final:
+                    await ws.send_json({"type": "input_audio_buffer.commit", "final": True})
+
+            sender = asyncio.create_task(send())
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    ev = json.loads(msg.data)
+                    events.append(ev)
+                    if on_event is not None:
+                        await on_event(ev, ws)
+            await sender
+            return events, ws.close_code
+
+
+def errors(events):
+    return [e["error"]["code"] for e in events if e["type"] == "error"]
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------------
+def test_parse_tool_calls_and_prompt(tok):
+    assert parse_tool_calls(TOOLCALL) == [("get_weather", '{"city": "Paris"}')]
+    assert parse_tool_calls('<TOOLCALL>[{"name": "a", "arguments": "{\\"x\\": 1}"}]</TOOLCALL>') == [("a", '{"x": 1}')]
+    for bad in ("<TOOLCALL>[{]</TOOLCALL>", "[{}]", '<TOOLCALL>[{"arguments": {}}]</TOOLCALL>', "<TOOLCALL>[]</TOOLCALL>"):
+        with pytest.raises(ValueError):
+            parse_tool_calls(bad)
+    p = render_tool_prompt("Be brief.", [{"name": "get_weather", "description": "weather",
+                                          "parameters": {"type": "object"}, "on_hold_message": "One moment."}])
+    assert p.startswith("Be brief. You can use the following tools to assist the user if required: <AVAILABLE_TOOLS>[")
+    listed = json.loads(p.split("<AVAILABLE_TOOLS>")[1].split("</AVAILABLE_TOOLS>")[0])
+    assert listed == [{"description": "weather", "name": "get_weather", "on_hold_message": "One moment.",
+                       "parameters": {"type": "object"}}]
+    assert 'say: "One moment."' in p
+    ids = tool_response_ids(tok, '{"temp": 21}', 1024)
+    assert tok.decode(ids) == '<TOOL_RESPONSE>[{"temp": 21}]</TOOL_RESPONSE>'
+    assert tok.decode(tool_response_ids(tok, "sunny", 1024)) == '<TOOL_RESPONSE>["sunny"]</TOOL_RESPONSE>'
+
+
+# ---- a whole Realtime call ----------------------------------------------------------------------------
+def test_realtime_call_in_order(server, tok):
+    srv, model = server()
+    model.text[3] = scripted(tok, say="hello there")
+    model.user[3] = {2: [14], 4: [15, 16]}     # RNN-T ids of the tiny vocabulary
+    audio = tone(1.0)
+    session = {"instructions": "You are Aria.", "seed": 3, "temperature": 0.0,
+               "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
+                         "output": {"format": {"type": "audio/pcm", "rate": 22050}, "voice": "Aria"}}}
+    events, code = asyncio.run(realtime(srv.ws_url, audio, chunk=1000, session=session))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "session.created" and kinds[1] == "session.updated", kinds[:3]
+    caps = events[0]["session"]["capabilities"]
+    assert caps["chunk_period_ms"] == 80 and caps["input_frame_samples"] == FRAME_IN
+    assert events[1]["session"]["instructions"] == "You are Aria." and events[1]["session"]["seed"] == 3
+    n_frames = -(-audio.size // FRAME_IN)
+    pk = frames_of(events)
+    assert len(pk) == n_frames and all(p.size == FRAME_OUT for p in pk)
+    assert [int(p[0]) for p in pk] == list(range(n_frames))   # every packet, in order
+    assert all(int(p[1]) == 3 for p in pk)                     # this call's (seed 3) packets only
+    assert all(int(p[2]) > 0 for p in pk[:-1])                 # the input reached every step
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
+    assert text == "hello there"
+    done = [e for e in events if e["type"] == "response.done"]
+    assert done[0]["response"]["status"] == "completed"
+    assert done[0]["response"]["output"][0]["content"][0]["transcript"] == "hello there"
+    user = "".join(e["delta"] for e in events if e["type"] == "conversation.item.input_audio_transcription.delta")
+    assert user == tiny_rnnt().decode([14, 15, 16])
+    assert [e["frames"] for e in events if e["type"] == "input_audio_buffer.drained"] == [n_frames]
+    assert kinds[-1] == "session.closed" and code == 1000
+    assert model.prompts[-1] == [1] + tok.encode("You are Aria.") + [2]
+    assert not errors(events)
+    srv.wait_idle()
+
+
+def test_tool_call_round_trip(server, tok):
+    srv, model = server(tool_on_hold_min_frames=3)
+    t = model.cfg.tokens
+    start, end = tok.token_to_id(t.tool_call_start), tok.token_to_id(t.tool_call_end)
+    call = [start] + tok.encode(TOOLCALL) + [end]
+    bad = [start] + tok.encode("<TOOLCALL>[{oops</TOOLCALL>") + [end]
+    model.func[5] = [t.pad_id] + bad + [t.pad_id] + call   # a malformed call first; the call goes on
+    frames_call_done = len(model.func[5]) - 1             # frame index of the good call's <SPECIAL_21>
+    want = tool_response_ids(tok, '{"temp": 21}', 1024)
+    audio = tone(0.08 * (len(model.func[5]) + len(want) + 30))
+    answered = []
+
+    async def on_event(ev, ws):
+        if ev["type"] == "response.function_call_arguments.done" and not answered:
+            answered.append(ev)
+            await ws.send_json({"type": "conversation.item.create",
+                                "item": {"type": "function_call_output", "call_id": ev["call_id"],
+                                         "output": '{"temp": 21}'}})
+            await ws.send_json({"type": "conversation.item.create",   # the same call answered twice
+                                "item": {"type": "function_call_output", "call_id": ev["call_id"], "output": "x"}})
+            await ws.send_json({"type": "conversation.item.create",
+                                "item": {"type": "function_call_output", "call_id": "nope", "output": "x"}})
+
+    tools = [{"type": "function", "name": "get_weather", "description": "weather", "parameters": {},
+              "on_hold_message": "Let me check."}]
+    events, _ = asyncio.run(realtime(srv.ws_url, audio, chunk=FRAME_IN, pace=0.02,
+                                     session={"seed": 5, "tools": tools}, on_event=on_event))
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0]["name"] == "get_weather" and json.loads(done[0]["arguments"]) == {"city": "Paris"}
+    assert any(e["type"] == "response.function_call_arguments.delta" and e["call_id"] == done[0]["call_id"]
+               for e in events)
+    assert errors(events) == ["function_call_parse_error", "duplicate_function_call_output", "unknown_function_call"]
+    forced = [(k, tok_id) for seed, k, tok_id in model.forced if seed == 5]
+    assert [tok_id for _, tok_id in forced] == want                       # injected whole, in order
+    ks = [k for k, _ in forced]
+    assert ks == list(range(ks[0], ks[0] + len(want)))                    # one per frame
+    assert ks[0] >= frames_call_done + 1 + 3                              # not before the on-hold frames
+    assert "Let me check." in tok.decode(model.prompts[-1][1:-1])
+    assert events[-1]["type"] == "session.closed"
+    srv.wait_idle()
+
+
+def test_response_cancel_fences_the_turn(server, tok):
+    srv, model = server()
+    t = model.cfg.tokens
+    model.text[0] = [t.bos_id] + tok.encode("one two three four five six") + [t.eos_id, t.pad_id,
+                                                                                 t.bos_id] + tok.encode("seven") + [t.eos_id]
+    cancelled = []
+
+    async def on_event(ev, ws):
+        if ev["type"] == "response.output_audio_transcript.delta" and not cancelled:
+            cancelled.append(ev["response_id"])
+            await ws.send_json({"type": "response.cancel"})
+
+    audio = tone(0.08 * (len(model.text[0]) + 4))
+    events, _ = asyncio.run(realtime(srv.ws_url, audio, chunk=FRAME_IN, pace=0.02, on_event=on_event))
+    done = {e["response"]["id"]: e["response"]["status"] for e in events if e["type"] == "response.done"}
+    assert done[cancelled[0]] == "cancelled"
+    after = [e for e in events if e["type"] == "response.output_audio_transcript.delta"
+             and e["response_id"] == cancelled[0]]
+    late = [e for e in after if events.index(e) > next(i for i, x in enumerate(events) if x["type"] == "response.done")]
+    assert not late                                        # nothing of the fenced turn after the cancel
+    later_text = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"
+                         and e["response_id"] != cancelled[0])
+    assert later_text == "seven"                          # the next turn comes through
+    srv.wait_idle()
+
+
+# ---- refusals and edge cases ---------------------------------------------------------------------------
+def test_busy_refusal_frees_nothing_and_recovers(server, tok):
+    srv, _ = server(max_calls=2)
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            a = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
+            b = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
+            for ws in (a, b):
+                assert json.loads((await ws.receive()).data)["type"] == "session.created"
+            c = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
+            ev = json.loads((await c.receive()).data)
+            assert ev["type"] == "error" and ev["error"]["code"] == "busy" and ev["error"]["type"] == "rate_limit_error"
+            assert "serve.max_calls" in ev["error"]["message"]
+            await c.receive()
+            assert c.close_code == 1013
+            r = await http.post(f"{srv.url}/generate", data=wav_bytes(tone(0.2)))
+            assert r.status == 503 and (await r.json())["code"] == "busy"
+            await a.close()
+            for _ in range(100):
+                if len(srv.server.sessions) < 2:
+                    break
+                await asyncio.sleep(0.02)
+            d = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
+            assert json.loads((await d.receive()).data)["type"] == "session.created"
+            await d.close()
+            await b.close()
+
+    asyncio.run(go())
+    srv.wait_idle()
+    metrics = asyncio.run(get_text(f"{srv.url}/metrics"))
+    assert 'duplex_refusals_total{reason="busy"} 2.0' in metrics
+
+
+async def get_text(url):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as r:
+            return await r.text()
+
+
+def test_call_too_long(server, tok):
+    srv, _ = server(max_call_s=0.4)
+    events, code = asyncio.run(realtime(srv.ws_url, tone(1.5), chunk=FRAME_IN, pace=0.005))
+    assert errors(events) == ["call_too_long"] and code == 1008
+    assert "serve.max_call_s = 0.4 s" in [e for e in events if e["type"] == "error"][0]["error"]["message"]
+    assert len(frames_of(events)) == 5
+    srv.wait_idle()
+
+
+def test_input_budget_exceeded(server, tok):
+    srv, model = server(max_pending_s=0.4)
+    model.step_s = 0.05
+    events, code = asyncio.run(realtime(srv.ws_url, tone(2.0), chunk=16000))
+    assert errors(events) == ["input_budget_exceeded"] and code == 1008, (code, [e["type"] for e in events])
+    assert "serve.max_pending_s" in [e for e in events if e["type"] == "error"][0]["error"]["message"]
+    srv.wait_idle()
+
+
+def test_append_after_end_and_bad_events(server, tok):
+    srv, _ = server()
+    after = [
+        json.dumps({"type": "input_audio_buffer.append", "audio": b64(tone(0.1))}),
+        json.dumps({"type": "input_audio_buffer.commit", "final": True}),
+    ]
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{srv.ws_url}/v1/realtime") as ws:
+                await ws.send_json({"type": "session.update", "event_id": "c1", "bogus": None,
+                                    "session": {"instructions": None, "unknown_field": 1, "seed": 1}})
+                await ws.send_str("not json")
+                await ws.send_json({"type": "no.such.event", "event_id": "c2"})
+                await ws.send_json({"type": "input_audio_buffer.append", "audio": None})
+                await ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()})
+                await ws.send_bytes(b"\x00\x01")
+                await ws.send_json({"type": "session.update", "session": {"seed": "x"}})
+                await ws.send_json({"type": "session.update", "session": {"voice": "Nobody"}})
+                await ws.send_json({"type": "session.update", "session": {"top_p": 0.0}})
+                await ws.send_json({"type": "response.create"})        # a no-op here
+                for raw in after:
+                    await ws.send_str(raw)
+                for raw in after:
+                    await ws.send_str(raw)
+                await ws.send_json({"type": "session.update", "session": {"seed": 2}})
+                events = [json.loads(m.data) async for m in ws if m.type == aiohttp.WSMsgType.TEXT]
+                return events
+
+    events = asyncio.run(go())
+    assert errors(events) == ["invalid_event", "unknown_event", "invalid_event", "invalid_audio", "invalid_event",
+                              "invalid_event", "unknown_voice", "invalid_sampling", "append_after_end",
+                              "append_after_end", "session_locked"]
+    unknown = [e for e in events if e["type"] == "error" and e["error"]["code"] == "unknown_event"][0]
+    assert unknown["error"]["event_id"] == "c2"
+    assert [e["type"] for e in events].count("session.updated") == 1
+    assert events[-1]["type"] == "session.closed"              # the call still completed
+    assert len(frames_of(events)) == 2
+    srv.wait_idle()
+
+
+def test_audio_format_refusals(server, tok):
+    srv, _ = server()
+    bad_sessions = [
+        {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}},
+        {"audio": {"input": {"format": {"type": "audio/pcmu"}}}},
+        {"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}},
+        {"input_audio_format": "g711_ulaw"},
+        {"input_sample_rate": 8000},
+    ]
+    events, _ = asyncio.run(realtime(srv.ws_url, None, final=False,
+                                     extra=[{"type": "session.update", "session": s} for s in bad_sessions]
+                                     + [{"type": "input_audio_buffer.append", "audio": b64(tone(0.1)),
+                                         "sample_rate": 24000},
+                                        {"type": "session.close"}]))
+    assert errors(events) == ["invalid_audio_format"] * 6
+    assert "never resampled" in [e for e in events if e["type"] == "error"][0]["error"]["message"]
+    assert events[-1]["type"] == "session.closed"
+
+    async def uploads():
+        out = []
+        async with aiohttp.ClientSession() as http:
+            for body in (wav_bytes(tone(0.3), rate=8000), wav_bytes(tone(0.3), channels=2),
+                         wav_bytes(tone(0.3), width=1), b"RIFF-not-a-wav"):
+                async with http.post(f"{srv.url}/generate", data=body) as r:
+                    out.append((r.status, (await r.json())["code"], (await r.json())["message"]))
+        return out
+
+    res = asyncio.run(uploads())
+    assert [(s, c) for s, c, _ in res] == [(400, "invalid_audio_format")] * 4
+    assert "8000 Hz" in res[0][2] and "channels" in res[1][2] and "8-bit" in res[2][2]
+    srv.wait_idle()
+
+
+def test_upload_streams_and_upload_limits(server, tok):
+    srv, model = server(max_upload_mb=0.05, max_upload_s=1.0, max_call_s=1.2)
+    model.text[0] = scripted(tok, say="ok")
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{srv.url}/generate?seed=0&prompt=Hi", data=wav_bytes(tone(0.9))) as r:
+                assert r.status == 200 and r.headers["Content-Type"] == "application/x-ndjson"
+                lines = [json.loads(line) async for line in r.content if line.strip()]
+            form = aiohttp.FormData()
+            form.add_field("seed", "0")
+            form.add_field("audio", wav_bytes(tone(0.5)), filename="a.wav", content_type="audio/wav")
+            async with http.post(f"{srv.url}/generate", data=form) as r:
+                multi = [json.loads(line) async for line in r.content if line.strip()]
+            too_big = await http.post(f"{srv.url}/generate", data=wav_bytes(tone(3.0)))
+            srv.server.cfg.max_upload_mb = 1.0
+            too_long = await http.post(f"{srv.url}/generate", data=wav_bytes(tone(1.1)))
+            srv.server.cfg.max_upload_s = 5.0
+            too_long_call = await http.post(f"{srv.url}/generate", data=wav_bytes(tone(1.3)))
+            return lines, multi, [(x.status, (await x.json())["code"], (await x.json())["message"])
+                                  for x in (too_big, too_long, too_long_call)]
+
+    lines, multi, refused = asyncio.run(go())
+    assert lines[0]["type"] == "started" and lines[-1] == {"type": "ended", "reason": "completed"}
+    audio = [x for x in lines if x["type"] == "audio"]
+    assert [a["frame"] for a in audio] == list(range(-(-int(0.9 * 16000) // FRAME_IN)))
+    assert [int(np.frombuffer(base64.b64decode(a["pcm16"]), "<i2")[0]) for a in audio] == [a["frame"] for a in audio]
+    assert "".join(x["delta"] for x in lines if x["type"] == "text") == "ok"
+    assert [x["type"] for x in lines].count("drained") == 1
+    assert multi[-1]["reason"] == "completed" and len([x for x in multi if x["type"] == "audio"]) == 7
+    assert [(s, c) for s, c, _ in refused] == [(413, "upload_too_large"), (413, "upload_too_long"),
+                                                (413, "call_too_long")]
+    assert "serve.max_upload_mb" in refused[0][2] and "serve.max_upload_s" in refused[1][2]
+    assert "serve.max_call_s" in refused[2][2]
+    srv.wait_idle()
+
+
+def test_hang_up_before_audio_and_idle_timeout(server, tok):
+    srv, _ = server(idle_timeout_s=0.5)
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
+            assert json.loads((await ws.receive()).data)["type"] == "session.created"
+            await ws.close()
+            assert srv.server.engine.active_calls == 0
+            idle = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
+            events = [json.loads(m.data) async for m in idle if m.type == aiohttp.WSMsgType.TEXT]
+            return events
+
+    events = asyncio.run(go())
+    assert errors(events) == ["idle_timeout"]
+    srv.wait_idle()
+
+
+def test_call_id_in_use_and_abort_recovery(server, tok):
+    srv, model = server()
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            a = await http.ws_connect(f"{srv.ws_url}/v1/realtime?call_id=abc")
+            await a.receive()
+            await a.send_json({"type": "input_audio_buffer.append", "audio": b64(tone(0.5))})
+            for path in ("/v1/realtime", "/generate/ws"):
+                with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                    await http.ws_connect(f"{srv.ws_url}{path}?call_id=abc")
+                assert e.value.status == 409
+            r = await http.post(f"{srv.url}/generate?call_id=abc", data=wav_bytes(tone(0.2)))
+            assert r.status == 409 and (await r.json())["code"] == "call_id_in_use"
+            n = await http.ws_connect(f"{srv.ws_url}/generate/ws")
+            await n.send_json({"type": "start", "call_id": "abc"})
+            ev = json.loads((await n.receive()).data)
+            assert ev["code"] == "call_id_in_use" and ev["status"] == 409
+            # wait until a's call is producing, then abort it mid-call by dropping the socket
+            while True:
+                ev = json.loads((await a.receive()).data)
+                if ev["type"] == "response.output_audio.delta":
+                    break
+            await a.close()
+
+    asyncio.run(go())
+    srv.wait_idle()
+    # recovery: the same id starts a fresh call, frame 0 first
+    events, code = asyncio.run(realtime(srv.ws_url, tone(0.3), query="?call_id=abc"))
+    assert code == 1000 and [int(p[0]) for p in frames_of(events)] == [0, 1, 2, 3]
+    assert events[0]["session"]["id"] == "abc"
+    srv.wait_idle()
+
+
+def test_native_ws(server, tok):
+    srv, model = server()
+    model.text[9] = scripted(tok, say="hi")
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{srv.ws_url}/generate/ws") as ws:
+                await ws.send_json({"type": "start", "seed": 9, "prompt": "Hello", "sample_rate": 16000})
+                started = json.loads((await ws.receive()).data)
+                pcm = (tone(0.7) * 32767).astype("<i2").tobytes()
+                for i in range(0, len(pcm), 3000):
+                    await ws.send_bytes(pcm[i:i + 3000])
+                await ws.send_json({"type": "what"})
+                await ws.send_json({"type": "end_input"})
+                await ws.send_bytes(b"\x00\x00")
+                packets, events = [], []
+                async for m in ws:
+                    if m.type == aiohttp.WSMsgType.BINARY:
+                        packets.append(m.data)
+                    else:
+                        events.append(json.loads(m.data))
+                return started, packets, events, ws.close_code
+
+    started, packets, events, code = asyncio.run(go())
+    assert started["type"] == "started" and started["output"]["sample_rate"] == 22050
+    frames = [struct.unpack_from("<If", p)[0] for p in packets]
+    assert frames == list(range(-(-int(0.7 * 16000) // FRAME_IN)))
+    assert all(len(p) == 8 + 2 * FRAME_OUT for p in packets)
+    assert [int(np.frombuffer(p[8:], "<i2")[1]) for p in packets] == [9] * len(packets)
+    assert "".join(e["delta"] for e in events if e["type"] == "text") == "hi"
+    assert [e["event"] for e in events if e["type"] == "turn"] == ["start", "end"]
+    assert [e["code"] for e in events if e["type"] == "error"] == ["unknown_event", "append_after_end"]
+    assert events[-1] == {"type": "ended", "reason": "completed"} and code == 1000
+    assert model.prompts[-1] == [1] + tok.encode("Hello") + [2]
+    srv.wait_idle()
+
+
+def test_slow_consumer_ends_only_its_call(server, tok):
+    srv, model = server(max_outbound_frames=4, send_buffer_kb=4, slow_consumer_grace_s=1.0)
+
+    async def slow():
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(f"{srv.ws_url}/generate/ws", max_msg_size=0)
+            conn = ws._response.connection
+            sock = conn.transport.get_extra_info("socket")
+            import socket as _s
+            sock.setsockopt(_s.SOL_SOCKET, _s.SO_RCVBUF, 4096)
+            await ws.send_json({"type": "start", "seed": 1, "call_id": "slow"})
+            conn.transport.pause_reading()                           # stop reading, keep sending
+            pcm = (tone(8.0) * 32767).astype("<i2").tobytes()
+            for i in range(0, len(pcm), FRAME_IN * 2 * 10):
+                try:
+                    await ws.send_bytes(pcm[i:i + FRAME_IN * 20])
+                except ConnectionError:
+                    break
+                await asyncio.sleep(0.05)
+                if "slow" not in srv.server.sessions:
+                    break
+            for _ in range(200):
+                if "slow" not in srv.server.sessions:
+                    break
+                await asyncio.sleep(0.05)
+            gone = "slow" not in srv.server.sessions
+            conn.transport.resume_reading()
+            events = []
+            try:
+                async for m in ws:
+                    if m.type == aiohttp.WSMsgType.TEXT:
+                        events.append(json.loads(m.data))
+            except Exception:
+                pass
+            return gone, events
+
+    async def both():
+        good = asyncio.create_task(realtime(srv.ws_url, tone(2.0), chunk=FRAME_IN, pace=0.01))
+        gone, slow_events = await slow()
+        return gone, slow_events, await good
+
+    gone, slow_events, (good_events, good_code) = asyncio.run(both())
+    assert gone
+    codes = [e.get("code") for e in slow_events if e.get("type") == "error"]
+    assert codes in ([], ["slow_consumer"])   # delivered if the pipe drained in time, else the socket was cut
+    assert good_code == 1000 and len(frames_of(good_events)) == 25 and not errors(good_events)
+    assert [int(p[0]) for p in frames_of(good_events)] == list(range(25))
+    srv.wait_idle()
+    assert 'duplex_refusals_total{reason="slow_consumer"} 1.0' in asyncio.run(get_text(f"{srv.url}/metrics"))
+
+
+def test_health_and_metrics(server, tok):
+    srv, _ = server()
+    asyncio.run(realtime(srv.ws_url, tone(0.5)))
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{srv.url}/health") as r:
+                health = (r.status, await r.json())
+            async with http.get(f"{srv.url}/metrics") as r:
+                return health, await r.text()
+
+    (status, body), metrics = asyncio.run(go())
+    assert status == 200 and body["status"] == "ready"
+    for name in ("duplex_active_calls 0.0", "duplex_frames_per_second", "duplex_step_seconds_bucket",
+                 "duplex_frame_lag_seconds_bucket", "duplex_deadline_misses_total", "duplex_ready 1.0",
+                 'duplex_calls_ended_total{reason="completed"}'):
+        assert name in metrics, name
+    lag_count = [line for line in metrics.splitlines() if line.startswith("duplex_frame_lag_seconds_count")][0]
+    assert float(lag_count.split()[-1]) == 7.0     # 0.5 s = 7 frames, each observed once
+    srv.server.ready = False
+    status, _ = asyncio.run(_status(f"{srv.url}/health"))
+    assert status == 503
+    srv.server.ready = True
+
+
+async def _status(url):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as r:
+            return r.status, await r.json()
+
+
+def test_not_ready_until_warm(monkeypatch, tok):
+    model = ScriptedModel()
+    model.capture_s = 1.5                       # graph capture takes a while
+    srv, _ = make(monkeypatch, tok, model=model, wait_ready=False)
+    try:
+        status, body = asyncio.run(_status(f"{srv.url}/health"))
+        assert status == 503 and body["status"] == "starting"
+        events, code = asyncio.run(realtime(srv.ws_url, tone(0.2)))
+        assert errors(events) == ["not_ready"] and code == 1008
+        t0 = time.monotonic()
+        while asyncio.run(_status(f"{srv.url}/health"))[0] != 200:
+            assert time.monotonic() - t0 < 20
+            time.sleep(0.05)
+        events, code = asyncio.run(realtime(srv.ws_url, tone(0.2)))
+        assert code == 1000 and not errors(events)
+        srv.wait_idle()
+    finally:
+        srv.close()
+
+
+def test_upload_client_disconnect_frees_the_slot(server, tok):
+    srv, model = server()
+    model.step_s = 0.02
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(f"{srv.url}/generate", data=wav_bytes(tone(4.0)))
+            first = json.loads(await r.content.readline())
+            second = json.loads(await r.content.readline())
+            r.close()                                  # hang up mid-stream
+            return first, second
+
+    first, second = asyncio.run(go())
+    assert first["type"] == "started" and second["type"] == "audio"
+    srv.wait_idle()
+    assert 'duplex_calls_ended_total{reason="hangup"} 1.0' in asyncio.run(get_text(f"{srv.url}/metrics"))
+
+
+def test_call_script_writes_outputs(server, tok, tmp_path):
+    import subprocess
+    import sys
+    import wave
+
+    srv, model = server()
+    model.text[2] = scripted(tok, say="see you")
+    model.user[2] = {3: [14]}
+    clip = tmp_path / "in.wav"
+    clip.write_bytes(wav_bytes(tone(0.6)))
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "scripts/call.py", str(clip), "--fast", "--url", srv.url, "--seed", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    with wave.open(str(out / "agent.wav")) as w:
+        assert w.getframerate() == 22050 and w.getnframes() == 8 * FRAME_OUT
+    assert (out / "agent.txt").read_text().strip() == "see you"
+    assert (out / "user.txt").read_text().strip() == tiny_rnnt().decode([14])
+    lag = (out / "lag.tsv").read_text().splitlines()
+    assert lag[0] == "frame\tserver_lag_ms\tclient_lag_ms" and [int(x.split()[0]) for x in lag[1:]] == list(range(8))
+    assert json.loads((out / "events.jsonl").read_text().splitlines()[-1]) == {"type": "ended", "reason": "completed"}
+    srv.wait_idle()

@@ -1,0 +1,180 @@
+"""The server on the embedded tiny model (CPU): the official OpenAI SDK runs a call; 16 paced calls and
+uploads at once all complete with every packet in order; what the server sends equals the plain
+streaming loop (spec 7.2) for the same clip and seed."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+
+from nemo_duplex.audio import read_wav
+from nemo_duplex.engine import Engine, EngineConfig
+from nemo_duplex.server import ServeConfig, Server
+from tests.server_support import RunningServer, wav_bytes
+
+FRAME_IN = 1280
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from hydra import compose, initialize_config_dir
+
+    from nemo_duplex import runtime
+
+    # One intra-op thread: the engine thread and the test clients share 2 cores, and torch's spinning
+    # OpenMP workers make a loaded 2-core box ~15x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # The model's kernels run their torch references here: these tests are about the server, and the
+    # Triton interpreter (conftest sets it for the kernel tests) would make each frame take seconds.
+    patch = pytest.MonkeyPatch()
+    patch.delenv("TRITON_INTERPRET", raising=False)
+    with initialize_config_dir(config_dir=str(runtime.REPO / "conf"), version_base=None):
+        cfg = compose("config")
+    model, tokenizer, rnnt_vocab, mcfg = runtime.load(cfg)
+    clip = read_wav(runtime.REPO / "eval" / "clips" / "example.wav", mcfg.source_sample_rate)
+    yield model, tokenizer, rnnt_vocab, clip
+    torch.set_num_threads(threads)
+    patch.undo()
+
+
+def serve(tiny, max_calls: int, **kw) -> RunningServer:
+    model, tokenizer, rnnt_vocab, _ = tiny
+    cfg = ServeConfig(max_calls=max_calls, max_call_s=20.0, warmup_frames=1, **kw)
+    engine = Engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=cfg.max_call_s,
+                                                   max_pending_s=cfg.max_pending_s))
+    return RunningServer(Server(engine, tokenizer, rnnt_vocab, cfg))
+
+
+def test_openai_sdk_call(tiny):
+    from openai import AsyncOpenAI
+
+    audio = tiny[3][: int(1.5 * 16000)]
+    srv = serve(tiny, max_calls=2)
+    try:
+        async def call():
+            client = AsyncOpenAI(api_key="unused", base_url=f"{srv.url}/v1", max_retries=0)
+            events = []
+            async with client.realtime.connect(model="nemotron-duplex") as conn:
+                await conn.session.update(session={
+                    "type": "realtime", "instructions": "You are a helpful assistant.",
+                    "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}})
+                pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+                for i in range(0, len(pcm), 3200):   # 100 ms appends: not frame-aligned on purpose
+                    await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 3200]).decode())
+                await conn.send({"type": "input_audio_buffer.commit", "final": True})
+                async for ev in conn:
+                    events.append(ev)
+            await client.close()
+            return events
+
+        events = asyncio.run(asyncio.wait_for(call(), 120))
+    finally:
+        srv.close()
+    kinds = [e.type for e in events]
+    assert kinds[0] == "session.created" and "session.updated" in kinds
+    audio_deltas = [e for e in events if e.type == "response.output_audio.delta"]
+    n = -(-audio.size // FRAME_IN)
+    assert len(audio_deltas) == n
+    assert all(len(base64.b64decode(e.delta)) == 2 * 1764 for e in audio_deltas)
+    assert [e.frame for e in audio_deltas] == list(range(n))        # extension field: the model frame
+    text = [e for e in events if e.type == "response.output_audio_transcript.delta"]
+    assert text and all(e.delta for e in text)
+    assert kinds[-1] == "session.closed" and "error" not in kinds
+    assert "input_audio_buffer.drained" in kinds
+
+
+def test_sixteen_paced_calls_and_uploads(tiny):
+    clip = tiny[3]
+    n_live, n_up = 16, 2
+    srv = serve(tiny, max_calls=n_live + n_up)
+    lens = [int((0.8 + 0.04 * i) * 16000) for i in range(n_live + n_up)]
+
+    async def live(i):
+        x = clip[1000 * i: 1000 * i + lens[i]]
+        pcm = (x * 32767).astype("<i2").tobytes()
+        events = []
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{srv.ws_url}/v1/realtime") as ws:
+                await ws.send_json({"type": "session.update", "session": {"seed": i}})
+
+                async def send():
+                    for k in range(0, len(pcm), 2 * FRAME_IN):   # paced: one 80 ms append every 80 ms
+                        await ws.send_json({"type": "input_audio_buffer.append",
+                                            "audio": base64.b64encode(pcm[k:k + 2 * FRAME_IN]).decode()})
+                        await asyncio.sleep(0.08)
+                    await ws.send_json({"type": "input_audio_buffer.commit", "final": True})
+
+                sender = asyncio.create_task(send())
+                async for m in ws:
+                    events.append(json.loads(m.data))
+                await sender
+        return events
+
+    async def upload(i):
+        x = clip[1000 * i: 1000 * i + lens[i]]
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{srv.url}/generate?seed={i}", data=wav_bytes(x)) as r:
+                assert r.status == 200
+                return [json.loads(line) async for line in r.content if line.strip()]
+
+    async def everyone():
+        return await asyncio.gather(*[live(i) for i in range(n_live)],
+                                    *[upload(i) for i in range(n_live, n_live + n_up)])
+
+    try:
+        results = asyncio.run(asyncio.wait_for(everyone(), 300))
+        srv.wait_idle()
+    finally:
+        srv.close()
+    for i, events in enumerate(results[:n_live]):
+        frames = [e["frame"] for e in events if e["type"] == "response.output_audio.delta"]
+        assert frames == list(range(-(-lens[i] // FRAME_IN))), f"call {i}"
+        assert not [e for e in events if e["type"] == "error"], f"call {i}"
+        assert events[-1]["type"] == "session.closed", f"call {i}"
+    for j, lines in enumerate(results[n_live:]):
+        i = n_live + j
+        assert [x["frame"] for x in lines if x["type"] == "audio"] == list(range(-(-lens[i] // FRAME_IN)))
+        assert lines[-1] == {"type": "ended", "reason": "completed"}
+
+
+def test_served_frames_equal_streaming_loop(tiny):
+    """Native WS with {"tokens": true}: the served text/function tokens equal stream_inference's for the
+    same clip and seed (greedy), and the served PCM16 equals its waveform to within 1 LSB of rounding."""
+    from nemo_duplex.frame_step import stream_inference
+
+    model, tokenizer, _, clip = tiny
+    x = clip[: int(1.2 * 16000)]
+    ref = stream_inference(model, torch.from_numpy(x), None, seed=4)
+    srv = serve(tiny, max_calls=1)
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as http:
+                async with http.ws_connect(f"{srv.ws_url}/generate/ws") as ws:
+                    await ws.send_json({"type": "start", "seed": 4, "tokens": True})
+                    await ws.send_bytes((np.clip(x, -1, 1) * 32768).clip(-32768, 32767).astype("<i2").tobytes())
+                    await ws.send_json({"type": "end_input"})
+                    packets, events = [], []
+                    async for m in ws:
+                        (packets if m.type == aiohttp.WSMsgType.BINARY else events).append(
+                            m.data if m.type == aiohttp.WSMsgType.BINARY else json.loads(m.data))
+                    return packets, events
+
+        packets, events = asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        srv.close()
+    toks = [e for e in events if e["type"] == "tokens"]
+    assert [e["frame"] for e in toks] == list(range(len(ref.text_tokens)))
+    assert [e["text"] for e in toks] == ref.text_tokens.tolist()
+    assert [e["func"] for e in toks] == ref.function_tokens.tolist()
+    assert [struct.unpack_from("<If", p)[0] for p in packets] == list(range(len(ref.text_tokens)))
+    served = np.concatenate([np.frombuffer(p[8:], "<i2") for p in packets]).astype(np.int32)
+    want = np.clip(np.round(ref.wav.numpy() * 32767), -32768, 32767).astype(np.int32)
+    assert served.shape == want.shape
+    assert np.abs(served - want).max() <= 1     # tolerance: one LSB (float rounding of the same samples)
