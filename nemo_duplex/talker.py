@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
+from ops.decode_attention import decode_attention
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
 DEFAULT_BOS_ID, DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 2, 12
@@ -77,8 +78,10 @@ def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Ten
     q [N, heads, D]; cache_k/cache_v [R, kv_heads, L, D] (a pool); slots [N] rows of the pool; lengths [N]
     keys written so far (the current position is lengths - 1). Key j is visible iff j < lengths and, with a
     sliding window, j > current - window (same rule as transformers' sliding_window_overlay). -> [N, heads, D].
-    Same semantics as ops/decode_attention.py.
+    Same semantics as ops/decode_attention.py, whose Triton kernel serves CUDA tensors.
     """
+    if q.is_cuda:
+        return decode_attention(q, cache_k, cache_v, slots, lengths, scale, window)
     k, v = cache_k[slots], cache_v[slots]  # [N, kv_heads, L, D]
     n, heads, d = q.shape
     kv_heads, max_len = k.shape[1], k.shape[2]
