@@ -100,25 +100,35 @@ class ConvSubsampling(nn.Module):
         self.out = nn.Linear(c * freq, cfg.d_model)
 
     @staticmethod
-    def causal_strided(conv: nn.Conv2d, x: torch.Tensor, first_index: torch.Tensor | None) -> torch.Tensor:
-        """x [B, C, T, F]. Zero the time steps whose global index (first_index[b] + t) is negative, as
-        the offline convolution sees zero padding there; then pad (2 left, 1 right) on both axes."""
+    def keep_mask(x: torch.Tensor, lengths: torch.Tensor | None, first_index: torch.Tensor | None):
+        """[B, T] bool: time steps of x [B, C, T, F] that hold signal. Offline: t < length (NeMo 3.0.0's
+        MaskedConvSequential zeroes the rest, so padded batch rows equal single rows). Streaming: global
+        index first_index + t >= 0 (the offline causal zero padding before the call's start)."""
+        t = torch.arange(x.shape[2], device=x.device)[None, :]
         if first_index is not None:
-            index = first_index[:, None] + torch.arange(x.shape[2], device=x.device)[None, :]
-            x = x.masked_fill((index < 0)[:, None, :, None], 0.0)
-        return conv(F.pad(x, (2, 1, 2, 1)))
+            return first_index[:, None] + t >= 0
+        return t < lengths[:, None]
 
-    def forward(self, mel: torch.Tensor, first_index: torch.Tensor | None = None) -> torch.Tensor:
-        """mel [B, T, n_mels] -> [B, T', d_model]. `first_index` [B]: global mel column of mel[:, 0]
-        (streaming; must be even), None offline (the sequence starts at column 0)."""
+    def forward(self, mel: torch.Tensor, lengths: torch.Tensor | None = None,
+                first_index: torch.Tensor | None = None) -> torch.Tensor:
+        """mel [B, T, n_mels] -> [B, T', d_model]. Offline: `lengths` [B] valid mel columns. Streaming:
+        `first_index` [B] global mel column of mel[:, 0] (even), instead of lengths.
+        Before each stride-2 conv the time steps outside the signal are zeroed, then padded (2 left,
+        1 right) on time and frequency (CausalConv2D)."""
         conv = self.conv
         x = mel[:, None]
-        x = conv[1](self.causal_strided(conv[0], x, first_index))
-        # Output i of a stage reads inputs 2i-2 .. 2i, so its global index is (first input index)/2 + i.
-        first_index = None if first_index is None else torch.div(first_index, 2, rounding_mode="floor")
-        x = conv[4](conv[3](self.causal_strided(conv[2], x, first_index)))
-        first_index = None if first_index is None else torch.div(first_index, 2, rounding_mode="floor")
-        x = conv[7](conv[6](self.causal_strided(conv[5], x, first_index)))
+        for strided, rest in ((conv[0], (conv[1],)), (conv[2], (conv[3], conv[4])), (conv[5], (conv[6], conv[7]))):
+            x = x * self.keep_mask(x, lengths, first_index)[:, None, :, None].to(x.dtype)
+            x = strided(F.pad(x, (2, 1, 2, 1)))
+            for module in rest:
+                x = module(x)
+            # Output i reads inputs 2i-2 .. 2i: length L -> L // 2 + 1, global index of output 0 = first / 2.
+            if first_index is not None:
+                first_index = torch.div(first_index, 2, rounding_mode="floor")
+            else:
+                lengths = subsampled_lengths(lengths, 1)
+        if first_index is None:
+            x = x * self.keep_mask(x, lengths, None)[:, None, :, None].to(x.dtype)
         b, c, t, f = x.shape
         return self.out(x.transpose(1, 2).reshape(b, t, c * f))
 
@@ -269,7 +279,7 @@ class ConformerEncoder(nn.Module):
     def forward(self, mel: torch.Tensor, mel_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """mel [B, n_mels, T] -> (enc [B, T', d_model], lengths [B]); T' = 3 x (T -> T//2 + 1)."""
         dtype = self.pre_encode.out.weight.dtype
-        x = self.pre_encode(mel.transpose(1, 2).to(dtype))
+        x = self.pre_encode(mel.transpose(1, 2).to(dtype), mel_lengths)
         lengths = subsampled_lengths(mel_lengths, 3)
         t = x.shape[1]
         positions = torch.arange(t - 1, -t, -1, device=x.device)
@@ -285,7 +295,7 @@ class ConformerEncoder(nn.Module):
         """mel [B, n_mels, 17] = columns 8k-16 .. 8k of each row's frame k = frame_index -> [B, d_model]."""
         dtype = self.pre_encode.out.weight.dtype
         first_column = frame_index * self.cfg.subsampling_factor - (mel.shape[2] - 1)
-        x = self.pre_encode(mel.transpose(1, 2).to(dtype), first_column)[:, -1]
+        x = self.pre_encode(mel.transpose(1, 2).to(dtype), first_index=first_column)[:, -1]
         for i, layer in enumerate(self.layers):
             x = layer.step(x, state.keys[i], state.values[i], state.conv_cache[i], slots, frame_index)
         return x

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from . import rng
 from .sampling import SamplingParams, sample_text
@@ -36,14 +37,17 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     tool-result token to force, with the text channel forced to PAD, spec 3.9)."""
     cfg = model.cfg
     pad = cfg.tokens.pad_id
-    enc = model.perception.stream_step(audio, st.encoder, slots)
-    a = model.perception.project(enc).to(model.stt_model.embed_tokens.weight.dtype)
+    with record_function("encoder"):
+        enc = model.perception.stream_step(audio, st.encoder, slots)
+        a = model.perception.project(enc).to(model.stt_model.embed_tokens.weight.dtype)
     x = model.fuse(a, st.prev_text[slots], st.prev_func[slots])
 
-    lengths = st.llm_len[slots]
-    h = model.llm.step(x, st.llm, slots, lengths)
-    st.llm_len.index_copy_(0, slots, lengths + 1)
-    text_logits, func_logits = model.heads(h)
+    with record_function("llm"):
+        lengths = st.llm_len[slots]
+        h = model.llm.step(x, st.llm, slots, lengths)
+        st.llm_len.index_copy_(0, slots, lengths + 1)
+    with record_function("heads"):
+        text_logits, func_logits = model.heads(h)
     frame = st.frame[slots]
     text = sample_text(text_logits, special_ids, st.seen[slots], st.temperature[slots], st.top_p[slots],
                        st.rep_penalty[slots], st.greedy[slots], st.seed[slots], frame)
@@ -53,15 +57,19 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     text = torch.where(forcing, torch.full_like(text, pad), text)
     top2 = text_logits.float().topk(2, dim=-1).values
 
-    n_passes = sum(1 for k in cfg.talker.unmask_schedule() if k > 0)
-    u, z = rng.talker_draws(st.seed[slots], frame, n_passes, cfg.talker.mog.num_predictions, cfg.talker.latent_size)
-    positions = st.talker_pos[slots]
-    codes = model.talker.step(text, st.prev_codes[slots], st.talker, slots, positions, u, z, model.silence_codes)
-    st.talker_pos.index_copy_(0, slots, positions + 1)
-    pcm = model.codec.decode_step(codes, st.codec, slots)
+    with record_function("talker"):
+        n_passes = sum(1 for k in cfg.talker.unmask_schedule() if k > 0)
+        u, z = rng.talker_draws(st.seed[slots], frame, n_passes, cfg.talker.mog.num_predictions,
+                                cfg.talker.latent_size)
+        positions = st.talker_pos[slots]
+        codes = model.talker.step(text, st.prev_codes[slots], st.talker, slots, positions, u, z, model.silence_codes)
+        st.talker_pos.index_copy_(0, slots, positions + 1)
+    with record_function("codec"):
+        pcm = model.codec.decode_step(codes, st.codec, slots)
 
     if model.has_rnnt:
-        user = model.stt_model.rnnt_decoder.stream_step(model.stt_model.rnnt_joint, enc, st.rnnt, slots)
+        with record_function("rnnt"):
+            user = model.stt_model.rnnt_decoder.stream_step(model.stt_model.rnnt_joint, enc, st.rnnt, slots)
     else:
         user = torch.full((slots.shape[0], 1), -1, dtype=torch.int64, device=slots.device)
 

@@ -42,15 +42,17 @@ def mel_to_hz_slaney(mel: np.ndarray) -> np.ndarray:
 
 def slaney_mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, fmin: float = 0.0,
                           fmax: float | None = None) -> np.ndarray:
-    """[n_mels, n_fft//2+1] float64 triangles on the slaney mel scale, each scaled to unit area
-    (norm="slaney": 2 / bandwidth in Hz), like librosa.filters.mel defaults (spec 2.1)."""
+    """[n_mels, n_fft//2+1] float32 triangles on the slaney mel scale, each scaled to unit area
+    (norm="slaney": 2 / bandwidth in Hz), like librosa.filters.mel defaults (spec 2.1). The maths is
+    float64; as in librosa the triangles are stored in float32 before the area scaling, so the result
+    is bitwise the checkpoint's `fb`."""
     fmax = sample_rate / 2 if fmax is None else fmax
     fft_freqs = np.linspace(0.0, sample_rate / 2, 1 + n_fft // 2)
     mel_points = np.linspace(hz_to_mel_slaney(fmin), hz_to_mel_slaney(fmax), n_mels + 2)
     hz_points = mel_to_hz_slaney(mel_points)
     widths = np.diff(hz_points)
     ramps = hz_points[:, None] - fft_freqs[None, :]
-    weights = np.zeros((n_mels, len(fft_freqs)))
+    weights = np.zeros((n_mels, len(fft_freqs)), dtype=np.float32)
     for i in range(n_mels):
         rising = -ramps[i] / widths[i]
         falling = ramps[i + 2] / widths[i + 1]
@@ -84,8 +86,8 @@ class MelFrontend(nn.Module):
         """The values NeMo computes at construction: librosa slaney mel bank, Hann(periodic=False)."""
         cfg = self.cfg
         fb = slaney_mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.n_mels)
-        self.featurizer.fb.copy_(torch.from_numpy(fb).float()[None])
-        self.featurizer.window.copy_(torch.hann_window(cfg.win_length, periodic=False, dtype=torch.float64).float())
+        self.featurizer.fb.copy_(torch.from_numpy(fb)[None])
+        self.featurizer.window.copy_(torch.hann_window(cfg.win_length, periodic=False))  # fp32, as NeMo
 
     def init_weights(self, generator: torch.Generator):
         # No learned values here: the "random" front end is the real one (its buffers are fixed maths).

@@ -106,10 +106,13 @@ class FrameOutputs:
 
 class IncrementalText:
     """Decode a growing token list and hand out only the new text. Byte-level BPE can split a
-    character over tokens, so a decode ending in U+FFFD waits for the next token."""
+    character over tokens, so a decode ending in U+FFFD waits for the next token. Past `fold` ids the
+    list is cut back to its last `keep` (decoding context for the next token), so a long turn costs
+    O(1) per frame."""
 
-    def __init__(self, decode):
+    def __init__(self, decode, fold: int = 256, keep: int = 8):
         self.decode, self.ids, self.sent = decode, [], ""
+        self.fold, self.keep = fold, keep
 
     def add(self, ids: list[int]) -> str:
         self.ids += ids
@@ -122,6 +125,9 @@ class IncrementalText:
                 k += 1
             self.sent = self.sent[:k]
         delta, self.sent = text[len(self.sent):], text
+        if len(self.ids) > self.fold:
+            self.ids = self.ids[-self.keep:]
+            self.sent = self.decode(self.ids)
         return delta
 
     def reset(self) -> None:
@@ -343,7 +349,13 @@ class CallBridge:
         self.failed = self.outbox[-1]
         self._wake.set()
         if self.transport is not None:
-            self._cut = self.loop.call_later(self.server.cfg.slow_consumer_grace_s, self.transport.abort)
+            self._cut = self.loop.call_later(self.server.cfg.slow_consumer_grace_s, self._cut_if_stuck)
+
+    def _cut_if_stuck(self) -> None:
+        """The writer never got to the error (it is blocked on a client that does not read): drop the
+        connection. A writer that is sending it finishes the close handshake on its own."""
+        if self.outbox and self.outbox[0] is self.failed and self.transport is not None:
+            self.transport.abort()
 
     def hang_up(self) -> None:
         """The connection is gone: end the call (if any) and release the place once the engine agrees."""

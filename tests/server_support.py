@@ -20,7 +20,7 @@ from nemo_duplex import engine as engine_mod
 from nemo_duplex.config import tiny_config
 from nemo_duplex.engine import Engine, EngineConfig
 from nemo_duplex.frame_step import StepOutput
-from nemo_duplex.server import Server, ServeConfig
+from nemo_duplex.server import Server
 from nemo_duplex.tokenizer import Tokenizer, make_tiny_rnnt_vocab, make_tiny_tokenizer
 
 

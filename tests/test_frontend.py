@@ -12,6 +12,16 @@ from nemo_duplex.frontend import MelFrontend, slaney_mel_filterbank
 HOP, FRAME = 160, 1280
 
 
+def assert_mel_close(got: torch.Tensor, want: torch.Tensor, tol: float):
+    """Log-mel [..., n_mels, T] compared as mel power relative to the column's strongest band: fp32
+    DFT rounding scales with the frame's energy, so a near-silent band (preemphasis removes the lowest
+    frequencies) can be off by more than tol in ln while the spectrum is right to tol."""
+    p_got, p_want = got.double().exp(), want.double().exp()
+    scale = p_want.amax(dim=-2, keepdim=True)
+    err = ((p_got - p_want).abs() / scale).max().item()
+    assert err <= tol, f"mel power differs by {err:.2e} of the column maximum (tol {tol:.0e})"
+
+
 def test_buffers_keys_and_shapes():
     with torch.device("meta"):
         fe = MelFrontend(FrontendConfig())
@@ -22,7 +32,7 @@ def test_buffers_keys_and_shapes():
 def test_window_is_symmetric_hann():
     w = MelFrontend(FrontendConfig()).featurizer.window.double()
     n = torch.arange(400, dtype=torch.float64)
-    torch.testing.assert_close(w, 0.5 - 0.5 * torch.cos(2 * math.pi * n / 399), atol=1e-7, rtol=0)
+    torch.testing.assert_close(w, 0.5 - 0.5 * torch.cos(2 * math.pi * n / 399), atol=3e-7, rtol=0)  # fp32 table
 
 
 def test_slaney_filterbank_against_closed_form():
@@ -34,7 +44,7 @@ def test_slaney_filterbank_against_closed_form():
         return f * 3 / 200.0 if f < 1000 else 15 + math.log(f / 1000.0) / (math.log(6.4) / 27)
 
     fb = slaney_mel_filterbank(16000, 512, 128)
-    assert fb.shape == (128, 257)
+    assert fb.shape == (128, 257) and fb.dtype == np.float32
     top = hz_to_mel(8000.0)
     points = [mel_to_hz(top * i / 129) for i in range(130)]
     for m in (0, 1, 20, 64, 100, 127):
@@ -42,7 +52,7 @@ def test_slaney_filterbank_against_closed_form():
         for b in range(257):
             f = b * 8000.0 / 256
             tri = max(0.0, min((f - lo) / (mid - lo), (hi - f) / (hi - mid)))
-            assert fb[m, b] == pytest.approx(tri * 2.0 / (hi - lo), abs=1e-12)
+            assert fb[m, b] == pytest.approx(tri * 2.0 / (hi - lo), rel=1e-6, abs=1e-12)  # fp32 storage
     assert hz_to_mel(1000.0) == pytest.approx(15.0)  # the scale is linear below 1 kHz
 
 
@@ -69,8 +79,7 @@ def test_offline_mel_against_numpy(variant):
     assert mel_len.tolist() == [valid]
     want = numpy_log_mel(audio[0].double().numpy(), fe.featurizer.fb[0].double().numpy(),
                          fe.featurizer.window.double().numpy(), variant)
-    # fp32 STFT vs float64: log-mel agrees to ~1e-5 absolute (values are O(1..17)).
-    np.testing.assert_allclose(mel[0, :, :valid].double().numpy(), want[:, :valid], atol=1e-4, rtol=0)
+    assert_mel_close(mel[0, :, :valid], torch.from_numpy(want[:, :valid]), tol=1e-5)  # fp32 STFT vs float64
     assert mel[0, :, valid:].eq(0).all()
 
 
@@ -112,9 +121,7 @@ def test_streaming_columns_equal_offline(variant):
         first = 8 * k - 7
         keep = slice(max(0, -first), 8)  # negative columns are garbage by contract
         want = offline[:, :, first + keep.start:8 * k + 1]
-        # DFT as a basis matmul vs torch.stft's FFT, both fp32: a low-power mel bin (preemphasis removes
-        # low frequencies) can be off by ~2e-5 relative in power = ~2e-5 absolute in ln.
-        torch.testing.assert_close(cols[:, :, keep], want, atol=1e-4, rtol=0)
+        assert_mel_close(cols[:, :, keep], want, tol=1e-5)  # DFT as a basis matmul vs torch.stft's FFT, fp32
 
 
 def test_variants_differ_only_at_the_edges():

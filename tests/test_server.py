@@ -628,3 +628,21 @@ def test_call_script_writes_outputs(server, tok, tmp_path):
     assert lag[0] == "frame\tserver_lag_ms\tclient_lag_ms" and [int(x.split()[0]) for x in lag[1:]] == list(range(8))
     assert json.loads((out / "events.jsonl").read_text().splitlines()[-1]) == {"type": "ended", "reason": "completed"}
     srv.wait_idle()
+
+
+def test_incremental_text_matches_whole_decode(tok):
+    """Deltas of a long turn (folded every 16 ids) add up to the decode of the whole turn; the same for
+    the RNN-T transcript, whose decoder strips a leading space."""
+    from nemo_duplex.server import IncrementalText
+
+    rng = np.random.default_rng(0)
+    ids = tok.encode("Hello, and thank you for calling. How can I help you today? The weather is sunny. " * 4)
+    inc = IncrementalText(tok.decode, fold=16, keep=4)
+    assert "".join(inc.add([i]) for i in ids) == tok.decode(ids)
+    rv = tiny_rnnt()
+    user = [int(x) for x in rng.integers(0, rv.vocab_size, 200)]
+    inc = IncrementalText(rv.decode, fold=16, keep=4)
+    got = ""
+    for k in range(0, len(user), 3):
+        got += inc.add(user[k:k + 3])
+    assert got == rv.decode(user)
