@@ -21,27 +21,25 @@ import json
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
-import numpy as np
 from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.clips.make_clips import Clip, ClipSetConfig, load_clips, make_clips  # noqa: E402
+from eval.consistency import consistency  # noqa: E402
+from eval.encoder_parity import encoder_parity  # noqa: E402
+from eval.margins import margins  # noqa: E402
+from eval.models import ModelSet, clip_audio, load_model_set  # noqa: E402
 from eval.report import AudioSample, GateReport, RowRecord, format_table, log_wandb, write_report  # noqa: E402
-from eval.wer import Transcriber, check_speech, normalize_text, wer  # noqa: E402
-
-PASS, FAIL, NA = "pass", "fail", "n/a"
-SPEECH_KINDS = ("question", "long_turn", "interruption", "tool_request")
-NON_SPEECH_KINDS = ("silence", "noise")
-
-Criteria = Mapping[str, Any]  # read-only: MappingProxyType, lists as tuples
-
+from eval.row import (FAIL, NA, NON_SPEECH_KINDS, PASS, SPEECH_KINDS, AgentReply, Criteria,  # noqa: E402,F401
+                      GateContext, RowResult)
+from eval.wer import check_speech, normalize_text, wer  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------
 # Criteria: read once, frozen, hashed
@@ -71,56 +69,6 @@ def criteria_hash(criteria: Criteria) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # Rows
-
-
-@dataclass
-class RowResult:
-    """What a row returns. `reason` is required for fail and n/a; `audio` are samples worth hearing."""
-    status: str
-    reason: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-    details: dict = field(default_factory=dict)
-    audio: list[AudioSample] = field(default_factory=list)
-
-    def __post_init__(self):
-        if self.status not in (PASS, FAIL, NA):
-            raise ValueError(f"row status must be {PASS!r}, {FAIL!r} or {NA!r}, not {self.status!r}")
-        if self.status != PASS and not self.reason:
-            raise ValueError(f"a {self.status} row must say why (reason)")
-
-
-@dataclass
-class AgentReply:
-    """The agent's answer to one clip: its text channel and its audio."""
-    text: str
-    audio: np.ndarray
-    sample_rate: int
-
-
-@dataclass
-class GateContext:
-    """What rows may use. `respond` is the model runner (clip -> AgentReply); None until a model is
-    plugged in. The ASR model is loaded on first use by `transcriber()` and kept here."""
-    clips: list[Clip]
-    out_dir: Path
-    checkpoint_kind: str                                   # random | trained
-    asr_backend: str = "pocketsphinx"
-    asr_model_path: str | None = None
-    respond: Callable[[Clip], AgentReply] | None = None
-    show_progress: bool = True
-    _transcriber: Transcriber | None = None
-
-    def transcriber(self) -> Transcriber:
-        if self._transcriber is None:
-            self._transcriber = Transcriber(self.asr_backend, self.asr_model_path)
-        return self._transcriber
-
-    def progress(self, items: Iterable, desc: str) -> Iterable:
-        items = list(items)
-        return tqdm(items, desc=desc, leave=False, disable=not self.show_progress)
-
-    def clips_of(self, kinds: tuple[str, ...]) -> list[Clip]:
-        return [c for c in self.clips if c.kind in kinds]
 
 
 @dataclass
@@ -221,8 +169,11 @@ def agent_wer(ctx: GateContext, criteria: Criteria) -> RowResult:
 
 
 ROWS: dict[str, Callable[[GateContext, Criteria], RowResult]] = {
-    "wer_pipeline": wer_pipeline,
-    "agent_wer": agent_wer,
+    "wer_pipeline": wer_pipeline,       # the ASR itself (eval/wer.py)
+    "encoder_parity": encoder_parity,   # streaming encoder = offline (eval/encoder_parity.py)
+    "margins": margins,                 # bf16 vs fp32 decisions, near-ties only (eval/margins.py)
+    "consistency": consistency,         # offline = streaming = engine (eval/consistency.py)
+    "agent_wer": agent_wer,             # the talker says the agent's text
 }
 
 
@@ -300,9 +251,22 @@ def prepare_clips(clips_cfg: dict, out_dir: Path, only: list[str] | None) -> lis
     return make_clips(out_dir / "clips", cfg, names=only)
 
 
-def gate_main(cfg, respond: Callable[[Clip], AgentReply] | None = None, show_progress: bool = True) -> int:
+def streaming_reply(models: ModelSet, clip: Clip, seed: int = 0) -> AgentReply:
+    """The agent's answer to a whole clip: the configured model streaming it (spec 7.2), greedy text."""
+    from nemo_duplex.frame_step import stream_inference
+
+    model = models.configured
+    res = stream_inference(model, clip_audio(clip, model.cfg), seed=seed)
+    return AgentReply(models.tokenizer.decode(res.text_tokens.tolist()), res.wav.float().cpu().numpy(),
+                      model.cfg.target_sample_rate)
+
+
+def gate_main(cfg, respond: Callable[[Clip], AgentReply] | None = None, show_progress: bool = True,
+              models: ModelSet | None = None) -> int:
     """The gate on a composed config (the `eval`, `wandb`, `model` and `checkpoint` nodes of
-    conf/config.yaml). Returns the exit status."""
+    conf/config.yaml). Returns the exit status. The models are loaded from `cfg` when a row first
+    needs them, unless given (`models`); agent replies come from `respond`, by default the configured
+    model streaming each clip."""
     from omegaconf import OmegaConf
 
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
@@ -313,8 +277,14 @@ def gate_main(cfg, respond: Callable[[Clip], AgentReply] | None = None, show_pro
     kind = resolve_checkpoint_kind(ev["checkpoint_kind"], OmegaConf.select(cfg, "model.weights"),
                                    OmegaConf.select(cfg, "checkpoint"))
     clips = prepare_clips(ev["clips"], out_dir, ev.get("only_clips"))
+    settings = freeze(ev["models"])
     ctx = GateContext(clips=clips, out_dir=out_dir, checkpoint_kind=kind, asr_backend=ev["asr"]["backend"],
-                      asr_model_path=ev["asr"]["model_path"], respond=respond, show_progress=show_progress)
+                      asr_model_path=ev["asr"]["model_path"], respond=respond, show_progress=show_progress,
+                      load_models=(lambda: models) if models is not None else
+                      (lambda: load_model_set(cfg, settings["bf16_dtype"])),
+                      settings=settings)
+    if ctx.respond is None:
+        ctx.respond = lambda clip: streaming_reply(ctx.models(), clip, int(settings.get("seed", 0)))
     config = {"eval": ev, "checkpoint": OmegaConf.select(cfg, "checkpoint"),
               "model": OmegaConf.select(cfg, "model.name"), "checkpoint_kind": kind,
               "clips": [{"name": c.name, "kind": c.kind, "sha256": c.sha256} for c in clips]}
@@ -333,12 +303,21 @@ def _hydra_run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-if __name__ == "__main__":
+def row_app(row: str | None = None) -> None:
+    """The gate as a Hydra app (conf/config.yaml): every configured row, or only `row` (how each row
+    module runs alone: `python eval/margins.py ...`). Exits with the gate's status."""
     import hydra
+    from omegaconf import open_dict
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def main(cfg) -> None:
-        # The lead's model runner plugs in here as `respond=` (Clip -> AgentReply) once the model exists.
+        if row is not None:
+            with open_dict(cfg):
+                cfg.eval.rows = [row]
         sys.exit(gate_main(cfg))
 
     main()
+
+
+if __name__ == "__main__":
+    row_app()

@@ -11,7 +11,10 @@ NeMo's `disable_tf32`). `decode`, `decode_step` and `encode` refuse parameters t
 CUDA in eager mode, run under `exact_fp32()` (IEEE fp32 matmuls and convolutions). Under torch.compile
 the flags are read at compile time, so the caller must set `torch.backends.cuda.matmul.fp32_precision`
 and `torch.backends.cudnn.conv.fp32_precision` to "ieee" before compiling. The per-frame inverse DFT
-goes through `ops.dft` (IEEE fp32 whatever the flags).
+goes through `ops.dft` (IEEE fp32 whatever the flags). The decoder's pointwise and transposed convs are
+GEMMs (`linear`, CodecConfig.gemm / `codec.gemm`): "ieee" fp32 (default); "tf32x3", three TF32 tensor-core
+products per fp32 product, as accurate as fp32 (ops/fp32_linear.py); "bf16x3", three bf16 products,
+~1e-5 relative. Plain TF32 or bf16 never.
 
 Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
 each causal ConvNeXt keeps its last 6 input frames; the overlap-add keeps the 12 samples (and their
@@ -34,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops.dft import irdft
+from ops.fp32_linear import fp32_linear
 
 from .config import CodecConfig
 
@@ -57,6 +61,75 @@ def exact_fp32(device: torch.device):
         yield
     finally:
         matmul.fp32_precision, conv.fp32_precision = saved
+
+
+# ----------------------------------------------------------------------------------------------------
+# GEMMs in fp32, or fp32-accurate from bf16 tensor cores
+# ----------------------------------------------------------------------------------------------------
+
+GEMMS = ("ieee", "tf32x3", "bf16x3")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str,
+           gelu: bool = False) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias [N]), then exact GELU if `gelu`; fp32 in and out.
+
+    "ieee": an fp32 GEMM with IEEE products (under exact_fp32: cuBLAS SGEMM, no tensor cores).
+    "tf32x3": ops/fp32_linear.py, three TF32 tensor-core products per fp32 product (hi/lo split in
+      registers), as accurate as "ieee" (~1e-7 relative); bias and GELU fused. Plain TF32 is never used.
+    "bf16x3": every fp32 value v is split v = hi + lo with hi = bf16(v), lo = bf16(v - hi) (16 of fp32's 24
+      mantissa bits), and x w ~ x_hi w_hi + x_lo w_hi + x_hi w_lo (x_lo w_lo dropped): ONE cuBLAS bf16 GEMM
+      over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.
+      ~1e-5 relative per product (bf16 alone: ~4e-3); tests/test_codec.py states the bounds. Off CUDA the
+      same products run as an fp32 matmul of the bf16 parts (exact products, fp32 sums)."""
+    if gemm == "tf32x3":
+        return fp32_linear(x, weight, bias, gelu)
+    if gemm == "ieee":
+        y = F.linear(x, weight, bias)
+    elif gemm == "bf16x3":
+        y = _bf16x3_linear(x, weight, bias)
+    else:
+        raise ValueError(f"gemm must be one of {GEMMS}; got {gemm!r}")
+    return F.gelu(y) if gelu else y
+
+
+def _bf16x3_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    a = _split_bf16(x.reshape(-1, k), hi_again=True)    # [M, 3K]
+    b = _split_bf16(weight, hi_again=False)             # [N, 3K]
+    if x.is_cuda:
+        if bias is None:
+            y = torch.mm(a, b.t(), out_dtype=torch.float32)
+        else:
+            y = torch.addmm(bias, a, b.t(), out_dtype=torch.float32)
+    else:
+        y = torch.matmul(a.float(), b.float().t())
+        if bias is not None:
+            y = y + bias
+    return y.view(*lead, weight.shape[0])
+
+
+@torch.no_grad()  # inference only (out= ops); the ieee path stays differentiable
+def _split_bf16(v: torch.Tensor, hi_again: bool) -> torch.Tensor:
+    """v [M, K] fp32 -> [hi | lo | hi] (hi_again) or [hi | hi | lo], [M, 3K] bf16, written in place."""
+    m, k = v.shape
+    out = torch.empty(m, 3 * k, dtype=torch.bfloat16, device=v.device)
+    hi = out[:, :k]
+    hi.copy_(v)  # round to nearest
+    lo, second_hi = (out[:, k:2 * k], out[:, 2 * k:]) if hi_again else (out[:, 2 * k:], out[:, k:2 * k])
+    second_hi.copy_(hi)
+    torch.sub(v, hi, out=lo)  # v - hi is exact in fp32; its bf16 rounding is the split's error
+    return out
+
+
+def upsample(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
+    """ConvTranspose1d with kernel == stride and no bias (spec 5.2: the decoder's upsampling layers), as a
+    matmul: each input frame l becomes output frames l k .. l k + k - 1, sum_i x[i, l] weight[i, :, j], with
+    no overlap between input frames. x [B, C_in, L], weight [C_in, C_out, k] -> [B, C_out, L k]."""
+    batch, c_in, length = x.shape
+    c_out, k = weight.shape[1], weight.shape[2]
+    y = linear(x.transpose(1, 2), weight.reshape(c_in, c_out * k).t(), None, gemm)  # [B, L, C_out k]
+    return y.view(batch, length, c_out, k).permute(0, 2, 1, 3).reshape(batch, c_out, length * k)
 
 
 def replace_control_codes(codes: torch.Tensor, silence_codes: torch.Tensor, codebook_size: int) -> torch.Tensor:
@@ -88,17 +161,18 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
         """x [B, C, L] from the start of the signal: zeros before it (the causal pad)."""
-        return self.forward_padded(F.pad(x, (self.history, 0)))
+        return self.forward_padded(F.pad(x, (self.history, 0)), gemm)
 
-    def forward_padded(self, padded: torch.Tensor) -> torch.Tensor:
-        """padded [B, C, history + L]: the input with its `history` preceding frames -> [B, C, L]."""
+    def forward_padded(self, padded: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
+        """padded [B, C, history + L]: the input with its `history` preceding frames -> [B, C, L].
+        `gemm`: how the k=1 convs run (`linear`)."""
         residual = padded[:, :, self.history:]
         y = self.dwconv(padded).transpose(1, 2)  # [B, L, C]: LayerNorm and k=1 convs over channels
         y = self.norm(y)
-        y = F.gelu(F.linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias))
-        y = F.linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias)
+        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True)
+        y = linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm)
         return residual + y.transpose(1, 2)
 
     def init_weights(self, generator: torch.Generator) -> None:
@@ -231,17 +305,26 @@ class Latent2Wav(nn.Module):
         layers.append(nn.Conv1d(width_in, cfg.n_fft + 2, 1, bias=False))
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, latent: torch.Tensor) -> torch.Tensor:
-        """latent [B, latent, T] -> iSTFT head input [B, n_fft + 2, 441 T]."""
+    def forward(self, latent: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
+        """latent [B, latent, T] -> iSTFT head input [B, n_fft + 2, 441 T]. `gemm`: see `linear`."""
         x = latent
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, gemm) if isinstance(layer, ConvNeXtBlock) else self._linear_layer(layer, x, gemm)
         return x
+
+    @staticmethod
+    def _linear_layer(layer: nn.Module, x: torch.Tensor, gemm: str) -> torch.Tensor:
+        """The upsampling ConvTranspose1d layers and the final k=1 Conv1d, as matmuls (no cuDNN dgrad
+        kernels, and the same GEMM numerics as the ConvNeXt blocks)."""
+        if isinstance(layer, nn.ConvTranspose1d):
+            return upsample(x, layer.weight, gemm)
+        return linear(x.transpose(1, 2), layer.weight[:, :, 0], None, gemm).transpose(1, 2)
 
     def convnext_blocks(self) -> list[ConvNeXtBlock]:
         return [layer for layer in self.layers if isinstance(layer, ConvNeXtBlock)]
 
-    def step(self, latent: torch.Tensor, history: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    def step(self, latent: torch.Tensor, history: list[torch.Tensor], slots: torch.Tensor,
+             gemm: str = "ieee") -> torch.Tensor:
         """One code frame per row: latent [B, latent, 1] -> head input [B, n_fft + 2, 441]. history[i]
         [S, C_i, k-1] holds the last k-1 input frames of ConvNeXt block i per slot; rows `slots` are read
         and then overwritten in place."""
@@ -251,10 +334,10 @@ class Latent2Wav(nn.Module):
             if isinstance(layer, ConvNeXtBlock):
                 padded = torch.cat([history[block].index_select(0, slots), x], dim=-1)
                 history[block].index_copy_(0, slots, padded[:, :, -layer.history:])
-                x = layer.forward_padded(padded)
+                x = layer.forward_padded(padded, gemm)
                 block += 1
             else:
-                x = layer(x)
+                x = self._linear_layer(layer, x, gemm)
         return x
 
     def init_weights(self, generator: torch.Generator) -> None:
@@ -331,7 +414,11 @@ class RVQCodec(nn.Module):
             raise ValueError(f"prod(rates) * hop_length must equal wav_to_token_ratio: {cfg}")
         if cfg.n_fft % cfg.hop_length or (cfg.n_fft - cfg.hop_length) % 2:
             raise ValueError(f"n_fft must be a multiple of hop_length with an even difference: {cfg}")
+        if cfg.gemm not in GEMMS:
+            raise ValueError(f"codec gemm must be one of {GEMMS}; got {cfg.gemm!r}")
         self.cfg = cfg
+        # The decoder's GEMM numerics (`linear`); a plain attribute so a caller can switch it.
+        self.gemm = cfg.gemm
         self.encoder = Wav2Latent(cfg)
         self.decoder = Latent2Wav(cfg)
         self.prvq = ResidualVQ(cfg)
@@ -365,7 +452,7 @@ class RVQCodec(nn.Module):
         if silence_codes is not None:
             codes = replace_control_codes(codes, silence_codes, self.cfg.codebook_size)
         with exact_fp32(codes.device):
-            head = self.decoder(self.dequantize(codes).transpose(1, 2))
+            head = self.decoder(self.dequantize(codes).transpose(1, 2), self.gemm)
             return istft(head, self.cfg.n_fft, self.cfg.hop_length, by_matmul)
 
     def encode(self, wav: torch.Tensor) -> torch.Tensor:
@@ -421,7 +508,7 @@ class RVQCodec(nn.Module):
         n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
         with exact_fp32(codes.device):
             latent = self.dequantize(codes[:, None, :]).transpose(1, 2)  # [B, latent, 1]
-            head = self.decoder.step(latent, state.convnext_history, slots)  # [B, 18, 441]
+            head = self.decoder.step(latent, state.convnext_history, slots, self.gemm)  # [B, 18, 441]
             frames = synthesis_frames(head, n_fft, by_matmul=True)  # [B, 441, 16]
             signal = overlap_add(frames, hop)  # [B, 1764 + 12]
             envelope = window_envelope(frames.shape[1], n_fft, hop, codes.device).expand_as(signal)

@@ -193,6 +193,9 @@ class CodecConfig:
     num_quantizers: int = 31
     codebook_size: int = 1024
     wav_to_token_ratio: int = 1764
+    # How the decoder's GEMMs (pointwise and transposed convs) run, codec.linear: "ieee" (fp32 SGEMM),
+    # "tf32x3" (3xTF32 Triton GEMM, fp32-accurate) or "bf16x3" (~1e-5 relative). Not in config.json.
+    gemm: str = "ieee"
 
 
 @dataclass

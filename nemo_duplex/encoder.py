@@ -111,14 +111,14 @@ class ConvSubsampling(nn.Module):
 
     def forward(self, mel: torch.Tensor, lengths: torch.Tensor | None = None,
                 first_index: torch.Tensor | None = None) -> torch.Tensor:
-        """mel [B, T, n_mels] -> [B, T', d_model]. Offline: `lengths` [B] valid mel columns. Streaming:
-        `first_index` [B] global mel column of mel[:, 0] (even), instead of lengths.
+        """mel [B, T, n_mels] -> [B, T', d_model]. Pass one of: offline `lengths` [B] valid mel columns;
+        streaming `first_index` [B] global mel column of mel[:, 0] (even).
         Before each stride-2 conv the time steps outside the signal are zeroed, then padded (2 left,
         1 right) on time and frequency (CausalConv2D)."""
         conv = self.conv
         x = mel[:, None]
         for strided, rest in ((conv[0], (conv[1],)), (conv[2], (conv[3], conv[4])), (conv[5], (conv[6], conv[7]))):
-            x = x * self.keep_mask(x, lengths, first_index)[:, None, :, None].to(x.dtype)
+            x = x.masked_fill(~self.keep_mask(x, lengths, first_index)[:, None, :, None], 0.0)
             x = strided(F.pad(x, (2, 1, 2, 1)))
             for module in rest:
                 x = module(x)
@@ -128,7 +128,7 @@ class ConvSubsampling(nn.Module):
             else:
                 lengths = subsampled_lengths(lengths, 1)
         if first_index is None:
-            x = x * self.keep_mask(x, lengths, None)[:, None, :, None].to(x.dtype)
+            x = x.masked_fill(~self.keep_mask(x, lengths, None)[:, None, :, None], 0.0)
         b, c, t, f = x.shape
         return self.out(x.transpose(1, 2).reshape(b, t, c * f))
 

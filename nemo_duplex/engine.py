@@ -23,7 +23,7 @@ import torch
 
 from .frame_step import admit, special_ids
 from .sampling import SamplingParams
-from .state import SlotAllocator, allocate_call_state
+from .state import PrefixCache, SlotAllocator, allocate_call_state
 
 
 # ---- errors a client can get ------------------------------------------------------------------------
@@ -50,6 +50,7 @@ class EngineConfig:
     max_call_s: float = 160.0          # a call past this many seconds of input ends with reason "limit"
     max_pending_s: float = 30.0        # input received but not yet stepped, per call
     max_prompt_tokens: int = 512
+    prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
     capture_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
     graphs: bool = False
     graph_backend: str = "reduce-overhead"  # or "cudagraph" (graphs/capture.py says when)
@@ -194,7 +195,7 @@ class Engine:
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         self.stats = EngineStats()
-        self._prefix_cache: dict = {}
+        self.prefix_cache = PrefixCache(self.cfg.prefix_cache_entries)
 
     # ---- client API --------------------------------------------------------------------------------
     def open_call(self, options: CallOptions | None = None, on_event: Callable | None = None,
@@ -302,7 +303,7 @@ class Engine:
                 raise EngineError(f"system prompt is {prompt_ids.numel()} tokens; the limit is "
                                   f"engine.max_prompt_tokens = {self.cfg.max_prompt_tokens}")
             admit(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
-                  call.options.speaker)
+                  call.options.speaker, self.prefix_cache)
             call.admitted = True
         except Exception as e:
             self._end(call, "error", str(e))

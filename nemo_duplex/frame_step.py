@@ -17,7 +17,7 @@ from torch.profiler import record_function
 
 from . import rng
 from .sampling import SamplingParams, sample_text
-from .state import CallState
+from .state import CallState, PrefixCache
 
 
 @dataclass
@@ -85,9 +85,10 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
 
 @torch.no_grad()
 def admit(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed: int,
-          sampling: SamplingParams, speaker: str | None = None) -> None:
+          sampling: SamplingParams, speaker: str | None = None, prefix_cache: PrefixCache | None = None) -> None:
     """Reset `slot` and bring it to the state of a call about to hear its first frame: LLM prefill of
-    the system prompt (spec 1.3) and the talker's 37-position speaker warm-up (spec 4.3)."""
+    the system prompt (spec 1.3) and the talker's 37-position speaker warm-up (spec 4.3). With a
+    prefix cache, a prompt and speaker seen before are copied in instead of recomputed."""
     cfg = model.cfg
     dev = st.llm_len.device
     s = torch.tensor([slot], dtype=torch.int64, device=dev)
@@ -96,12 +97,19 @@ def admit(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed
         model.stt_model.rnnt_decoder.reset_slots(st.rnnt, s)
     model.llm.reset_slots(st.llm, s)
     model.codec.reset_slots(st.codec, s)
-    P = 0
-    if prompt_ids is not None and prompt_ids.numel() > 0:
-        P = prompt_ids.shape[0]
-        x = model.prompt_embeddings(prompt_ids.to(dev))[None]
-        model.llm.prefill(x, st.llm, s, torch.zeros(1, dtype=torch.int64, device=dev))
-    model.talker.prefill_warmup(st.talker, s, model.speaker_latent(speaker), model.silence_codes)
+    has_prompt = prompt_ids is not None and prompt_ids.numel() > 0
+    P = prompt_ids.shape[0] if has_prompt else 0
+    key = (tuple(prompt_ids.tolist()) if has_prompt else (), speaker or cfg.talker.speaker)
+    snap = prefix_cache.get(key) if prefix_cache is not None else None
+    if snap is not None:
+        PrefixCache.restore(st, slot, snap)
+    else:
+        if has_prompt:
+            x = model.prompt_embeddings(prompt_ids.to(dev))[None]
+            model.llm.prefill(x, st.llm, s, torch.zeros(1, dtype=torch.int64, device=dev))
+        model.talker.prefill_warmup(st.talker, s, model.speaker_latent(speaker), model.silence_codes)
+        if prefix_cache is not None:
+            prefix_cache.put(key, PrefixCache.snapshot(st, slot, P, cfg.prompt_frames))
     pad = cfg.tokens.pad_id
     st.llm_len[slot] = P
     st.talker_pos[slot] = cfg.prompt_frames

@@ -1005,7 +1005,9 @@ class NativeSession:
             for m in out.tool_errors:
                 s.metrics.refusal("function_call_parse_error")
                 evs.append({"type": "error", "frame": k, "code": "function_call_parse_error", "message": m})
-            s.metrics.frame_sent(time.monotonic() - item.ready_at)
+            # the lag the client gets in the header is /metrics' frame lag: input received -> packet sent
+            out.lag_s = time.monotonic() - item.ready_at
+            s.metrics.frame_sent(out.lag_s)
             return out, evs, None, False
         if isinstance(item, DrainedEvent):
             return None, [{"type": "drained", "frames": item.frames}], None, False

@@ -110,3 +110,53 @@ class SlotAllocator:
     def in_use(self) -> int:
         with self._lock:
             return len(self._taken)
+
+
+class PrefixCache:
+    """Admission results by (system prompt ids, speaker): the LLM's Mamba and attention state after the
+    prompt prefill and the talker's KV after the speaker warm-up. A call whose prompt and speaker were
+    seen before gets them copied into its slot instead of recomputed. Bounded (LRU): at full size one
+    entry holds the fp32 SSM state (~141 MB) plus the prompt's KV."""
+
+    def __init__(self, max_entries: int = 8):
+        from collections import OrderedDict
+        self.max_entries = max_entries
+        self._entries: "OrderedDict[tuple, dict]" = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> dict | None:
+        snap = self._entries.get(key)
+        if snap is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return snap
+
+    def put(self, key: tuple, snap: dict) -> None:
+        if self.max_entries <= 0:
+            return
+        self._entries[key] = snap
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    @staticmethod
+    def snapshot(st: CallState, slot: int, prompt_len: int, warmup_len: int) -> dict:
+        llm, tk = st.llm, st.talker
+        return {"conv": llm.conv[:, slot].clone(), "ssm": llm.ssm[:, slot].clone(),
+                "k": llm.k[:, slot, :, :prompt_len].clone(), "v": llm.v[:, slot, :, :prompt_len].clone(),
+                "talker_k": tk.k[:, :, slot, :, :warmup_len].clone(),
+                "talker_v": tk.v[:, :, slot, :, :warmup_len].clone()}
+
+    @staticmethod
+    def restore(st: CallState, slot: int, snap: dict) -> None:
+        llm, tk = st.llm, st.talker
+        p, w = snap["k"].shape[-2], snap["talker_k"].shape[-2]
+        llm.conv[:, slot] = snap["conv"]
+        llm.ssm[:, slot] = snap["ssm"]
+        llm.k[:, slot, :, :p] = snap["k"]
+        llm.v[:, slot, :, :p] = snap["v"]
+        tk.k[:, :, slot, :, :w] = snap["talker_k"]
+        tk.v[:, :, slot, :, :w] = snap["talker_v"]

@@ -6,10 +6,15 @@ spec 4.1). The pool is `[S, kv_heads, max_len, head_dim]` and row b reads slot `
 `[0, seq_lens[b])` (the new token's own k/v are already written at `seq_lens[b] - 1`). With a window,
 only keys with `pos > cur - window` take part, `cur = seq_lens[b] - 1` (Gemma's sliding mask).
 
-The kernel is split over the sequence (flash-decoding): program (b, kv head, split) handles the GROUP
-query heads of one kv head on one stretch of positions and keeps an online softmax; with more than
-one split, partial (max, sum, acc) go to scratch and a second kernel merges them. Head dims that are
-not powers of two (72) use a padded BLOCK_D with masks; the cache itself is never padded.
+Two kernels, both split over the sequence (flash-decoding) with an online softmax in base 2; with more
+than one split, partial (max, sum, acc) go to fp32 scratch and a third kernel merges them.
+* `_decode_attention_vector_kernel` (one kv head per query head, the talker): program (row, head, split).
+  With nothing to share, q.k and p.v are elementwise products and row reductions: a matrix product would
+  pad the single query to 16 rows. The head dim 72 is read as 64 + 8 columns, so no lane is padding.
+* `_decode_attention_group_kernel` (GQA, the LLM): program (row, kv head, split); the group's queries
+  share each K/V tile through tl.dot (head dim padded to a power of two with masks).
+Each split covers an equal share of its row's visible keys, computed in the kernel from the row's
+length, so a pool sized for long calls costs nothing while calls are short. The cache is never padded.
 """
 from __future__ import annotations
 
@@ -49,68 +54,187 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # Triton
 # ----------------------------------------------------------------------------------------------------
 
+LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x log2 e), folded into the query scale
+
+
 @triton.jit
-def _decode_attention_kernel(
+def _split_range(slots_ptr, seq_lens_ptr, row, split, window,
+                 HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The row's slot and the positions [start, end) this split reads. The row's visible keys
+    [lo, seq_len) are cut into NUM_SPLITS stretches of whole BLOCK_N blocks, from the row's own length
+    (a device value), so short rows do not pay for the pool's max_len and every split has similar work."""
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + row).to(tl.int32)
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)  # keys with pos > (seq_len - 1) - window
+    blocks = (seq_len - lo + BLOCK_N - 1) // BLOCK_N
+    split_len = (blocks + NUM_SPLITS - 1) // NUM_SPLITS * BLOCK_N
+    start = lo + split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+    return slot, start, end
+
+
+@triton.jit
+def _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i, acc_a, acc_b, end,
+                  HEAD_DIM: tl.constexpr, HAS_TAIL: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr):
+    """One block of BLOCK_N keys for one query head (no GQA sharing, so no matrix product: q.k and p.v are
+    elementwise products and reductions). The head dim is cut into a power-of-two part BLOCK_DA and a tail
+    (72 = 64 + 8) so no lane loads or multiplies padding."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    n_mask = pos < end
+    offs_a = tl.arange(0, BLOCK_DA)
+    offs_b = BLOCK_DA + tl.arange(0, BLOCK_DB)
+    b_mask = n_mask[:, None] & (offs_b < HEAD_DIM)[None, :]
+    k_rows = k_base + pos[:, None].to(tl.int64) * stride_kl
+    v_rows = v_base + pos[:, None].to(tl.int64) * stride_vl
+    k_a = tl.load(k_rows + offs_a[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
+    s = tl.sum(k_a * q_a[None, :], axis=1)
+    if HAS_TAIL:
+        k_b = tl.load(k_rows + offs_b[None, :], mask=b_mask, other=0.0).to(tl.float32)
+        s += tl.sum(k_b * q_b[None, :], axis=1)
+    s = tl.where(n_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    v_a = tl.load(v_rows + offs_a[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
+    acc_a = acc_a * alpha + tl.sum(p[:, None] * v_a, axis=0)
+    if HAS_TAIL:
+        v_b = tl.load(v_rows + offs_b[None, :], mask=b_mask, other=0.0).to(tl.float32)
+        acc_b = acc_b * alpha + tl.sum(p[:, None] * v_b, axis=0)
+    return m_new, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _decode_attention_vector_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kl,
     stride_vs, stride_vh, stride_vl,
     stride_ob, stride_oh,
-    scale, window, split_len,
+    qk_scale, window,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_TAIL: tl.constexpr, PIPELINED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
+):
+    """Program (row, head, split) when every query head has its own kv head (the talker, spec 4.1)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    slot, start, end = _split_range(slots_ptr, seq_lens_ptr, row, split, window, HAS_WINDOW, NUM_SPLITS, BLOCK_N)
+
+    offs_a = tl.arange(0, BLOCK_DA)
+    offs_b = BLOCK_DA + tl.arange(0, BLOCK_DB)
+    b_mask = offs_b < HEAD_DIM
+    q_row = q_ptr + row * stride_qb + head * stride_qh
+    q_a = tl.load(q_row + offs_a).to(tl.float32) * qk_scale
+    q_b = tl.load(q_row + offs_b, mask=b_mask, other=0.0).to(tl.float32) * qk_scale
+    k_base = k_ptr + slot * stride_ks + head * stride_kh
+    v_base = v_ptr + slot * stride_vs + head * stride_vh
+
+    # A finite start for the running max keeps exp2(m_old - m_new) defined (every block iterated has at
+    # least one visible key, so m is finite after the first).
+    m_i = -1.0e30
+    l_i = 0.0
+    acc_a = tl.zeros([BLOCK_DA], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_DB], dtype=tl.float32)
+    if PIPELINED:  # compiled: a counted loop, which Triton software-pipelines
+        for n0 in tl.range(start, end, BLOCK_N):
+            m_i, l_i, acc_a, acc_b = _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i,
+                                                   acc_a, acc_b, end, HEAD_DIM, HAS_TAIL, BLOCK_N, BLOCK_DA, BLOCK_DB)
+    else:
+        # Triton 3.6's interpreter cannot take loaded (device) loop bounds under numpy >= 2.4 (int() of a
+        # 1-element array): the same blocks as a while loop.
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc_a, acc_b = _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i,
+                                                   acc_a, acc_b, end, HEAD_DIM, HAS_TAIL, BLOCK_N, BLOCK_DA, BLOCK_DB)
+            n0 += BLOCK_N
+
+    if NUM_SPLITS == 1:
+        out_row = out_ptr + row * stride_ob + head * stride_oh
+        inv = 1.0 / tl.maximum(l_i, 1e-30)
+        tl.store(out_row + offs_a, (acc_a * inv).to(out_ptr.dtype.element_ty))
+        if HAS_TAIL:
+            tl.store(out_row + offs_b, (acc_b * inv).to(out_ptr.dtype.element_ty), mask=b_mask)
+    else:
+        # scratch: acc [B, Hq, NUM_SPLITS, HEAD_DIM], (m, l) [B, Hq, NUM_SPLITS, 2], fp32, contiguous
+        part = (row * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part * HEAD_DIM + offs_a, acc_a)
+        if HAS_TAIL:
+            tl.store(part_acc_ptr + part * HEAD_DIM + offs_b, acc_b, mask=b_mask)
+        tl.store(part_ml_ptr + part * 2, m_i)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i)
+
+
+@triton.jit
+def _group_block(n0, k_base, v_base, stride_kl, stride_vl, q, m_i, l_i, acc, end,
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One block of BLOCK_N keys for the GROUP query heads sharing a kv head: two small matrix products."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    n_mask = pos < end
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    # Tiles are upcast to fp32 before the dots: bf16 values are exact in tf32, so q.k loses nothing, and
+    # p keeps 10 mantissa bits instead of bf16's 8 (Triton 3.6's interpreter also mis-computes bf16 dots).
+    k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kl + offs_d[None, :], mask=kv_mask,
+                other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :], mask=kv_mask,
+                other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_attention_group_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kl,
+    stride_vs, stride_vh, stride_vl,
+    stride_ob, stride_oh,
+    qk_scale, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINED: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Program (row, kv head, split) for GQA (the LLM, spec 3.4: 5 query heads per kv head): the group's
+    queries share each K/V tile, so q.k and p.v are tensor-core products (the group padded to BLOCK_G)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + row).to(tl.int32)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)  # keys with pos > (seq_len - 1) - window
-    start = tl.maximum(lo, split * split_len)
-    end = tl.minimum(seq_len, (split + 1) * split_len)
+    slot, start, end = _split_range(slots_ptr, seq_lens_ptr, row, split, window, HAS_WINDOW, NUM_SPLITS, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
-
-    # Tiles are upcast to fp32 before the dots: bf16 values are exact in tf32, so q.k loses nothing, and
-    # p keeps 10 mantissa bits instead of bf16's 8 (Triton 3.6's interpreter also mis-computes bf16 dots).
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * qk_scale
     k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
     v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
 
-    # A finite start for the running max keeps exp(m_old - m_new) defined when a block is all masked.
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    # A while loop, not `range(start, end, ...)`: Triton 3.6's interpreter cannot take runtime loop
-    # bounds under numpy >= 2.4 (int() of a 1-element array), and the bounds are per-row device values.
-    n0 = start
-    while n0 < end:
-        pos = n0 + offs_n
-        n_mask = pos < end
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kl + offs_d[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
-        n0 += BLOCK_N
+    if PIPELINED:
+        for n0 in tl.range(start, end, BLOCK_N):
+            m_i, l_i, acc = _group_block(n0, k_base, v_base, stride_kl, stride_vl, q, m_i, l_i, acc, end,
+                                         HEAD_DIM, DOT_PRECISION, BLOCK_N, BLOCK_D)
+    else:  # the interpreter (see the vector kernel)
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _group_block(n0, k_base, v_base, stride_kl, stride_vl, q, m_i, l_i, acc, end,
+                                         HEAD_DIM, DOT_PRECISION, BLOCK_N, BLOCK_D)
+            n0 += BLOCK_N
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -118,7 +242,6 @@ def _decode_attention_kernel(
         tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # scratch: acc [B, Hq, NUM_SPLITS, HEAD_DIM], (m, l) [B, Hq, NUM_SPLITS, 2], all fp32, contiguous
         part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
@@ -131,6 +254,7 @@ def _merge_splits_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Combine the splits' partial softmaxes (base 2) of one (row, head)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -143,56 +267,84 @@ def _merge_splits_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     m_max = tl.max(m, axis=0)
-    w = tl.exp(m - m_max)  # empty splits carry m = -1e30 and l = 0: weight 0
+    w = tl.exp2(m - m_max)  # empty splits carry m = -1e30 and l = 0: weight 0
     total = tl.sum(w * l, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _pick_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int) -> int:
-    """Enough programs to fill a GPU (~132 SMs x 2) when the batch is small; at most one split per
-    256 positions. Depends only on static shapes, so a captured graph keeps one choice."""
-    programs = batch * kv_heads
-    want = triton.cdiv(264, programs)
-    return max(1, min(want, triton.cdiv(max_len, 256), 32))
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def pick_num_splits(programs: int, max_len: int, block_n: int, num_sms: int) -> int:
+    """Splits per row so that programs x splits fill the GPU about twice, each split keeping at least two
+    blocks of keys. Depends only on static shapes, so a captured graph keeps one choice; the split
+    boundaries themselves follow each row's length (_split_range)."""
+    want = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(want, triton.cdiv(max_len, 2 * block_n), 32))
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             slots: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             window: int | None = None, num_splits: int | None = None,
-                            precision: str | None = None) -> torch.Tensor:
+                            precision: str | None = None, block_n: int | None = None,
+                            num_warps: int | None = None, pipelined: bool | None = None) -> torch.Tensor:
+    """The Triton path. `num_splits`, `block_n`, `num_warps`, `pipelined` override the tuned choices
+    (scripts/bench_ops.py sweeps them); `precision` is the group kernel's tl.dot input precision."""
     batch, num_heads, head_dim = q.shape
     num_slots, kv_heads, max_len, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape and num_heads % kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert q.dtype == k_cache.dtype == v_cache.dtype
     group = num_heads // kv_heads
-    block_n = 64 if head_dim <= 128 else 32
+    if pipelined is None:
+        pipelined = os.environ.get("TRITON_INTERPRET") != "1"
+    if group == 1:
+        block_n = block_n or 64
+        num_warps = num_warps or 4
+        programs = batch * num_heads
+    else:
+        block_n = block_n or (64 if head_dim <= 128 else 32)
+        num_warps = num_warps or 4
+        programs = batch * kv_heads
     if num_splits is None:
-        num_splits = _pick_num_splits(batch, kv_heads, max_len, block_n)
-    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+        num_splits = pick_num_splits(programs, max_len, block_n, _num_sms(q.device))
     out = torch.empty_like(q)
     if num_splits > 1:
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(batch, num_heads, num_splits, 2, device=q.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out  # unused
-    # fp32 caches: tf32x3 (three tf32 MMAs) is as accurate as "ieee" (~1e-6 relative on H200, plain tf32
-    # ~2e-3) and twice as fast; bf16/fp16 values are exact in tf32, so one tf32 MMA suffices.
-    if precision is None:
-        precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
-    _decode_attention_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, slots, seq_lens, out, part_acc, part_ml,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        scale, window if window is not None else 0, split_len,
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, DOT_PRECISION=precision,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-    )
+    strides = (q.stride(0), q.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+               out.stride(0), out.stride(1))
+    qk_scale = scale * LOG2E
+    window_arg = window if window is not None else 0
+    if group == 1:
+        block_da = 1 << (head_dim.bit_length() - 1)  # largest power of two <= head_dim
+        tail = head_dim - block_da
+        _decode_attention_vector_kernel[(batch, num_heads, num_splits)](
+            q, k_cache, v_cache, slots, seq_lens, out, part_acc, part_ml, *strides, qk_scale, window_arg,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None,
+            HAS_TAIL=tail > 0, PIPELINED=pipelined,
+            BLOCK_N=block_n, BLOCK_DA=block_da, BLOCK_DB=max(2, triton.next_power_of_2(max(tail, 1))),
+            num_warps=num_warps,
+        )
+    else:
+        # fp32 caches: tf32x3 (three tf32 MMAs) is as accurate as "ieee" (~1e-6 relative on H200, plain
+        # tf32 ~2e-3) and twice as fast; bf16/fp16 values are exact in tf32, so one tf32 MMA suffices.
+        if precision is None:
+            precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
+        _decode_attention_group_kernel[(batch, kv_heads, num_splits)](
+            q, k_cache, v_cache, slots, seq_lens, out, part_acc, part_ml, *strides, qk_scale, window_arg,
+            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, DOT_PRECISION=precision, PIPELINED=pipelined,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            num_warps=num_warps,
+        )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),

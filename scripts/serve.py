@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -22,8 +23,31 @@ from nemo_duplex.engine import Engine, EngineConfig  # noqa: E402
 from nemo_duplex.server import ServeConfig, Server  # noqa: E402
 
 
+def check_memory(cfg: DictConfig, serve: ServeConfig, max_calls: int) -> None:
+    """Refuse to start, before any weights load, when the state pools of max_calls calls of up to
+    serve.max_call_s would not fit (nemo_duplex/memory.py). The budget is memory.device_gib when set,
+    else the device's free memory on CUDA; on the CPU there is no check unless device_gib is set."""
+    from nemo_duplex.memory import GiB, plan
+
+    m = cfg.get("memory") or {}
+    if not m.get("check", True):
+        return
+    if m.get("device_gib") is not None:
+        device_memory = int(float(m.device_gib) * GiB)
+    elif torch.device(cfg.device).type == "cuda":
+        device_memory = torch.cuda.mem_get_info(torch.device(cfg.device))[0]
+    else:
+        return
+    prompt = int(cfg.engine.get("max_prompt_tokens", EngineConfig.max_prompt_tokens))
+    entries = int(cfg.engine.get("prefix_cache_entries", getattr(EngineConfig, "prefix_cache_entries", 0)))
+    p = plan(runtime.model_config(cfg), max_calls, serve.max_call_s, device_memory, max_prompt_tokens=prompt,
+             reserve=int(float(m.get("reserve_gib", 4.0)) * GiB), prefix_cache_entries=entries)
+    print(p.summary(), flush=True)
+
+
 def build_server(cfg: DictConfig) -> Server:
     serve = ServeConfig(**OmegaConf.to_container(cfg.serve, resolve=True))
+    check_memory(cfg, serve, max(serve.max_calls, int(cfg.engine.max_calls)))
     model, tokenizer, rnnt_vocab, mcfg = runtime.load(cfg)
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     engine_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.engine, resolve=True).items() if k in known}
@@ -40,8 +64,13 @@ def build_server(cfg: DictConfig) -> Server:
 def main(cfg: DictConfig) -> None:
     from aiohttp import web
 
+    from nemo_duplex.memory import MemoryPlanError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    server = build_server(cfg)
+    try:
+        server = build_server(cfg)
+    except MemoryPlanError as e:
+        raise SystemExit(f"refusing to start: {e}") from None
     print(f"serving {server.model_name} on http://{server.cfg.host}:{server.cfg.port} "
           f"(max_calls={server.cfg.max_calls}, max_call_s={server.cfg.max_call_s:g}); ready after warm-up, "
           f"see /health", flush=True)

@@ -52,3 +52,15 @@ def example_clip():
     from nemo_duplex.audio import read_wav
 
     return torch.from_numpy(read_wav(Path(__file__).resolve().parent.parent / "eval" / "clips" / "example.wav"))
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
+    """Kernel tests (tests/ops/) and tests marked `triton_interpret` run the Triton kernels through the
+    interpreter; every other CPU test takes the ops' torch references, because whole frame steps through
+    the interpreter are far too slow (seconds per frame)."""
+    if torch.cuda.is_available():
+        return
+    if "/tests/ops/" in str(request.node.fspath) or request.node.get_closest_marker("triton_interpret"):
+        return
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)

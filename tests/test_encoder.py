@@ -194,6 +194,7 @@ def test_streaming_equals_offline_nemo3(monkeypatch):
 
 
 @torch.no_grad()
+@pytest.mark.triton_interpret
 def test_streaming_through_triton_interpreter():
     # The real kernels (Triton interpreter on CPU when there is no GPU), few frames: wiring check.
     model = make_perception("release", seed=2)
@@ -225,3 +226,67 @@ def test_pos_tables_follow_loaded_weights(monkeypatch):
     streamed, _ = run_streaming(model, [clip], starts=[0], slots=[0], num_slots=2)
     assert_stream_equals_offline(other, [clip], streamed)
     assert "encoder.layers.0.self_attn.pos_by_distance" not in model.state_dict()
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_streaming_equals_offline_full_size_gpu():
+    # Full-size encoder on CUDA, fp32 without TF32 (spec 1.6), Triton kernels for attention and the DFT.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = Perception(FrontendConfig(), EncoderConfig())
+    model.init_weights(torch.Generator().manual_seed(0))
+    model = model.cuda().eval()
+    lengths = [80 * FRAME + 321, 20 * FRAME, 75 * FRAME]
+    clips = [random_audio(n, 70 + i).cuda() for i, n in enumerate(lengths)]
+    sink = 4
+    state = model.allocate_stream_state(sink + 1, "cuda", torch.float32)
+    model.reset_slots(state, torch.tensor([2, 0, 3], device="cuda"))
+    starts, slots = [0, 5, 9], [2, 0, 3]
+    frames = [[] for _ in clips]
+    for step in range(max(s + n // FRAME for s, n in zip(starts, lengths))):
+        rows = [i for i in range(3) if starts[i] <= step < starts[i] + lengths[i] // FRAME]
+        audio = [clips[i][(step - starts[i]) * FRAME:(step - starts[i] + 1) * FRAME] for i in rows]
+        audio.append(torch.randn(FRAME, device="cuda"))
+        enc = model.stream_step(torch.stack(audio), state,
+                                torch.tensor([slots[i] for i in rows] + [sink], device="cuda"))
+        for row, i in enumerate(rows):
+            frames[i].append(enc[row])
+    for clip, got in zip(clips, frames):
+        offline, _ = model(clip[None], torch.tensor([clip.shape[0]], device="cuda"))
+        got = torch.stack(got)
+        want = offline[0, :got.shape[0]]
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        assert rel <= 1e-4, f"max rel {rel:.2e}"  # 24 layers of fp32 GEMMs in different shapes
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_stream_step_replays_in_a_cuda_graph():
+    # The step is capturable: no host syncs, per-row positions on the device, state updated in place.
+    model = Perception(FrontendConfig(), EncoderConfig())
+    model.init_weights(torch.Generator().manual_seed(1))
+    model = model.cuda().to(torch.bfloat16).eval()
+    model.preprocessor.float()
+    num_slots, batch = 9, 4
+    eager_state = model.allocate_stream_state(num_slots, "cuda", torch.bfloat16)
+    graph_state = model.allocate_stream_state(num_slots, "cuda", torch.bfloat16)
+    slots = torch.tensor([5, 1, 7, 8], device="cuda")  # 8 = sink (padding row)
+    audio = torch.zeros(batch, FRAME, device="cuda")
+    model.prepare_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, DFT basis) outside the capture
+        model.stream_step(audio, model.allocate_stream_state(num_slots, "cuda", torch.bfloat16), slots)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model.stream_step(audio, graph_state, slots)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(75):
+        audio.copy_(0.1 * torch.randn(batch, FRAME, generator=g))
+        graph.replay()
+        want = model.stream_step(audio, eager_state, slots)
+        torch.testing.assert_close(out[:3].float(), want[:3].float(), atol=0, rtol=0)
+    assert torch.equal(graph_state.frames_done, eager_state.frames_done)
+    assert graph_state.frames_done[5].item() == 75

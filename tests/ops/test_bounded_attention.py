@@ -9,6 +9,7 @@ from ops.bounded_attention import (bounded_attention, bounded_attention_referenc
                                    write_window)
 
 W = 70
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
 
 
 def random_inputs(t_values, num_heads, head_dim, num_slots=None, dtype=torch.float32, device="cpu", seed=0):
@@ -31,7 +32,7 @@ def random_inputs(t_values, num_heads, head_dim, num_slots=None, dtype=torch.flo
 @pytest.mark.parametrize("t_values", [[0], [1], [35], [69], [70], [71, 140, 233], [0, 1, 35, 69, 70, 71, 100, 5]])
 @pytest.mark.parametrize("head_dim", [16, 12])  # 12: a head dim that is not a power of two (masked lanes)
 def test_kernel_matches_reference(t_values, head_dim):
-    inputs = random_inputs(t_values, num_heads=2, head_dim=head_dim)
+    inputs = random_inputs(t_values, num_heads=2, head_dim=head_dim, device=DEVICE)
     got = bounded_attention_triton(*inputs)
     want = bounded_attention_reference(*inputs)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)  # fp32 both; only summation order differs
@@ -40,8 +41,8 @@ def test_kernel_matches_reference(t_values, head_dim):
 def test_kernel_padding_rows_share_the_sink():
     # Two padding rows point at the sink slot next to real rows; real rows must be unaffected.
     q, k_new, v_new, keys, values, pos, u, v, slots, t = random_inputs([3, 80, 0, 0], num_heads=2, head_dim=16,
-                                                                        num_slots=6)
-    slots = torch.tensor([1, 4, 5, 5])
+                                                                        num_slots=6, device=DEVICE)
+    slots = torch.tensor([1, 4, 5, 5], device=DEVICE)
     got = bounded_attention_triton(q, k_new, v_new, keys, values, pos, u, v, slots, t)
     alone = bounded_attention_reference(q[:2], k_new[:2], v_new[:2], keys, values, pos, u, v, slots[:2], t[:2])
     torch.testing.assert_close(got[:2], alone, atol=2e-5, rtol=2e-5)

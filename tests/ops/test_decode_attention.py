@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from ops.decode_attention import decode_attention, decode_attention_reference, decode_attention_triton
+from ops.decode_attention import (decode_attention, decode_attention_reference, decode_attention_triton,
+                                  pick_num_splits)
 
 # the kernel runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,6 +42,9 @@ CASES = [
     (10, 2, 24, None, 3),    # GQA ratio 5, split over the sequence
     (4, 4, 18, 5, 4),        # window with splits (some splits entirely outside the window)
     (6, 3, 16, None, 2),
+    (3, 3, 20, None, 2),     # vector kernel: head dim 16 + a tail of 4
+    (3, 3, 28, 9, 3),        # vector kernel: tail of 12 read through a masked 16-wide block
+    (2, 2, 16, None, 1),     # vector kernel: power-of-two head dim, no tail
 ]
 
 
@@ -59,6 +63,28 @@ def test_kernel_matches_reference(num_heads, kv_heads, head_dim, window, num_spl
     # tolerances: fp32 everywhere, different summation orders only
     torch.testing.assert_close(ref.double(), naive, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_splits_follow_each_rows_length(kv_heads):
+    """A pool far longer than the rows (max_len 300, rows 1..45 keys long): the splits cut each row's own
+    keys, so every split count gives the same answer, including splits left without keys."""
+    gen = torch.Generator().manual_seed(11 + kv_heads)
+    q, k, v = _make(4, 3, kv_heads, 20, 300, 5, torch.float32, DEVICE, gen)
+    slots = torch.tensor([4, 0, 2, 1], device=DEVICE)
+    seq_lens = torch.tensor([45, 1, 17, 33], device=DEVICE)
+    ref = decode_attention_reference(q, k, v, slots, seq_lens, 0.3, window=20)
+    for num_splits in (1, 2, 5, 8):  # 8 splits of a 1-key row: 7 are empty
+        out = decode_attention_triton(q, k, v, slots, seq_lens, 0.3, window=20, num_splits=num_splits,
+                                      block_n=16)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # fp32, summation order only
+
+
+def test_pick_num_splits_fills_the_gpu_only_when_needed():
+    assert pick_num_splits(programs=4096, max_len=1101, block_n=64, num_sms=132) == 1   # talker N=128
+    assert pick_num_splits(programs=32, max_len=1101, block_n=64, num_sms=132) == 9     # talker N=1
+    assert pick_num_splits(programs=32, max_len=100, block_n=64, num_sms=132) == 1      # short pool
+    assert pick_num_splits(programs=1, max_len=10 ** 6, block_n=64, num_sms=132) == 32  # capped
 
 
 def test_bf16_cache():
@@ -127,3 +153,21 @@ def test_gpu_full_shapes(num_heads, kv_heads, head_dim, scale, window, batch, dt
     # fp32: ieee dots, only summation order differs; bf16: p is rounded to bf16 before P.V
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(16, 16, 72), (40, 8, 128)])
+def test_gpu_loop_forms_and_tunings_agree(num_heads, kv_heads, head_dim):
+    """The compiled kernel's counted (pipelined) loop, the interpreter's while loop, and other block sizes /
+    warps / split counts all give the fp32 reference's answer (bf16 cache, rows at different lengths)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    batch, max_len = 9, 3000
+    q, k, v = _make(batch, num_heads, kv_heads, head_dim, max_len, batch + 1, torch.bfloat16, "cuda", gen)
+    slots = torch.randperm(batch + 1, generator=gen)[:batch].cuda()
+    seq_lens = torch.tensor([1, 2, 63, 64, 65, 1037, 2047, 2999, 3000], device="cuda")
+    ref = decode_attention_reference(q, k, v, slots, seq_lens, 0.1, window=1500)
+    for kw in (dict(pipelined=True), dict(pipelined=False), dict(block_n=32, num_warps=2, num_splits=3),
+               dict(block_n=128 if kv_heads == num_heads else 32, num_warps=8, num_splits=1)):
+        out = decode_attention_triton(q, k, v, slots, seq_lens, 0.1, window=1500, **kw)
+        # both read the same bf16 values and compute in fp32; the output's bf16 rounding dominates
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2, msg=str(kw))

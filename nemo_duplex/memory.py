@@ -1,0 +1,240 @@
+"""Memory planning: what one call costs on the device, from the config alone, and whether a server of
+`serve.max_calls` calls of up to `serve.max_call_s` seconds fits.
+
+Nothing here allocates device memory. The per-call bytes restate `state.allocate_call_state` as
+formulas, one per pool, so they can be read, tabulated and checked before any weights load
+(tests/test_memory.py checks them against a real allocation of the tiny model). The weights are counted
+on a model built on the `meta` device. What the formulas cannot know (activations of the largest
+capture bucket, CUDA graph pools, the CUDA context, allocator slack) is a fixed reserve, `memory.reserve_gib`.
+
+    python -m nemo_duplex.memory          # the docs/performance.md table at full size (bf16, fp32 SSM state)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from .config import ModelConfig, torch_dtype
+
+GiB = 2 ** 30
+INT64, FLOAT32, BOOL = 8, 4, 1
+DEFAULT_RESERVE_BYTES = 4 * GiB
+
+
+def dtype_bytes(name: str) -> int:
+    return torch.empty(0, dtype=torch_dtype(name)).element_size()
+
+
+@dataclass
+class CallBytes:
+    """Bytes one call holds in the state pools (one slot row of each pool), by component."""
+    mamba_ssm: int        # Mamba-2 SSM state [heads, head_dim, d_state] per Mamba layer (spec 3.3), fp32 by default
+    mamba_conv: int       # Mamba-2 depthwise-conv tail: the last K-1 xBC columns per Mamba layer
+    llm_kv: int           # NoPE attention K and V for prompt + every frame of the call (spec 3.4)
+    talker_kv: int        # Gemma3 K and V, cond and uncond streams (CFG, spec 4.5), speaker prompt + frames
+    encoder_window: int   # FastConformer K and V of the last att_context_left frames per layer (spec 2.7)
+    encoder_other: int    # raw-audio and mel tails, conv-module caches, frame counter
+    rnnt: int             # RNN-T prediction-net LSTM state and last token (spec 2.10)
+    codec: int            # decoder ConvNeXt histories, iSTFT overlap-add tails (spec 5)
+    scalars: int          # positions, previous tokens and codes, sampling settings, seen-token mask
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    def by_pool(self) -> dict[str, int]:
+        """Grouped as `CallState.nbytes_per_slot()` groups them (one entry per CallState field)."""
+        return {"encoder": self.encoder_window + self.encoder_other, "rnnt": self.rnnt,
+                "llm": self.mamba_ssm + self.mamba_conv + self.llm_kv, "talker": self.talker_kv,
+                "codec": self.codec, "scalars": self.scalars}
+
+
+def frames_per_call(cfg: ModelConfig, max_call_s: float) -> int:
+    """The engine's `max_frames`: a call of max_call_s seconds is this many 80 ms frames."""
+    return math.ceil(max_call_s / cfg.frame_length)
+
+
+def bytes_per_call(cfg: ModelConfig, max_call_s: float, max_prompt_tokens: int = 512) -> CallBytes:
+    """One slot row of every pool `allocate_call_state` makes, for calls of up to max_call_s seconds and
+    system prompts of up to max_prompt_tokens tokens (the LLM KV holds both)."""
+    d = cfg.dtype
+    enc_b, llm_b, talker_b, ssm_b = (dtype_bytes(d.encoder), dtype_bytes(d.llm), dtype_bytes(d.talker),
+                                     dtype_bytes(d.mamba_ssm_state))
+    frames = frames_per_call(cfg, max_call_s)
+
+    llm = cfg.llm
+    n_mamba, n_attn = len(llm.layer_indices("M")), len(llm.layer_indices("*"))
+    mamba_ssm = n_mamba * llm.mamba_num_heads * llm.mamba_head_dim * llm.ssm_state_size * ssm_b
+    mamba_conv = n_mamba * llm.mamba_conv_dim * (llm.conv_kernel - 1) * llm_b
+    llm_kv = 2 * n_attn * llm.num_key_value_heads * (max_prompt_tokens + frames) * llm.head_dim * llm_b
+
+    tb = cfg.talker.backbone   # every layer keeps the whole call: sliding_window (7500) > any call we allow
+    talker_kv = 2 * tb.num_hidden_layers * 2 * tb.num_key_value_heads * (cfg.prompt_frames + frames) * tb.head_dim \
+        * talker_b
+
+    enc, fe = cfg.encoder, cfg.frontend
+    encoder_window = 2 * enc.n_layers * enc.att_context_left * enc.n_heads * enc.head_dim * enc_b
+    # the streaming step's geometry (docs/design.md): 17 mel columns, 8 of them new per frame
+    audio_tail = (enc.subsampling_factor - 1) * fe.hop_length + fe.n_fft // 2 + 1
+    mel_tail = fe.n_mels * (17 - enc.subsampling_factor)
+    encoder_other = (audio_tail + mel_tail) * FLOAT32 + INT64 \
+        + enc.n_layers * enc.d_model * (enc.conv_kernel_size - 1) * enc_b
+
+    r = cfg.rnnt
+    rnnt = (2 * r.pred_rnn_layers * r.pred_hidden * enc_b + INT64) if r.present else 0
+
+    c = cfg.codec
+    widths = [c.base_hidden_size * m for m in c.channel_mult]
+    codec = sum(widths) * c.num_blocks * (c.kernel_size - 1) * FLOAT32 \
+        + 2 * (c.n_fft - c.hop_length) * FLOAT32 + INT64
+
+    q = cfg.talker.num_quantizers
+    scalars = 6 * INT64 + q * INT64 + 3 * FLOAT32 + BOOL + llm.vocab_size * BOOL
+
+    return CallBytes(mamba_ssm, mamba_conv, llm_kv, talker_kv, encoder_window, encoder_other, rnnt, codec,
+                     scalars)
+
+
+def prefix_cache_bytes(cfg: ModelConfig, entries: int, max_prompt_tokens: int = 512) -> int:
+    """The engine's prefix cache (state.PrefixCache) at its fullest: per entry the Mamba states after the
+    prompt, the prompt's LLM K/V (at most max_prompt_tokens) and the talker K/V of the speaker warm-up."""
+    llm_only = bytes_per_call(cfg, 0.0, max_prompt_tokens)
+    talker_warmup = bytes_per_call(cfg, 0.0, 0).talker_kv   # prompt_frames positions, both streams
+    return entries * (llm_only.mamba_ssm + llm_only.mamba_conv + llm_only.llm_kv + talker_warmup)
+
+
+def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1) -> int:
+    """Parameters and buffers of the model cast to its inference dtypes, counted on the meta device.
+    The talker's char table (spec 4.2.2) is [vocab, longest token in characters] int64 once the tokenizer
+    is set; without the tokenizer pass its longest token (tens of MiB at full size: the reserve covers it)."""
+    from .model import VoiceChat
+
+    with torch.device("meta"):
+        model = VoiceChat(cfg).cast_for_inference()
+    built = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return built + cfg.llm.vocab_size * (max_token_chars - model.talker.embed_subword.char_ids.shape[1]) * INT64
+
+
+class MemoryPlanError(ValueError):
+    """The configured calls do not fit in the device's memory; the message says by how much and what fits."""
+
+
+@dataclass
+class MemoryPlan:
+    max_calls: int
+    max_call_s: float
+    per_call: CallBytes
+    weights: int
+    reserve: int
+    device_memory: int
+    prefix_cache: int = 0
+
+    @property
+    def pools(self) -> int:   # max_calls + 1 rows: the last is the sink (docs/design.md)
+        return (self.max_calls + 1) * self.per_call.total
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.pools + self.prefix_cache + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_memory
+
+    def summary(self) -> str:
+        return (f"memory plan: {self.max_calls} calls x {self.per_call.total / 2**20:.1f} MiB "
+                f"(max_call_s {self.max_call_s:g} s) + sink = {self.pools / GiB:.2f} GiB of state, "
+                f"weights {self.weights / GiB:.2f} GiB, prefix cache {self.prefix_cache / GiB:.2f} GiB, "
+                f"reserve {self.reserve / GiB:.2f} GiB: "
+                f"{self.total / GiB:.2f} GiB of {self.device_memory / GiB:.2f} GiB")
+
+
+def max_calls_that_fit(cfg: ModelConfig, max_call_s: float, device_memory: int, fixed: int,
+                       max_prompt_tokens: int = 512) -> int:
+    """fixed: the bytes that do not scale with calls (weights, prefix cache, reserve)."""
+    per = bytes_per_call(cfg, max_call_s, max_prompt_tokens).total
+    return max(0, (device_memory - fixed) // per - 1)
+
+
+def max_call_s_that_fits(cfg: ModelConfig, max_calls: int, device_memory: int, fixed: int,
+                         max_prompt_tokens: int = 512) -> float:
+    """The longest calls (a multiple of the 80 ms frame) of which max_calls fit; 0 if none do."""
+    room = (device_memory - fixed) // (max_calls + 1)
+    fixed = bytes_per_call(cfg, 0.0, max_prompt_tokens).total
+    per_frame = bytes_per_call(cfg, cfg.frame_length, max_prompt_tokens).total - fixed
+    return max(0, (room - fixed) // per_frame) * cfg.frame_length
+
+
+def plan(cfg: ModelConfig, max_calls: int, max_call_s: float, device_memory: int, *,
+         max_prompt_tokens: int = 512, reserve: int = DEFAULT_RESERVE_BYTES, weights: int | None = None,
+         prefix_cache_entries: int = 0) -> MemoryPlan:
+    """The memory of a server with these limits; raises MemoryPlanError naming serve.max_calls and
+    serve.max_call_s, the numbers, and what would fit, when it exceeds device_memory."""
+    weights = weight_bytes(cfg) if weights is None else weights
+    p = MemoryPlan(max_calls, max_call_s, bytes_per_call(cfg, max_call_s, max_prompt_tokens), weights, reserve,
+                   device_memory, prefix_cache_bytes(cfg, prefix_cache_entries, max_prompt_tokens))
+    if p.fits:
+        return p
+    fixed = weights + p.prefix_cache + reserve
+    calls_fit = max_calls_that_fit(cfg, max_call_s, device_memory, fixed, max_prompt_tokens)
+    seconds_fit = max_call_s_that_fits(cfg, max_calls, device_memory, fixed, max_prompt_tokens)
+    big = sorted(asdict(p.per_call).items(), key=lambda kv: -kv[1])[:3]
+    raise MemoryPlanError(
+        f"serve.max_calls = {max_calls} calls of up to serve.max_call_s = {max_call_s:g} s do not fit in "
+        f"{device_memory / GiB:.2f} GiB of device memory: {max_calls} calls + 1 sink row x "
+        f"{p.per_call.total / 2**20:.1f} MiB per call = {p.pools / GiB:.2f} GiB of call state, plus "
+        f"{weights / GiB:.2f} GiB of weights, {p.prefix_cache / GiB:.2f} GiB of prefix cache "
+        f"(engine.prefix_cache_entries) and {reserve / GiB:.2f} GiB reserved (memory.reserve_gib) = "
+        f"{p.total / GiB:.2f} GiB. Per call: "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in big)
+        + f". At serve.max_call_s = {max_call_s:g} s at most {calls_fit} calls fit; "
+        + (f"{max_calls} calls fit at serve.max_call_s <= {seconds_fit:g} s."
+           if seconds_fit > 0 else f"{max_calls} calls do not fit at any call length."))
+
+
+# ---- the docs table ------------------------------------------------------------------------------------
+# Usable memory as the driver reports it (nvidia-smi "memory.total").
+DEVICES = {"80 GB (H100/A100 80GB)": 81559 * 2 ** 20, "141 GB (H200)": 143771 * 2 ** 20}
+
+
+def inference_config(cfg: ModelConfig, compute: str = "bf16") -> ModelConfig:
+    """The served dtypes: encoder, LLM and talker in `compute`; SSM state and codec stay fp32 (spec 1.6)."""
+    return replace(cfg, dtype=replace(cfg.dtype, encoder=compute, llm=compute, talker=compute))
+
+
+def markdown_table(cfg: ModelConfig, call_seconds=(30.0, 60.0, 160.0), max_prompt_tokens: int = 512,
+                   reserve: int = DEFAULT_RESERVE_BYTES, prefix_cache_entries: int = 8) -> str:
+    weights = weight_bytes(cfg)
+    prefix = prefix_cache_bytes(cfg, prefix_cache_entries, max_prompt_tokens)
+    rows = [bytes_per_call(cfg, s, max_prompt_tokens) for s in call_seconds]
+    lines = ["| component (MiB per call) | " + " | ".join(f"max_call_s = {s:g}" for s in call_seconds) + " |",
+             "|---|" + "---:|" * len(call_seconds)]
+    for name in asdict(rows[0]):
+        lines.append(f"| {name} | " + " | ".join(f"{getattr(r, name) / 2**20:.2f}" for r in rows) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{r.total / 2**20:.1f}**" for r in rows) + " |")
+    lines += ["", f"Fixed: weights {weights / GiB:.2f} GiB, prefix cache {prefix / GiB:.2f} GiB "
+              f"({prefix_cache_entries} entries), reserve {reserve / GiB:.0f} GiB (activations, graph pools, CUDA "
+              f"context). The pools hold max_calls + 1 rows (the sink).", "",
+              "| device | " + " | ".join(f"max calls at {s:g} s" for s in call_seconds) + " |",
+              "|---|" + "---:|" * len(call_seconds)]
+    for dev, mem in DEVICES.items():
+        fit = [max_calls_that_fit(cfg, s, mem, weights + prefix + reserve, max_prompt_tokens) for s in call_seconds]
+        lines.append(f"| {dev}, {mem / GiB:.1f} GiB | " + " | ".join(str(n) for n in fit) + " |")
+    return "\n".join(lines)
+
+
+def _full_size_config() -> ModelConfig:
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from .config import model_config_from_dict
+
+    yaml = Path(__file__).resolve().parent.parent / "conf" / "model" / "nemotron_duplex.yaml"
+    return model_config_from_dict(OmegaConf.to_container(OmegaConf.load(yaml), resolve=True))
+
+
+if __name__ == "__main__":
+    print(markdown_table(inference_config(_full_size_config())))

@@ -1,0 +1,122 @@
+"""fp32-accurate linear layer on tensor cores: y = x @ w^T + b (optionally then exact GELU), 3xTF32.
+
+Why: the codec must run in fp32 (spec 9.9: bf16 collapses it; TF32 off, spec 1.6), and fp32 GEMMs without
+tensor cores (cuBLAS SGEMM, ~50 TFLOP/s on an H200) are most of its time. `tl.dot(..., "tf32x3")` splits
+each fp32 operand into a tf32 head and a tf32 tail (a = a_hi + a_lo) and sums a_hi b_hi + a_hi b_lo +
+a_lo b_hi in fp32: the dropped a_lo b_lo term and the tails' rounding are ~2^-22 relative, so the
+result is as accurate as an fp32 GEMM (~1e-7 relative, tests/ops/test_fp32_linear.py), unlike plain TF32
+(~1e-3). The split happens in registers, so x is read once, in fp32.
+
+Layout: x [M, K] and w [N, K] both K-contiguous (what 32-bit tensor-core operands need), y [M, N] fp32.
+Tiles are grouped along M so consecutive programs reuse the same weight columns from L2.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------
+
+def fp32_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          gelu: bool = False) -> torch.Tensor:
+    y = F.linear(x, weight, bias)
+    return F.gelu(y) if gelu else y
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fp32_linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N,
+    stride_xm, stride_wn, stride_ym,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One BLOCK_M x BLOCK_N tile of y. K is a compile-time constant (fixed per layer; Triton 3.6's
+    interpreter cannot run a loop with a runtime bound)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row tiles sweep the same column tiles
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
+
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
+                    other=0.0)  # [BLOCK_K, BLOCK_N] view of w^T, K-major
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    if GELU:  # exact (erf) GELU, as F.gelu's default
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
+
+
+GPU_TILES = (128, 128, 32, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (scripts/bench_ops.py)
+
+
+def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
+                       precision: str = "tf32x3", tiles: tuple[int, int, int, int, int] | None = None
+                       ) -> torch.Tensor:
+    """x [..., K] fp32, weight [N, K] fp32 (K-contiguous, any row stride), bias [N] or None -> [..., N] fp32.
+    `precision` is tl.dot's input precision ("tf32x3"; "ieee" for comparisons); `tiles` overrides GPU_TILES."""
+    assert x.dtype == weight.dtype == torch.float32
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m, n = x2.shape[0], weight.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=torch.float32)
+    if m == 0:
+        return y.view(*lead, n)
+    if tiles is None:  # the interpreter pays per program: large tiles on the CPU
+        tiles = (1024, 128, 64, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1" else GPU_TILES
+    block_m, block_n, block_k, num_warps, num_stages = tiles
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _fp32_linear_kernel[grid](
+        x2, weight, bias if bias is not None else y, y, m, n,
+        x2.stride(0), weight.stride(0), y.stride(0),
+        K=k, HAS_BIAS=bias is not None, GELU=gelu, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y.view(*lead, n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
+    """fp32-accurate x @ weight^T + bias (then exact GELU if `gelu`): the 3xTF32 kernel on CUDA or under
+    TRITON_INTERPRET=1, else the torch reference."""
+    if use_triton(x):
+        return fp32_linear_triton(x, weight, bias, gelu)
+    return fp32_linear_reference(x, weight, bias, gelu)

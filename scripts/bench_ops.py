@@ -1,0 +1,345 @@
+"""Each Triton kernel in ops/ against its torch reference at the full model's shapes, plus the codec's
+per-frame decode under each GEMM choice. Median device time (triton.testing.do_bench, L2 flushed between
+runs), bytes moved (the minimum a kernel must read + write), GB/s, and the max error against a reference.
+
+    python scripts/bench_ops.py [--out DIR] [--quick] [--sweep]       # on a CUDA machine
+    TRITON_INTERPRET=1 python scripts/bench_ops.py --smoke             # CPU: tiny shapes, checks the script runs
+
+Writes DIR/bench_ops.md (tables) and DIR/bench_ops.json. `--sweep` also tries block sizes / warps /
+loop forms of the decode-attention and fp32-linear kernels (what picked their defaults).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ops.decode_attention import decode_attention_reference, decode_attention_triton  # noqa: E402
+from ops.fp32_linear import fp32_linear_reference, fp32_linear_triton  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def timed(fn, smoke: bool) -> float:
+    """Median ms of fn()."""
+    if smoke:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def record(section: str, case: str, impl: str, ms: float, nbytes: float, err: float | None, **extra) -> None:
+    row = dict(section=section, case=case, impl=impl, ms=ms, bytes=nbytes, GBps=nbytes / ms / 1e6 if ms > 0 else 0.0,
+               max_err=err, **extra)
+    ROWS.append(row)
+    err_s = "-" if err is None else f"{err:.2e}"
+    more = " ".join(f"{k}={v}" for k, v in extra.items())
+    print(f"[{section}] {case:<34} {impl:<40} {ms:9.4f} ms  {row['GBps']:8.1f} GB/s  err {err_s}  {more}", flush=True)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------- decode attention
+
+def attention_fp64(q, k_cache, v_cache, slots, seq_lens, scale, window):
+    """decode_attention's semantics in float64 (the accuracy yardstick)."""
+    group = q.shape[1] // k_cache.shape[1]
+    k = k_cache[slots].double().repeat_interleave(group, dim=1)
+    v = v_cache[slots].double().repeat_interleave(group, dim=1)
+    pos = torch.arange(k_cache.shape[2], device=q.device)
+    valid = pos[None, :] < seq_lens[:, None]
+    if window is not None:
+        valid &= pos[None, :] > (seq_lens[:, None] - 1 - window)
+    scores = torch.einsum("bhd,bhld->bhl", q.double(), k) * scale
+    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhl,bhld->bhd", probs, v.masked_fill(~valid[:, None, :, None], 0.0))
+
+
+def bench_decode_attention(device, smoke, quick, sweep):
+    # (name, heads, kv heads, head dim, scale, rows per call) -- talker rows are 2 per call (CFG streams)
+    shapes = [("talker 16x72 (MHA)", 16, 16, 72, 1.0 / 16, 2), ("llm 40/8x128 (GQA 5)", 40, 8, 128, 128 ** -0.5, 1)]
+    calls = [1, 32, 128] if not quick else [128]
+    position, max_len, dtype = 1037, 1101, torch.bfloat16  # ~pos 1000 + the 37 warm-up frames; pool as profiled
+    if smoke:
+        shapes = [("talker-like", 4, 4, 18, 0.25, 2), ("llm-like", 10, 2, 24, 0.2, 1)]
+        calls, position, max_len, dtype = [2], 40, 48, torch.float32
+    gen = torch.Generator().manual_seed(0)
+    for name, heads, kv_heads, dim, scale, per_call in shapes:
+        for n in calls:
+            rows = n * per_call
+            q = torch.randn(rows, heads, dim, generator=gen).to(device, dtype)
+            k = torch.randn(rows + 1, kv_heads, max_len, dim, generator=gen).to(device, dtype)
+            v = torch.randn(rows + 1, kv_heads, max_len, dim, generator=gen).to(device, dtype)
+            slots = torch.randperm(rows + 1, generator=gen)[:rows].to(device)
+            seq_lens = torch.full((rows,), position, dtype=torch.int64, device=device)
+            ref64 = attention_fp64(q, k, v, slots, seq_lens, scale, None)
+            nbytes = rows * position * kv_heads * dim * 2 * k.element_size() + 2 * q.numel() * q.element_size()
+            case = f"{name} N={n} rows={rows} len={position}"
+            out = decode_attention_reference(q, k, v, slots, seq_lens, scale)
+            record("decode_attention", case, "torch reference", timed(
+                lambda: decode_attention_reference(q, k, v, slots, seq_lens, scale), smoke), nbytes, max_err(out, ref64))
+            out = decode_attention_triton(q, k, v, slots, seq_lens, scale)
+            record("decode_attention", case, "triton (defaults)", timed(
+                lambda: decode_attention_triton(q, k, v, slots, seq_lens, scale), smoke), nbytes, max_err(out, ref64))
+            old = _old_decode_attention()
+            if old is not None:
+                out = old(q, k, v, slots, seq_lens, scale)
+                record("decode_attention", case, "triton before (tl.dot, padded)", timed(
+                    lambda: old(q, k, v, slots, seq_lens, scale), smoke), nbytes, max_err(out, ref64))
+            if not sweep:
+                continue
+            block_ns = (32, 64, 128) if kv_heads == heads else (32, 64)
+            for block_n in block_ns:
+                for num_warps in (2, 4, 8):
+                    for pipelined in (False, True):
+                        for splits in ((None, 1, 2, 4, 8) if n == 1 else (None,)):
+                            kw = dict(block_n=block_n, num_warps=num_warps, pipelined=pipelined, num_splits=splits)
+                            try:
+                                out = decode_attention_triton(q, k, v, slots, seq_lens, scale, **kw)
+                                ms = timed(lambda: decode_attention_triton(q, k, v, slots, seq_lens, scale, **kw), smoke)
+                                record("decode_attention sweep", case, f"bn{block_n} w{num_warps} "
+                                       f"{'range' if pipelined else 'while'} s{splits}", ms, nbytes, max_err(out, ref64))
+                            except Exception as exc:  # a config that does not compile is a data point too
+                                print(f"  sweep {kw} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            del q, k, v
+
+
+def _old_decode_attention():
+    """The kernel before this change, if scripts/_old_decode_attention.py is present (one-off baseline)."""
+    path = Path(__file__).resolve().parent / "_old_decode_attention.py"
+    if not path.exists():
+        return None
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_old_decode_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.decode_attention_triton
+
+
+# ---------------------------------------------------------------------------------------- fp32 linear
+
+def bench_fp32_linear(device, smoke, quick, sweep):
+    from nemo_duplex.codec import exact_fp32, linear
+    # The codec decoder's GEMMs for N = 128 calls (one code frame each): (rows, in, out) per stage
+    shapes = [("stage1 pwconv1", 128 * 9, 1536, 6144), ("stage1 pwconv2", 128 * 9, 6144, 1536),
+              ("stage2 pwconv1", 128 * 63, 768, 3072), ("stage2 pwconv2", 128 * 63, 3072, 768),
+              ("stage3 pwconv1", 128 * 441, 384, 1536), ("stage3 pwconv2", 128 * 441, 1536, 384),
+              ("stage3 upsample", 128 * 63, 768, 384 * 7)]
+    if quick:
+        shapes = shapes[4:6]
+    if smoke:
+        shapes = [("tiny", 96, 32, 48)]
+    gen = torch.Generator().manual_seed(1)
+    for name, m, k, n in shapes:
+        x = torch.randn(m, k, generator=gen).to(device)
+        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(device)
+        b = (torch.randn(n, generator=gen) * 0.1).to(device)
+        ref64 = F.linear(x.double(), w.double(), b.double())
+        scale = ref64.abs().max().item()
+        nbytes = (m * k + n * k + m * n) * 4
+        flops = 2 * m * n * k
+        case = f"{name} {m}x{k}->{n}"
+        with exact_fp32(x.device):
+            for impl, fn in (("torch F.linear fp32 (SGEMM)", lambda: fp32_linear_reference(x, w, b)),
+                             ("triton tf32x3", lambda: fp32_linear_triton(x, w, b)),
+                             ("torch bf16x3 (1 cuBLAS bf16 GEMM)", lambda: linear(x, w, b, "bf16x3"))):
+                out = fn()
+                ms = timed(fn, smoke)
+                record("fp32_linear", case, impl, ms, nbytes, max_err(out, ref64) / scale,
+                       TFLOPs=round(flops / ms / 1e9, 1))
+            if sweep:
+                for tiles in ((128, 128, 32, 8, 3), (128, 128, 32, 4, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
+                              (128, 256, 32, 8, 3), (256, 128, 32, 8, 3), (128, 128, 64, 8, 2), (64, 64, 32, 4, 4)):
+                    try:
+                        out = fp32_linear_triton(x, w, b, tiles=tiles)
+                        ms = timed(lambda: fp32_linear_triton(x, w, b, tiles=tiles), smoke)
+                        record("fp32_linear sweep", case, f"tf32x3 tiles {tiles}", ms, nbytes,
+                               max_err(out, ref64) / scale, TFLOPs=round(flops / ms / 1e9, 1))
+                    except Exception as exc:
+                        print(f"  sweep {tiles} failed: {type(exc).__name__}: {str(exc)[:200]}")
+        del x
+
+
+# ---------------------------------------------------------------------------------------- codec decode_step
+
+def bench_codec(device, smoke, quick, sweep):
+    from nemo_duplex import codec as codec_module
+    from nemo_duplex.codec import RVQCodec, istft
+    from nemo_duplex.config import CodecConfig, tiny_config
+
+    cfg = tiny_config().codec if smoke else CodecConfig()
+    codec = RVQCodec(cfg).to(device)
+    codec.init_weights(torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(2)
+    book = cfg.codebook_size
+
+    # accuracy: 4 calls x 3 frames streamed, against the float64 one-shot decode (delayed by 6 samples)
+    frames_n, calls = 3, 4
+    codes = torch.randint(0, book, (calls, frames_n, cfg.num_quantizers), generator=gen).to(device)
+    reference = copy.deepcopy(codec).double()
+    with torch.no_grad():
+        ref64 = istft(reference.decoder(reference.dequantize(codes).transpose(1, 2)), cfg.n_fft, cfg.hop_length)
+    del reference
+
+    def stream() -> torch.Tensor:
+        state = codec.allocate_stream_state(calls + 1, device)
+        slots = torch.arange(calls, device=device)
+        parts = [codec.decode_step(codes[:, t], state, slots) for t in range(frames_n)]
+        parts.append(codec.flush_step(state, slots))
+        return torch.cat(parts, dim=1)[:, codec.stream_delay:]
+
+    batches = [1, 32, 128] if not (quick or smoke) else ([128] if quick else [2])
+    # (label, gemm, mode): mode "before" = the previous code (ConvTranspose1d / Conv1d modules via cuDNN)
+    variants = [("ieee + cuDNN ConvTranspose (before)", "ieee", "before"), ("ieee", "ieee", None),
+                ("tf32x3", "tf32x3", None), ("bf16x3", "bf16x3", None)]
+    if sweep and not smoke:
+        variants.append(("tf32x3 + cudnn.benchmark", "tf32x3", "benchmark"))
+    for label, gemm, mode in variants:
+        codec.gemm = gemm
+        saved_layer, saved_bench = codec_module.Latent2Wav.__dict__["_linear_layer"], torch.backends.cudnn.benchmark
+        if mode == "before":
+            codec_module.Latent2Wav._linear_layer = staticmethod(lambda layer, x, gemm: layer(x))
+        if mode == "benchmark":
+            torch.backends.cudnn.benchmark = True
+        try:
+            error = max_err(stream(), ref64)
+            for n in batches:
+                state = codec.allocate_stream_state(n + 1, device)
+                slots = torch.arange(n, device=device)
+                step_codes = torch.randint(0, book, (n, cfg.num_quantizers), generator=gen).to(device)
+                fn = lambda: codec.decode_step(step_codes, state, slots)  # noqa: E731
+                fn()
+                record("codec decode_step", f"N={n}", label, timed(fn, smoke), 0.0, error)
+        finally:
+            codec_module.Latent2Wav._linear_layer = saved_layer
+            torch.backends.cudnn.benchmark = saved_bench
+    codec.gemm = "ieee"
+
+
+# ---------------------------------------------------------------------------------------- other kernels
+
+def bench_other_ops(device, smoke, quick, sweep):
+    from ops.bounded_attention import bounded_attention_reference, bounded_attention_triton
+    from ops.dft import basis_matmul_reference, basis_matmul_triton, irdft_basis, rdft_basis
+    from ops.mamba_step import mamba_step_reference, mamba_step_triton
+
+    gen = torch.Generator().manual_seed(3)
+    n = 2 if smoke else 128
+    dtype = torch.float32 if smoke else torch.bfloat16
+
+    # encoder: 8 heads x 128, window 70 (spec 2.6), bf16
+    heads, dim, window = (2, 16, 6) if smoke else (8, 128, 70)
+    r = lambda *s: torch.randn(*s, generator=gen).to(device, dtype)  # noqa: E731
+    q, kn, vn = r(n, heads, dim), r(n, heads, dim), r(n, heads, dim)
+    keys, values, pos = r(n + 1, window, heads, dim), r(n + 1, window, heads, dim), r(window + 1, heads, dim)
+    u, vb = r(heads, dim), r(heads, dim)
+    slots = torch.arange(n, device=device)
+    t = torch.full((n,), 500, dtype=torch.int64, device=device)
+    args = (q, kn, vn, keys, values, pos, u, vb, slots, t)
+    ref = bounded_attention_reference(*args)
+    out = bounded_attention_triton(*args)
+    nbytes = n * (window + 1) * heads * dim * 2 * q.element_size() + pos.numel() * pos.element_size()
+    case = f"encoder {heads}x{dim} W={window} N={n}"
+    record("bounded_attention", case, "torch reference", timed(lambda: bounded_attention_reference(*args), smoke),
+           nbytes, 0.0)
+    record("bounded_attention", case, "triton", timed(lambda: bounded_attention_triton(*args), smoke), nbytes,
+           max_err(out, ref))
+
+    # LLM Mamba-2: 128 heads x 80, d_state 128, 8 groups, conv kernel 4 (spec 3.1); fp32 state
+    mh, mhd, ds, groups, kernel = (4, 8, 16, 2, 4) if smoke else (128, 80, 128, 8, 4)
+    conv_dim = mh * mhd + 2 * groups * ds
+    xbc = r(n, conv_dim)
+    dt_raw = r(n, mh)
+    conv_state = torch.randn(n + 1, conv_dim, kernel - 1, generator=gen).to(device, dtype)
+    ssm_state = (torch.randn(n + 1, mh, mhd, ds, generator=gen) * 0.1).to(device)
+    weight = (torch.randn(conv_dim, 1, kernel, generator=gen) * 0.5).to(device, dtype)
+    bias = (torch.randn(conv_dim, generator=gen) * 0.1).to(device, dtype)
+    a_log = torch.randn(mh, generator=gen).to(device)
+    d_skip, dt_bias = torch.randn(mh, generator=gen).to(device), torch.randn(mh, generator=gen).to(device)
+    margs = (weight, bias, a_log, d_skip, dt_bias, groups)
+    cs, ss = conv_state.clone(), ssm_state.clone()
+    ref = mamba_step_reference(xbc, dt_raw, cs, ss, slots, *margs)
+    cs2, ss2 = conv_state.clone(), ssm_state.clone()
+    out = mamba_step_triton(xbc, dt_raw, cs2, ss2, slots, *margs)
+    err = max(max_err(out, ref), max_err(ss2, ss))
+    nbytes = n * (mh * mhd * ds * 4 * 2 + conv_dim * (kernel - 1) * 2 * conv_state.element_size())
+    case = f"llm mamba {mh}x{mhd} N={ds} N={n}"
+    record("mamba_step", case, "torch reference", timed(
+        lambda: mamba_step_reference(xbc, dt_raw, cs, ss, slots, *margs), smoke), nbytes, 0.0)
+    record("mamba_step", case, "triton", timed(
+        lambda: mamba_step_triton(xbc, dt_raw, cs2, ss2, slots, *margs), smoke), nbytes, err)
+
+    # DFT by matmul: the codec's per-frame inverse DFT (n 16) and the mel front end's forward (n 512), fp32
+    for name, rows, basis in (("codec irdft n=16", n * 441, irdft_basis(16, device)),
+                              ("mel rdft n=512", n * 17, rdft_basis(512, device))):
+        x = torch.randn(rows, basis.shape[0], generator=gen).to(device)
+        ref64 = basis_matmul_reference(x.double(), basis.double())
+        nbytes = (x.numel() + rows * basis.shape[1] + basis.numel()) * 4
+        from nemo_duplex.codec import exact_fp32
+        with exact_fp32(x.device):
+            out = basis_matmul_reference(x, basis)
+            record("dft", f"{name} rows={rows}", "torch matmul fp32", timed(
+                lambda: basis_matmul_reference(x, basis), smoke), nbytes, max_err(out, ref64))
+        out = basis_matmul_triton(x, basis)
+        record("dft", f"{name} rows={rows}", "triton", timed(lambda: basis_matmul_triton(x, basis), smoke), nbytes,
+               max_err(out, ref64))
+
+
+# ---------------------------------------------------------------------------------------- main
+
+def write_table(out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_ops.json").write_text(json.dumps(dict(meta, rows=ROWS), indent=1))
+    lines = [f"device: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}", "",
+             "| section | case | implementation | median ms | bytes (MB) | GB/s | max error | extra |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
+    for row in ROWS:
+        extra = {k: v for k, v in row.items() if k not in ("section", "case", "impl", "ms", "bytes", "GBps", "max_err")}
+        err = "-" if row["max_err"] is None else f"{row['max_err']:.1e}"
+        lines.append(f"| {row['section']} | {row['case']} | {row['impl']} | {row['ms']:.4f} | {row['bytes'] / 1e6:.1f} "
+                     f"| {row['GBps']:.0f} | {err} | {' '.join(f'{k}={v}' for k, v in extra.items())} |")
+    (out_dir / "bench_ops.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "outputs/bench_ops"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--quick", action="store_true", help="N=128 only")
+    parser.add_argument("--sweep", action="store_true", help="also sweep kernel parameters")
+    parser.add_argument("--only", default="attention,linear,codec,other")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    import triton
+    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
+                torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
+    sections = {"attention": bench_decode_attention, "linear": bench_fp32_linear, "codec": bench_codec,
+                "other": bench_other_ops}
+    for name in args.only.split(","):
+        try:
+            sections[name](device, args.smoke, args.quick, args.sweep)
+        except Exception:  # keep the other sections' numbers
+            traceback.print_exc()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        write_table(Path(args.out), meta)
+    print(f"wrote {args.out}/bench_ops.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""scripts/bench.py: the load test end to end against a tiny-model server it starts itself (2 calls,
+lockstep and staggered), and its judging on made-up arrival times."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FRAME_MS = 80.0
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = mod   # dataclasses look their module up while the file runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = load_bench()
+
+
+def record(arrivals_ms, frames=None, ended="completed", error=None, lag_ms=10.0):
+    """A call whose append k left at k * 80 ms and whose packets arrived at arrivals_ms."""
+    frames = list(range(len(arrivals_ms))) if frames is None else frames
+    n = len(arrivals_ms)
+    return bench.CallRecord(0, 0.0, sent=[k * FRAME_MS / 1000 for k in range(n)], frames=frames,
+                            arrival=[a / 1000 for a in arrivals_ms], server_lag_ms=[lag_ms] * n,
+                            drained_at=(arrivals_ms[-1] + 5) / 1000 if arrivals_ms else None, ended=ended, error=error)
+
+
+# ---- judging -------------------------------------------------------------------------------------------
+def test_steady_calls_are_real_time_even_with_a_large_constant_delay():
+    on_time = record([50 + k * FRAME_MS for k in range(20)])
+    delayed = record([400 + k * FRAME_MS for k in range(20)])   # a constant delay never underruns a buffer
+    v = bench.judge([on_time, delayed], 20, 160.0)
+    assert v["real_time"] and v["failed_calls"] == 0 and v["late_packets"] == 0
+    assert v["lateness_ms"]["max"] == pytest.approx(-160.0, abs=1e-6)
+    assert v["client_lag_ms"]["p50"] == pytest.approx(225.0, abs=1e-6)   # half at 50 ms, half at 400 ms
+    assert v["first_packet_ms"]["max"] == pytest.approx(400.0, abs=1e-6)
+
+
+def test_a_packet_later_than_the_jitter_buffer_is_an_underrun():
+    arrivals = [50 + k * FRAME_MS for k in range(20)]
+    arrivals[10] += 170.0            # 10 ms past its playback slot
+    ok = bench.judge([record(arrivals)], 20, 180.0)
+    late = bench.judge([record(arrivals)], 20, 160.0)
+    assert ok["real_time"] and ok["late_packets"] == 0
+    assert not late["real_time"] and late["late_packets"] == 1 and late["calls_with_late_packets"] == 1
+    assert late["lateness_ms"]["max"] == pytest.approx(10.0, abs=1e-6)
+
+
+def test_failed_calls_are_named():
+    good = [50 + k * FRAME_MS for k in range(10)]
+    v = bench.judge([record(good), record(good[:9]), record(good, ended="limit"),
+                     record(good, error="busy: all 2 call places are taken")], 10, 160.0)
+    assert not v["real_time"] and v["failed_calls"] == 3
+    assert v["failures"] == {"frames_missing_or_out_of_order": 1, "ended_limit": 1, "busy": 1}
+
+
+def test_sustained_is_the_largest_n_below_the_first_failure():
+    rows = [{"start": "lockstep", "n_calls": n, "real_time": ok}
+            for n, ok in ((16, False), (1, True), (8, True), (32, True))]
+    rows += [{"start": "staggered", "n_calls": 1, "real_time": False}]
+    assert bench.sustained(rows) == {"lockstep": 8, "staggered": 0}
+
+
+def test_parse_metrics_and_timeline():
+    page = ("# HELP duplex_steps_total x\nduplex_steps_total 10.0\nduplex_frames_total 25.0\n"
+            "duplex_step_seconds_sum 0.5\nduplex_step_seconds_bucket{le=\"0.1\"} 9.0\n"
+            "duplex_refusals_total{reason=\"busy\"} 2.0\nduplex_refusals_total{reason=\"x\"} 1.0\n"
+            "duplex_active_calls 3.0\n")
+    m = bench.parse_metrics(page)
+    assert m == {"duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5,
+                 "duplex_refusals_total": 3.0, "duplex_active_calls": 3.0}
+    a = {"t": 1.0, "duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5}
+    b = {"t": 2.0, "duplex_steps_total": 14.0, "duplex_frames_total": 37.0, "duplex_step_seconds_sum": 0.7,
+         "duplex_active_calls": 3.0}
+    (row,) = bench.timeline([a, b], 0.0)
+    assert row["step_ms"] == pytest.approx(50.0) and row["batch"] == pytest.approx(3.0)
+    assert row["frames_per_s"] == pytest.approx(12.0)
+
+
+# ---- end to end ----------------------------------------------------------------------------------------
+def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
+    out = tmp_path / "load"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(REPO / "scripts/bench.py"), "model.weights=random",
+                        "loadtest.n_calls=[2]", "loadtest.starts=[lockstep,staggered]", "loadtest.duration_s=1.2",
+                        "loadtest.stagger_s=0.5", "loadtest.lead_s=0.5", "loadtest.max_call_s=5",
+                        "wandb.mode=disabled", f"loadtest.out={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+                       capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((out / "load.json").read_text())
+    n_frames = 15   # 1.2 s of 80 ms frames
+    assert result["duration_s"] == pytest.approx(1.2)
+    assert len(result["input_sha256"]) == 64
+    assert [(x["start"], x["n_calls"]) for x in result["runs"]] == [("lockstep", 2), ("staggered", 2)]
+    for run in result["runs"]:
+        assert run["failed_calls"] == 0, run["failures"]
+        assert run["frames_expected"] == run["frames_received"] == 2 * n_frames
+        for key in ("server_lag_ms", "client_lag_ms", "lateness_ms"):
+            assert all(run[key][q] is not None for q in ("p50", "p95", "p99", "max")), key
+        assert run["drain_ms"]["p50"] is not None and run["first_packet_ms"]["p50"] is not None
+        assert run["step_ms"]["mean"] > 0 and 1.0 <= run["batch"]["mean"] <= 2.0
+        assert run["timeline"] and all("step_ms" in t and "batch" in t for t in run["timeline"])
+
+        # every packet, recomputed from the per-call file: the verdict follows from the arrivals
+        calls = json.loads((out / "calls" / f"{run['start']}_2.json").read_text())
+        assert len(calls) == 2
+        late = 0
+        for c in calls:
+            assert c["frames"] == list(range(n_frames)) and c["ended"] == "completed"
+            arr, sent, lag = np.array(c["arrival_s"]), np.array(c["sent_s"]), np.array(c["server_lag_ms"])
+            lateness = (arr - arr[0] - np.arange(n_frames) * 0.08) * 1000 - result["jitter_buffer_ms"]
+            late += int((lateness > 0).sum())
+            # the server's lag sits inside the client's: received after we sent, sent before we got it
+            # (1 ms: the header's float32 and the rounding of the saved times)
+            assert np.all(lag <= (arr - sent) * 1000 + 1.0)
+            assert np.all(lag >= 0)
+        assert late == run["late_packets"]
+        assert run["real_time"] == (late == 0)
+
+    assert result["sustained"] == bench.sustained(result["runs"])
+    assert (out / "lag_vs_n.png").stat().st_size > 0 and (out / "step_vs_n.png").stat().st_size > 0
+    assert "Sustained" in (out / "summary.md").read_text()
+    assert "starting the server" in r.stdout

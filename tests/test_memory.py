@@ -1,0 +1,145 @@
+"""Memory planning (nemo_duplex/memory.py): the per-call formulas against real pool allocations (tiny
+model on the CPU, full size on the meta device), the weights against a real model, and the refusals."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_duplex.config import tiny_config
+from nemo_duplex.memory import (GiB, MemoryPlanError, _full_size_config, bytes_per_call, frames_per_call,
+                                inference_config, max_call_s_that_fits, max_calls_that_fit, plan, weight_bytes)
+from nemo_duplex.model import VoiceChat
+from nemo_duplex.state import allocate_call_state
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tensor_bytes(obj) -> int:
+    """Every tensor under a state object, lists included."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(x) for x in obj)
+    return sum(tensor_bytes(getattr(obj, f.name)) for f in fields(obj))
+
+
+def measured_per_slot(st) -> dict[str, int]:
+    rows = st.max_calls + 1
+    per = {name: tensor_bytes(getattr(st, name)) for name in ("encoder", "rnnt", "llm", "talker", "codec")}
+    per["scalars"] = sum(tensor_bytes(getattr(st, n)) for n in ("llm_len", "talker_pos", "frame", "prev_text",
+                                                                   "prev_func", "prev_codes", "seed", "temperature",
+                                                                   "top_p", "rep_penalty", "greedy", "seen"))
+    for name, total in per.items():
+        assert total % rows == 0, f"{name}: {total} bytes is not a whole number of slot rows"
+    return {k: v // rows for k, v in per.items()}
+
+
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+@pytest.mark.parametrize("max_call_s,prompt", [(1.0, 0), (2.5, 16)])
+def test_per_call_bytes_match_the_allocation_tiny(compute, max_call_s, prompt):
+    cfg = inference_config(tiny_config(), compute)
+    model = VoiceChat(cfg).cast_for_inference()
+    st = allocate_call_state(model, 3, frames_per_call(cfg, max_call_s), torch.device("cpu"), prompt)
+    planned = bytes_per_call(cfg, max_call_s, prompt)
+    measured = measured_per_slot(st)
+    assert planned.by_pool() == measured
+    # CallState.nbytes_per_slot agrees on every pool except the codec's: it skips list-valued fields (the
+    # decoder's ConvNeXt histories), which the allocation and the plan both count.
+    reported = st.nbytes_per_slot()
+    assert {k: v for k, v in reported.items() if k != "codec"} == {k: v for k, v in measured.items() if k != "codec"}
+    history = sum(h.numel() * h.element_size() for h in st.codec.convnext_history) // (st.max_calls + 1)
+    assert reported["codec"] + history == planned.codec
+
+
+def test_per_call_bytes_match_the_allocation_full_size_on_meta():
+    cfg = inference_config(_full_size_config(), "bf16")
+    with torch.device("meta"):
+        model = VoiceChat(cfg).cast_for_inference()
+    st = allocate_call_state(model, 2, frames_per_call(cfg, 160.0), torch.device("meta"), 512)
+    planned = bytes_per_call(cfg, 160.0, 512)
+    assert planned.by_pool() == measured_per_slot(st)
+    # one component against the step benchmark's measurement on the H200 (read + write = 2x one state)
+    run = json.loads((REPO / "docs/runs/bench_step_2026-11-29_cudagraph-eager.json").read_text())
+    assert 2 * planned.mamba_ssm == run["rows"][0]["state_bytes_per_call"]["mamba_ssm"]
+
+
+def test_weight_bytes_match_a_real_model(tiny):
+    model = tiny[0]
+    real = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    longest_token = model.talker.embed_subword.char_ids.shape[1]   # set from the tokenizer (spec 4.2.2)
+    assert weight_bytes(tiny_config(), longest_token) == real
+    assert weight_bytes(tiny_config()) < real
+
+
+def test_full_size_weights_match_the_step_benchmark():
+    """bench_step counted parameters only (bf16 parts, fp32 codec); buffers add under 1 %."""
+    run = json.loads((REPO / "docs/runs/bench_step_2026-11-29_cudagraph-eager.json").read_text())
+    params = run["rows"][0]["weight_bytes"]
+    w = weight_bytes(inference_config(_full_size_config(), "bf16"))
+    assert params <= w < params * 1.01
+
+
+def test_plan_refuses_an_impossible_config_with_the_numbers():
+    cfg = tiny_config()
+    w = weight_bytes(cfg)
+    with pytest.raises(MemoryPlanError) as e:
+        plan(cfg, 100_000, 160.0, 1 * GiB, reserve=0, weights=w)
+    msg = str(e.value)
+    per_call = bytes_per_call(cfg, 160.0).total
+    fit = (GiB - w) // per_call - 1
+    for needle in ("serve.max_calls = 100000", "serve.max_call_s = 160 s", "1.00 GiB",
+                   f"{per_call / 2**20:.1f} MiB per call", f"at most {fit} calls fit"):
+        assert needle in msg, (needle, msg)
+
+
+def test_the_limits_it_suggests_are_exact():
+    cfg = tiny_config()
+    w, reserve, mem = weight_bytes(cfg), 64 * 2**20, 2 * GiB
+    n = max_calls_that_fit(cfg, 60.0, mem, w + reserve)
+    assert n > 0
+    assert plan(cfg, n, 60.0, mem, reserve=reserve, weights=w).fits
+    with pytest.raises(MemoryPlanError):
+        plan(cfg, n + 1, 60.0, mem, reserve=reserve, weights=w)
+    s = max_call_s_that_fits(cfg, 200, mem, w + reserve)
+    assert s > 0 and abs(s / cfg.frame_length - round(s / cfg.frame_length)) < 1e-9
+    assert plan(cfg, 200, s, mem, reserve=reserve, weights=w).fits
+    with pytest.raises(MemoryPlanError):
+        plan(cfg, 200, s + cfg.frame_length, mem, reserve=reserve, weights=w)
+
+
+def test_memory_grows_with_call_length_only_in_the_kv_caches():
+    cfg = tiny_config()
+    short, long = bytes_per_call(cfg, 10.0), bytes_per_call(cfg, 100.0)
+    changed = {f.name for f in fields(short) if getattr(short, f.name) != getattr(long, f.name)}
+    assert changed == {"llm_kv", "talker_kv"}
+    frames = frames_per_call(cfg, 100.0) - frames_per_call(cfg, 10.0)
+    t = cfg.talker.backbone
+    assert long.talker_kv - short.talker_kv == frames * 2 * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4
+
+
+def test_serve_refuses_to_start_when_the_calls_do_not_fit(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "scripts/serve.py"), "memory.device_gib=0.05",
+                        "serve.max_calls=8", f"hydra.run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "refusing to start" in out and "serve.max_calls = 8" in out and "serve.max_call_s = 160 s" in out, out
+
+
+def test_prefix_cache_bytes_match_a_snapshot():
+    from nemo_duplex.memory import prefix_cache_bytes
+    from nemo_duplex.state import PrefixCache
+
+    cfg = tiny_config()
+    model = VoiceChat(cfg).cast_for_inference()
+    st = allocate_call_state(model, 2, frames_per_call(cfg, 1.0), torch.device("cpu"), 16)
+    snap = PrefixCache.snapshot(st, 0, 16, cfg.prompt_frames)
+    assert prefix_cache_bytes(cfg, 3, 16) == 3 * sum(t.numel() * t.element_size() for t in snap.values())
