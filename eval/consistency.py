@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from eval.models import (CallPlan, TopTwo, clip_audio, drive_engine, first_difference, make_engine,  # noqa: E402
                          margin)
+from eval.report import AudioSample  # noqa: E402
 from eval.row import FAIL, PASS, Criteria, GateContext, RowResult  # noqa: E402
 
 
@@ -151,6 +152,8 @@ def consistency(ctx: GateContext, criteria: Criteria) -> RowResult:
         offline, streaming = references(model, audio, seed)
         refs.append(streaming)
         comparisons.append(compare(clip.name, "offline/streaming", offline, streaming.text, streaming.func))
+    sample = AudioSample(f"agent_streaming_{clips[0].name}", refs[0].pcm.numpy(), model.cfg.target_sample_rate,
+                         caption=f"agent text: {ms.tokenizer.decode(refs[0].text.tolist())[:200]!r}")
 
     graph_runs = _graph_settings(s.get("graphs", "auto"))
     for graphs in graph_runs:
@@ -168,7 +171,9 @@ def consistency(ctx: GateContext, criteria: Criteria) -> RowResult:
             how = "upload" if p.upload else f"live {p.chunk}"
             comparisons.append(compare(clips[c].name, f"streaming/engine batch call {i} ({how}, start {p.start}, {tag})",
                                        refs[c], rec.text, rec.func, rec.codes, rec.pcm))
-    return judge(comparisons, criteria, graph_runs)
+    result = judge(comparisons, criteria, graph_runs)
+    result.audio.append(sample)
+    return result
 
 
 def judge(comparisons: list[Comparison], criteria: Criteria, graph_runs: list[bool]) -> RowResult:
@@ -199,12 +204,12 @@ def judge(comparisons: list[Comparison], criteria: Criteria, graph_runs: list[bo
         kinds.setdefault(kind, []).append(min(c.text_agreement, c.func_agreement))
     metrics = {"comparisons": len(comparisons), "diverged": len(diverged), "near_ties": len(ties),
                "non_ties": len(non_ties), "code_divergences": len(code_first), "pcm_max_abs_err": pcm_err}
-    metrics.update({f"min_agreement[{k}]": min(v) for k, v in kinds.items()})
+    metrics.update({"min_agreement_" + k.replace("/", "_vs_").replace(" ", "_"): min(v) for k, v in kinds.items()})
     details = {"graphs_runs": graph_runs,
                "graphs_note": "" if True in graph_runs else "graphs on: not run (no GPU, or eval.models.graphs=false)",
                "comparisons": [vars(c) for c in comparisons]}
-    reason = "; ".join(failures) or (f"{len(comparisons)} path pairs agree on every frame"
-                                     + (f" but {len(ties)} near-ties" if ties else "")
+    reason = "; ".join(failures) or (f"{len(comparisons) - len(diverged)} of {len(comparisons)} path pairs agree "
+                                     "on every frame" + (f", {len(ties)} part at near-ties" if ties else "")
                                      + ("" if True in graph_runs else " (graphs on: not run, no GPU)"))
     return RowResult(FAIL if failures else PASS, reason, metrics, details)
 

@@ -3,6 +3,12 @@
     python eval/gate.py                                   # rows and criteria of conf/eval/gate.yaml
     python eval/gate.py checkpoint=<dir> eval.checkpoint_kind=trained eval.asr.backend=whisper eval.asr.model_path=<m>
     python eval/gate.py eval.only_clips=[question_capital,noise_white] wandb.mode=disabled
+    python eval/gate.py device=cuda model=nemotron_duplex checkpoint=<dir> eval.models.max_seconds=null
+
+The rows: wer_pipeline (the ASR itself), encoder_parity (eval/encoder_parity.py), margins
+(eval/margins.py), consistency (eval/consistency.py), agent_wer. Each model row also runs alone:
+`python eval/<row>.py [overrides]`. The model rows run the clips of `eval.models.clips`, cut to
+`eval.models.max_seconds`, on the models of eval/models.py (fp32 yardstick, bf16 variant, configured).
 
 Each row runs on the configured clips and is judged against its criteria, which are read once before
 the first row, frozen (read-only mappings) and hashed into the report. A row ends pass, fail or n/a;
@@ -35,7 +41,7 @@ from eval.clips.make_clips import Clip, ClipSetConfig, load_clips, make_clips  #
 from eval.consistency import consistency  # noqa: E402
 from eval.encoder_parity import encoder_parity  # noqa: E402
 from eval.margins import margins  # noqa: E402
-from eval.models import ModelSet, clip_audio, load_model_set  # noqa: E402
+from eval.models import ModelSet, clip_audio, ieee_fp32, load_model_set  # noqa: E402
 from eval.report import AudioSample, GateReport, RowRecord, format_table, log_wandb, write_report  # noqa: E402
 from eval.row import (FAIL, NA, NON_SPEECH_KINDS, PASS, SPEECH_KINDS, AgentReply, Criteria,  # noqa: E402,F401
                       GateContext, RowResult)
@@ -278,6 +284,13 @@ def gate_main(cfg, respond: Callable[[Clip], AgentReply] | None = None, show_pro
                                    OmegaConf.select(cfg, "checkpoint"))
     clips = prepare_clips(ev["clips"], out_dir, ev.get("only_clips"))
     settings = freeze(ev["models"])
+    device = str(OmegaConf.select(cfg, "device", default="cpu"))
+    if device.startswith("cuda"):
+        ieee_fp32()
+    elif settings.get("cpu_threads"):
+        import torch
+
+        torch.set_num_threads(int(settings["cpu_threads"]))  # the tiny model's ops are too small to share
     ctx = GateContext(clips=clips, out_dir=out_dir, checkpoint_kind=kind, asr_backend=ev["asr"]["backend"],
                       asr_model_path=ev["asr"]["model_path"], respond=respond, show_progress=show_progress,
                       load_models=(lambda: models) if models is not None else
@@ -309,7 +322,9 @@ def row_app(row: str | None = None) -> None:
     import hydra
     from omegaconf import open_dict
 
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    conf = Path(__file__).resolve().parents[1] / "conf"  # absolute: the caller may be another module
+
+    @hydra.main(version_base="1.3", config_path=str(conf), config_name="config")
     def main(cfg) -> None:
         if row is not None:
             with open_dict(cfg):

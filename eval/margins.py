@@ -102,7 +102,8 @@ def margins(ctx: GateContext, criteria: Criteria) -> RowResult:
     bar = float(criteria["near_tie_margin"])
     seed = int(ctx.settings.get("seed", 0))
     per_clip, failures = {}, []
-    frames = diverging = ties = codec_err = 0.0
+    frames = diverging = ties = 0
+    codec_err = 0.0
     non_ties: list[str] = []
     for clip in ctx.progress(ctx.model_clips(), "margins"):
         audio = clip_audio(clip, ms.fp32.cfg, ctx.settings.get("max_seconds"))
@@ -128,13 +129,14 @@ def margins(ctx: GateContext, criteria: Criteria) -> RowResult:
         failures.append(f"{len(non_ties)} bf16 divergences are not near-ties (fp32 margin >= {bar}): "
                         + "; ".join(non_ties[:4]) + (" ..." if len(non_ties) > 4 else ""))
     if rate > criteria["max_divergence_rate"]:
-        failures.append(f"bf16 decides otherwise than fp32 on {diverging:.0f} of {frames:.0f} frames "
+        failures.append(f"bf16 decides otherwise than fp32 on {diverging} of {frames} frames "
                         f"({rate:.1%} > {criteria['max_divergence_rate']:.1%}) with the same inputs")
     if codec_err > criteria["codec_max_abs_err"]:
         failures.append(f"the bf16 deployment's codec output differs from the fp32 codec on the same codes by "
                         f"{codec_err:.3g} (> {criteria['codec_max_abs_err']}): the codec must run in fp32 (spec 9.9)")
-    reason = "; ".join(failures) or (f"bf16 = fp32 decisions on {frames - diverging:.0f} of {frames:.0f} frames; "
-                                     f"{ties:.0f} divergences, all near-ties (fp32 margin < {bar})")
+    reason = "; ".join(failures) or (f"bf16 = fp32 decisions on {frames - diverging} of {frames} frames"
+                                     + (f"; the {ties} divergences are all near-ties (fp32 margin < {bar})"
+                                        if ties else ""))
     return RowResult(FAIL if failures else PASS, reason, metrics, {"clips": per_clip})
 
 

@@ -78,6 +78,14 @@ def load_model_set(cfg, bf16_dtype: dict) -> ModelSet:
     return ModelSet.from_fp32(fp32, tokenizer, rnnt_vocab, bf16_dtype, configured_dtype)
 
 
+def ieee_fp32() -> None:
+    """fp32 matmuls and convolutions in IEEE fp32 on CUDA for the rest of the process (cuDNN convolutions
+    default to TF32): the fp32 yardstick is fp32 (spec 1.6), and the rows' fp32 bounds are set for it.
+    Call before any graph is compiled (the flags are read at compile time)."""
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+
+
 def is_all_fp32(model) -> bool:
     d = model.cfg.dtype
     return all(getattr(d, k) == "fp32" for k in FP32)

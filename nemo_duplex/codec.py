@@ -68,6 +68,10 @@ def exact_fp32(device: torch.device):
 # ----------------------------------------------------------------------------------------------------
 
 GEMMS = ("ieee", "tf32x3", "bf16x3")
+# Below this many rows the split GEMMs lose to the IEEE SGEMM (too few tiles to fill the GPU; measured at
+# N=1: 2.6 / 2.0 ms against 1.2 ms for the whole decode_step), so "tf32x3" / "bf16x3" fall back to "ieee"
+# there. Row counts are static per batch bucket, so a captured graph keeps one path.
+SPLIT_GEMM_MIN_ROWS = 1024
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str,
@@ -82,6 +86,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
       over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.
       ~1e-5 relative per product (bf16 alone: ~4e-3); tests/test_codec.py states the bounds. Off CUDA the
       same products run as an fp32 matmul of the bf16 parts (exact products, fp32 sums)."""
+    if gemm in ("tf32x3", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
+        gemm = "ieee"
     if gemm == "tf32x3":
         return fp32_linear(x, weight, bias, gelu)
     if gemm == "ieee":

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from nemo_duplex.config import RNNTConfig
 
@@ -26,12 +27,28 @@ def _fill_normal_(tensor: torch.Tensor, std: float, generator: torch.Generator, 
         tensor.copy_(draw.to(tensor.device, tensor.dtype))
 
 
+class LSTMWeights(nn.Module):
+    """The parameters of a multi-layer nn.LSTM under nn.LSTM's own names (`weight_ih_l0`, `bias_hh_l1`,
+    ...), stepped by `lstm_step`. Not nn.LSTM itself: Dynamo refuses to trace nn.LSTM, and the
+    prediction net only ever takes one step at a time."""
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int):
+        super().__init__()
+        self.num_layers = num_layers
+        for layer in range(num_layers):
+            n_in = input_size if layer == 0 else hidden_size
+            self.register_parameter(f"weight_ih_l{layer}", nn.Parameter(torch.empty(4 * hidden_size, n_in)))
+            self.register_parameter(f"weight_hh_l{layer}", nn.Parameter(torch.empty(4 * hidden_size, hidden_size)))
+            self.register_parameter(f"bias_ih_l{layer}", nn.Parameter(torch.zeros(4 * hidden_size)))
+            self.register_parameter(f"bias_hh_l{layer}", nn.Parameter(torch.zeros(4 * hidden_size)))
+
+
 class PredictionRNN(nn.Module):
     """Holds the LSTM under NeMo's path `dec_rnn.lstm`."""
 
     def __init__(self, cfg: RNNTConfig):
         super().__init__()
-        self.lstm = nn.LSTM(cfg.pred_hidden, cfg.pred_hidden, num_layers=cfg.pred_rnn_layers)  # time-first
+        self.lstm = LSTMWeights(cfg.pred_hidden, cfg.pred_hidden, cfg.pred_rnn_layers)
 
 
 class PredictionNetwork(nn.Module):
@@ -45,8 +62,23 @@ class PredictionNetwork(nn.Module):
         """token [B] (blank = start of sequence), h, c [layers, B, H] -> (g [B, H], h', c').
         The blank input is forced to zero, whatever the checkpoint's padding row holds (spec 2.10)."""
         x = self.embed(token) * (token != self.blank)[:, None].to(self.embed.weight.dtype)
-        out, (h, c) = self.dec_rnn.lstm(x[None], (h, c))
-        return out[0], h, c
+        return lstm_step(self.dec_rnn.lstm, x, h, c)
+
+
+def lstm_step(lstm: nn.Module, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor):
+    """One time step of a multi-layer LSTM written out (gates i, f, g, o in nn.LSTM's order) over
+    nn.LSTM-named parameters (an nn.LSTM or LSTMWeights), so the step can be captured by torch.compile
+    and needs no cuDNN weight compaction. x [B, H_in], h/c [layers, B, H] -> (out [B, H], h', c')."""
+    hs, cs = [], []
+    for layer in range(lstm.num_layers):
+        gates = (F.linear(x, getattr(lstm, f"weight_ih_l{layer}"), getattr(lstm, f"bias_ih_l{layer}"))
+                 + F.linear(h[layer], getattr(lstm, f"weight_hh_l{layer}"), getattr(lstm, f"bias_hh_l{layer}")))
+        i, f, g, o = gates.chunk(4, dim=-1)
+        c_new = torch.sigmoid(f) * c[layer] + torch.sigmoid(i) * torch.tanh(g)
+        x = torch.sigmoid(o) * torch.tanh(c_new)
+        hs.append(x)
+        cs.append(c_new)
+    return x, torch.stack(hs), torch.stack(cs)
 
 
 @dataclass

@@ -73,7 +73,7 @@ def _fp32_linear_kernel(
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
-GPU_TILES = (128, 128, 32, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (scripts/bench_ops.py)
+GPU_TILES = (128, 64, 32, 4, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages: best of a sweep (docs/performance.md)
 
 
 def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,

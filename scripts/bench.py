@@ -89,7 +89,8 @@ class CallRecord:
     server_lag_ms: list[float] = field(default_factory=list)
     drained_at: float | None = None
     ended: str | None = None                          # the server's end reason ("completed", ...)
-    error: str | None = None                          # "code: message" of the first error, or why we gave up
+    errors: list[str] = field(default_factory=list)   # "code: message" of every error event (some are not fatal)
+    error: str | None = None                          # why the call failed: refused, cut, or our own give-up
     output_sha256: str = ""
 
 
@@ -139,12 +140,15 @@ async def paced_call(http, ws_url: str, index: int, pcm: bytes, connect_at: floa
                         rec.drained_at = time.monotonic()
                     elif ev["type"] == "ended":
                         rec.ended = ev["reason"]
-                    elif ev["type"] == "error" and rec.error is None:
-                        rec.error = f"{ev['code']}: {ev['message']}"
+                    elif ev["type"] == "error":   # e.g. function_call_parse_error: the call goes on
+                        rec.errors.append(f"{ev['code']}: {ev['message']}")
             finally:
                 if not sender.done():
                     sender.cancel()
-                    rec.error = rec.error or "the server closed the call while input was being sent"
+                elif not sender.cancelled() and sender.exception() is not None:
+                    rec.error = f"send: {type(sender.exception()).__name__}: {sender.exception()}"
+            if rec.ended is None and rec.error is None:   # closed without "ended": the last error ended it
+                rec.error = rec.errors[-1] if rec.errors else "closed: the server closed without 'ended'"
     except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
         rec.error = rec.error or f"connection: {type(e).__name__}: {e}"
     rec.output_sha256 = out.hexdigest()
@@ -310,9 +314,13 @@ def judge(records: list[CallRecord], n_frames: int, jitter_buffer_ms: float) -> 
     slip = [s - (r.origin + k * FRAME_S) for r in records for k, s in enumerate(r.sent)]
     late_packets = sum(1 for x in late if x > 0)
     failed = sum(failures.values())
+    events: dict[str, int] = {}
+    for r in records:
+        for e in r.errors:
+            events[e.split(":")[0]] = events.get(e.split(":")[0], 0) + 1
     ms = lambda xs: [1000.0 * x for x in xs]   # noqa: E731
     return {
-        "calls": len(records), "failed_calls": failed, "failures": failures,
+        "calls": len(records), "failed_calls": failed, "failures": failures, "error_events": events,
         "frames_expected": n_frames * len(records), "frames_received": sum(len(r.frames) for r in records),
         "server_lag_ms": pct([x for r in records for x in r.server_lag_ms]),
         "client_lag_ms": pct(ms(client)),
@@ -566,7 +574,8 @@ def save_calls(out: Path, row: dict) -> None:
     """Every packet of every call of a run: frame, arrival and send time (s from the call's origin), server lag."""
     calls = []
     for r in row["records"]:
-        calls.append({"index": r.index, "error": r.error, "ended": r.ended, "output_sha256": r.output_sha256,
+        calls.append({"index": r.index, "error": r.error, "errors": r.errors, "ended": r.ended,
+                      "output_sha256": r.output_sha256,
                       "sent_s": [round(s - r.origin, 5) for s in r.sent],
                       "frames": r.frames, "arrival_s": [round(a - r.origin, 5) for a in r.arrival],
                       "server_lag_ms": [round(x, 3) for x in r.server_lag_ms],

@@ -60,7 +60,7 @@ class ScriptedModel:
     def allocate(self, model, max_calls, max_frames, device, max_prompt_tokens=0):
         return SimpleNamespace()
 
-    def admit(self, model, st, slot, prompt_ids, seed, sampling, speaker=None):
+    def admit(self, model, st, slot, prompt_ids, seed, sampling, speaker=None, prefix_cache=None):
         if speaker not in (None, self.cfg.talker.speaker):
             raise KeyError(f"unknown speaker {speaker!r}")
         self.slots[slot] = SlotScript(0, seed, None if prompt_ids is None else prompt_ids.tolist(), speaker)

@@ -59,10 +59,14 @@ def test_a_packet_later_than_the_jitter_buffer_is_an_underrun():
 
 def test_failed_calls_are_named():
     good = [50 + k * FRAME_MS for k in range(10)]
-    v = bench.judge([record(good), record(good[:9]), record(good, ended="limit"),
+    survived = record(good)
+    survived.errors.append("function_call_parse_error: the model's tool call did not parse")   # not fatal
+    v = bench.judge([survived, record(good[:9]), record(good, ended="limit"),
                      record(good, error="busy: all 2 call places are taken")], 10, 160.0)
     assert not v["real_time"] and v["failed_calls"] == 3
     assert v["failures"] == {"frames_missing_or_out_of_order": 1, "ended_limit": 1, "busy": 1}
+    assert v["error_events"] == {"function_call_parse_error": 1}
+    assert bench.judge([survived], 10, 160.0)["real_time"]
 
 
 def test_sustained_is_the_largest_n_below_the_first_failure():

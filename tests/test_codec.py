@@ -5,17 +5,24 @@ CPU, tiny config (C = 16, latent 32, 64 codewords x 31 quantisers; 1764 samples 
 The codec's output is bounded by 1 in magnitude (|w clamp(x, -w, w)| <= w^2, divided by sum w^2), so
 tolerances are absolute."""
 import collections
+import copy
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from nemo_duplex.codec import RVQCodec, istft, replace_control_codes
+from nemo_duplex import codec as codec_module
+from nemo_duplex.codec import GEMMS, RVQCodec, istft, linear, replace_control_codes, upsample
 from nemo_duplex.config import CodecConfig, tiny_config
 
 SPF = 1764  # samples per code frame
 DELAY = 6   # decode_step's stream lags one-shot decode by (n_fft - hop) / 2 samples
 STREAM_ATOL = 1e-5  # stream vs one-shot, fp32 (only the summation order differs)
+# Decode error against a float64 decode, per GEMM choice (|wav| <= 1). The iSTFT head amplifies the
+# decoder's relative error (magnitudes up to 100, phases), so the wav error is ~30x the per-GEMM error:
+# ieee / tf32x3 ~3e-6 measured on the tiny codec, bf16x3 ~1.4e-4 (per-GEMM ~5e-6 of sum |x w|).
+DECODE_ATOL = {"ieee": 2e-5, "tf32x3": 2e-5, "bf16x3": 1e-3}
 
 
 def _codec(seed: int = 0) -> RVQCodec:
@@ -151,6 +158,75 @@ def test_decoder_is_causal():
     first = SPF * t - DELAY
     assert (a[:, :first] - b[:, :first]).abs().max() <= 1e-6
     assert (a[:, SPF * t:SPF * (t + 1)] - b[:, SPF * t:SPF * (t + 1)]).abs().max() > 1e-2
+
+
+# ---- decoder GEMMs (codec.linear) ---------------------------------------------------------------------
+
+def test_upsample_is_conv_transpose_with_kernel_equal_stride():
+    gen = torch.Generator().manual_seed(20)
+    x = torch.randn(2, 24, 5, generator=gen)
+    weight = torch.randn(24, 16, 7, generator=gen)
+    expected = F.conv_transpose1d(x, weight, stride=7)
+    torch.testing.assert_close(upsample(x, weight, "ieee"), expected, rtol=1e-5, atol=1e-5)  # fp32, same sums
+
+
+def test_bf16x3_linear_error_is_the_split_error():
+    """bf16x3 keeps 16 mantissa bits of each operand: error <= 2.5e-5 of sum |x w| (3 x 2^-17, the dropped
+    lo*lo term and the lo parts' rounding); a single bf16 product is ~100x worse, so the bound can fail."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 400, 96, generator=gen)  # 1200 rows: >= SPLIT_GEMM_MIN_ROWS, so the split path runs
+    w = torch.randn(40, 96, generator=gen) / 10
+    b = torch.randn(40, generator=gen)
+    ref = F.linear(x.double(), w.double(), b.double())
+    scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+
+    def error(y):
+        return ((y.double() - ref).abs() / scale).max().item()
+
+    assert error(linear(x, w, b, "ieee")) <= 1e-6
+    assert error(linear(x, w, b, "bf16x3")) <= 2.5e-5
+    assert error(F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16())) > 1e-3
+    gelu = linear(x, w, b, "bf16x3", gelu=True)
+    torch.testing.assert_close(gelu, F.gelu(linear(x, w, b, "bf16x3")), rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        linear(x, w, b, "tf32")
+    # fewer rows than SPLIT_GEMM_MIN_ROWS: the IEEE GEMM, bit for bit
+    assert torch.equal(linear(x[0, :100], w, b, "bf16x3"), linear(x[0, :100], w, b, "ieee"))
+
+
+def _decode_fp64(codec: RVQCodec, codes: torch.Tensor) -> torch.Tensor:
+    reference = copy.deepcopy(codec).double()
+    with torch.no_grad():
+        head = reference.decoder(reference.dequantize(codes).transpose(1, 2))
+    return istft(head, codec.cfg.n_fft, codec.cfg.hop_length)
+
+
+@pytest.mark.parametrize("gemm", ["ieee", pytest.param("tf32x3", marks=pytest.mark.triton_interpret), "bf16x3"])
+def test_decode_error_per_gemm(gemm, monkeypatch):
+    """One-shot decode and the stream against a float64 decode (DECODE_ATOL). tf32x3 runs the Triton
+    kernel (through the interpreter on CPU: slow, so one call of one frame). The split GEMMs run at every
+    size here (the tiny codec's GEMMs are below SPLIT_GEMM_MIN_ROWS)."""
+    monkeypatch.setattr(codec_module, "SPLIT_GEMM_MIN_ROWS", 0)
+    codec = _codec()
+    codec.gemm = gemm
+    gen = torch.Generator().manual_seed(22)
+    codes = _codes(gen, 1, 1, 31) if gemm == "tf32x3" else _codes(gen, 2, 3, 31)
+    ref = _decode_fp64(codec, codes)
+    assert (codec.decode(codes).double() - ref).abs().max() <= DECODE_ATOL[gemm]
+    state = codec.allocate_stream_state(codes.shape[0] + 1, "cpu")
+    slots = torch.arange(codes.shape[0])
+    parts = [codec.decode_step(codes[:, t], state, slots) for t in range(codes.shape[1])]
+    stream = torch.cat(parts + [codec.flush_step(state, slots)], dim=1)[:, DELAY:]
+    assert (stream.double() - ref).abs().max() <= DECODE_ATOL[gemm]
+
+
+def test_gemm_choice_comes_from_the_config():
+    cfg = tiny_config().codec
+    cfg.gemm = "bf16x3"
+    assert RVQCodec(cfg).gemm == "bf16x3"
+    cfg.gemm = "tf32"  # plain TF32 is not a choice (spec 9.9)
+    with pytest.raises(ValueError):
+        RVQCodec(cfg)
 
 
 # ---- streaming ---------------------------------------------------------------------------------------
@@ -325,10 +401,13 @@ def test_gpu_full_size_matches_cpu_with_tf32_flags_on(full_codec_cuda):
 
 
 @pytest.mark.gpu
-def test_gpu_full_size_streaming_in_a_cuda_graph(full_codec_cuda):
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_gpu_full_size_streaming_in_a_cuda_graph(full_codec_cuda, gemm):
     """decode_step captured once in a CUDA graph, replayed per frame for two calls (+ a sink row),
-    equals the one-shot decode delayed by 6 samples."""
+    equals the one-shot decode delayed by 6 samples (1e-4 ieee / tf32x3; bf16x3: both sides carry its
+    error, 2 x GPU_DECODE_ATOL)."""
     codec = full_codec_cuda.cuda()
+    codec.gemm = gemm
     try:
         frames_n, num_slots = 5, 4
         codes = _codes(torch.Generator().manual_seed(11), 2, frames_n, 31, codebook=1024).cuda()
@@ -352,6 +431,27 @@ def test_gpu_full_size_streaming_in_a_cuda_graph(full_codec_cuda):
         stream = torch.cat(parts, dim=1)
         one_shot = codec.decode(codes)
         assert torch.equal(stream[:, :DELAY], torch.zeros(2, DELAY, device="cuda"))
-        assert (stream[:, DELAY:] - one_shot).abs().max() <= 1e-4
+        assert (stream[:, DELAY:] - one_shot).abs().max() <= (2 * GPU_DECODE_ATOL[gemm] if gemm == "bf16x3" else 1e-4)
     finally:
+        codec.gemm = "ieee"
+        codec.cpu()
+
+
+# Full-size decode on the H200 against a float64 decode (|wav| <= 1), per GEMM choice.
+GPU_DECODE_ATOL = {"ieee": 1e-4, "tf32x3": 1e-4, "bf16x3": 3e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_gpu_full_size_decode_error_per_gemm(full_codec_cuda, gemm):
+    codec = full_codec_cuda.cuda()
+    codec.gemm = gemm
+    try:
+        codes = _codes(torch.Generator().manual_seed(12), 3, 3, 31, codebook=1024).cuda()
+        ref = _decode_fp64(codec, codes)
+        error = (codec.decode(codes).double() - ref).abs().max().item()
+        print(f"full-size decode, gemm {gemm}: max |wav - float64| = {error:.2e}")
+        assert error <= GPU_DECODE_ATOL[gemm]
+    finally:
+        codec.gemm = "ieee"
         codec.cpu()

@@ -179,7 +179,7 @@ def _compose(overrides):
 
 
 def test_gate_main_writes_reports_and_exit_status(tmp_path):
-    quick = ["eval.only_clips=[question_capital,noise_white]", "wandb.mode=disabled"]
+    quick = ["eval.only_clips=[question_capital,noise_white]", "eval.rows=[wer_pipeline,agent_wer]", "wandb.mode=disabled"]
     ok = gate_main(_compose(quick + [f"eval.out_dir={tmp_path / 'ok'}"]), show_progress=False)
     assert ok == 0
     data = json.loads((tmp_path / "ok" / "gate.json").read_text())
@@ -196,6 +196,7 @@ def test_gate_script_exit_status_and_offline_wandb(tmp_path):
     # default offline mode must work with no account.
     out = tmp_path / "run"
     cmd = [sys.executable, "eval/gate.py", "eval.only_clips=[question_capital,noise_white]",
+           "eval.rows=[wer_pipeline,agent_wer]",
            f"eval.out_dir={out}", "eval.criteria.wer_pipeline.max_corpus_wer=-1", "wandb.mode=offline",
            f"hydra.run.dir={tmp_path / 'hydra'}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -204,3 +205,38 @@ def test_gate_script_exit_status_and_offline_wandb(tmp_path):
     assert "verdict: FAIL" in proc.stdout
     assert json.loads((out / "gate.json").read_text())["failed"] == ["wer_pipeline"]
     assert list((out / "wandb").glob("offline-run-*")), "no offline W&B run written"
+
+
+def test_gate_runs_the_model_rows(tmp_path, tiny):
+    # The model rows through gate_main on the tiny model (given, not reloaded), cut short: they pass,
+    # and the report lists them with their metrics and criteria.
+    from eval.models import ModelSet
+
+    model, tok, rnnt_vocab, _ = tiny
+    models = ModelSet.from_fp32(model, tok, rnnt_vocab, {"encoder": "bf16", "llm": "bf16", "talker": "bf16"})
+    rows = ["encoder_parity", "margins", "consistency"]
+    cfg = _compose(["eval.only_clips=[question_capital,noise_white]", f"eval.rows=[{','.join(rows)}]",
+                    "eval.models.clips=[noise_white]", "eval.models.max_seconds=0.5", "eval.models.batch_calls=3",
+                    "eval.models.chunk_sizes=[320,4000]",
+                    "wandb.mode=disabled", f"eval.out_dir={tmp_path}"])
+    assert gate_main(cfg, show_progress=False, models=models) == 0
+    data = json.loads((tmp_path / "gate.json").read_text())
+    assert data["passed"] == rows
+    by_name = {r["name"]: r for r in data["rows"]}
+    assert by_name["margins"]["metrics"]["frames"] == 6   # one clip of 0.5 s = 6 whole frames
+    assert by_name["consistency"]["criteria"]["near_tie_margin"] == 1.0
+    assert "| consistency | **pass** |" in (tmp_path / "gate.md").read_text()
+
+
+def test_a_row_module_runs_alone_and_fails_on_a_criterion_it_cannot_meet(tmp_path):
+    # `python eval/encoder_parity.py`: the gate with that one row; a bound no encoder meets must fail it.
+    out = tmp_path / "run"
+    cmd = [sys.executable, "eval/encoder_parity.py", "eval.only_clips=[question_capital]",
+           "eval.models.max_seconds=0.5", "eval.models.chunk_sizes=[1280]", f"eval.out_dir={out}",
+           "eval.criteria.encoder_parity.fp32_min_cosine=1.1", "wandb.mode=disabled",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads((out / "gate.json").read_text())
+    assert [r["name"] for r in data["rows"]] == ["encoder_parity"] and data["failed"] == ["encoder_parity"]
+    assert "cosine" in data["rows"][0]["reason"]

@@ -138,3 +138,17 @@ def test_blank_padding_row_is_zero_input():
     want = rnnt_greedy_decode(decoder, joint, enc)
     decoder.prediction.embed.weight[cfg.vocab_size] = 3.0
     assert rnnt_greedy_decode(decoder, joint, enc) == want
+
+
+def test_lstm_step_equals_nn_lstm():
+    """The written-out LSTM step (compile friendly) is nn.LSTM's math: fp32, random weights, 1e-6."""
+    from nemo_duplex.rnnt import lstm_step
+
+    torch.manual_seed(3)
+    lstm = torch.nn.LSTM(12, 12, num_layers=2)
+    x = torch.randn(5, 12)
+    h, c = torch.randn(2, 5, 12), torch.randn(2, 5, 12)
+    out, (h_ref, c_ref) = lstm(x[None], (h, c))
+    y, h2, c2 = lstm_step(lstm, x, h, c)
+    assert torch.allclose(y, out[0], atol=1e-6) and torch.allclose(h2, h_ref, atol=1e-6)
+    assert torch.allclose(c2, c_ref, atol=1e-6)

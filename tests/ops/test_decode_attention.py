@@ -81,8 +81,12 @@ def test_splits_follow_each_rows_length(kv_heads):
 
 
 def test_pick_num_splits_fills_the_gpu_only_when_needed():
-    assert pick_num_splits(programs=4096, max_len=1101, block_n=64, num_sms=132) == 1   # talker N=128
-    assert pick_num_splits(programs=32, max_len=1101, block_n=64, num_sms=132) == 9     # talker N=1
+    # talker (vector kernel, 1 warp per program): N=128 -> 4096 programs, N=32 -> 1024, N=1 -> 32
+    assert pick_num_splits(programs=4096, max_len=1101, block_n=16, num_sms=132, num_warps=1) == 1
+    assert pick_num_splits(programs=1024, max_len=1101, block_n=16, num_sms=132, num_warps=1) == 2
+    assert pick_num_splits(programs=32, max_len=1101, block_n=16, num_sms=132, num_warps=1) == 32
+    # LLM (group kernel, 4 warps): N=1 -> 8 programs, capped by the pool length
+    assert pick_num_splits(programs=8, max_len=1101, block_n=64, num_sms=132, num_warps=4) == 9
     assert pick_num_splits(programs=32, max_len=100, block_n=64, num_sms=132) == 1      # short pool
     assert pick_num_splits(programs=1, max_len=10 ** 6, block_n=64, num_sms=132) == 32  # capped
 

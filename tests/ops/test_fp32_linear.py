@@ -48,11 +48,12 @@ def test_strided_weight_and_launcher():
 @pytest.mark.parametrize("m,k,n", [(128 * 9, 1536, 6144), (128 * 441, 1536, 384), (441, 384, 1536), (9, 6144, 1536)])
 def test_gpu_codec_shapes_are_fp32_accurate(m, k, n):
     """At the codec decoder's shapes: 3xTF32 within 2e-6 of float64 (relative to sum |x w|), like an IEEE
-    fp32 GEMM, while a single TF32 product is ~1e-3 off -- so this is not TF32 in disguise."""
+    fp32 GEMM, and over 10x closer than a single TF32 product -- so this is not TF32 in disguise."""
     gen = torch.Generator().manual_seed(m + n)
     x = torch.randn(m, k, generator=gen).cuda()
     w = (torch.randn(n, k, generator=gen) * k ** -0.5).cuda()
     b = (torch.randn(n, generator=gen) * 0.1).cuda()
     for gelu in (False, True):
         assert _relative_error(fp32_linear_triton(x, w, b, gelu), x, w, b, gelu) <= 2e-6
-    assert _relative_error(fp32_linear_triton(x, w, b, precision="tf32"), x, w, b) >= 1e-4
+    x3 = _relative_error(fp32_linear_triton(x, w, b), x, w, b)
+    assert _relative_error(fp32_linear_triton(x, w, b, precision="tf32"), x, w, b) >= 10 * x3
