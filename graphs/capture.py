@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class StepRunner:
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool = True,
-                 backend: str = "reduce-overhead"):
+                 backend: str = "reduce-overhead", compiler: str = "inductor"):
         self.model, self.state, self.specials = model, state, specials
         self.buckets = sorted(set(int(b) for b in buckets))
         if not self.buckets or self.buckets[0] < 1:
@@ -52,7 +52,10 @@ class StepRunner:
         elif graphs:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.buckets))
             mode = "reduce-overhead" if backend == "reduce-overhead" and self.device.type == "cuda" else None
-            self._compiled = torch.compile(self._eager, mode=mode, fullgraph=True, dynamic=False)
+            # compiler "aot_eager" traces the same graph but runs it with eager kernels: the CPU test of
+            # graphs-vs-eager uses it, since Inductor's C++ build of the whole step takes minutes there
+            self._compiled = torch.compile(self._eager, mode=mode if compiler == "inductor" else None,
+                                           backend=compiler, fullgraph=True, dynamic=False)
 
     def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor) -> StepOutput:
         return frame_step(self.model, self.state, slots, audio, forced, self.specials)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -46,7 +45,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
@@ -117,8 +116,8 @@ async def paced_call(http, ws_url: str, index: int, pcm: bytes, connect_at: floa
             async def send():
                 for k in range(n_frames):
                     await asyncio.sleep(max(0.0, rec.origin + k * FRAME_S - time.monotonic()))
+                    rec.sent.append(time.monotonic())   # before the await: the server may have it before we resume
                     await ws.send_bytes(pcm[k * 2 * FRAME_IN:(k + 1) * 2 * FRAME_IN])
-                    rec.sent.append(time.monotonic())
                 await ws.send_json({"type": "end_input"})
 
             sender = asyncio.create_task(send())
@@ -636,7 +635,8 @@ def main(cfg: DictConfig) -> None:
     out = output_dir(cfg)
     sizes = sorted(int(n) for n in lt.n_calls)
     pcm, digest = load_input(lt.clip, float(lt.duration_s))
-    if float(lt.max_call_s) < float(lt.duration_s) + 1 or (lt.uploads and float(lt.max_call_s) < float(lt.upload_s) + 1):
+    longest = max(float(lt.duration_s), float(lt.upload_s) if lt.uploads else 0.0)
+    if float(lt.max_call_s) < longest + 1:
         raise SystemExit(f"loadtest.max_call_s = {lt.max_call_s} must exceed the calls (duration_s "
                          f"{lt.duration_s}, upload_s {lt.upload_s}) by a second")
     server = None

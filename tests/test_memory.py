@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -73,6 +73,7 @@ def test_per_call_bytes_match_the_allocation_full_size_on_meta():
 
 def test_weight_bytes_match_a_real_model(tiny):
     model = tiny[0]
+    model.perception.prepare_stream()   # as when serving (built on the first stream step otherwise)
     real = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     longest_token = model.talker.embed_subword.char_ids.shape[1]   # set from the tokenizer (spec 4.2.2)
     assert weight_bytes(tiny_config(), longest_token) == real
@@ -122,7 +123,8 @@ def test_memory_grows_with_call_length_only_in_the_kv_caches():
     assert changed == {"llm_kv", "talker_kv"}
     frames = frames_per_call(cfg, 100.0) - frames_per_call(cfg, 10.0)
     t = cfg.talker.backbone
-    assert long.talker_kv - short.talker_kv == frames * 2 * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4
+    per_frame = 2 * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4   # K+V, 2 streams, fp32
+    assert long.talker_kv - short.talker_kv == frames * per_frame
 
 
 def test_serve_refuses_to_start_when_the_calls_do_not_fit(tmp_path):
