@@ -126,3 +126,27 @@ def test_frame_step_padding_rows_touch_only_the_sink(tiny, example_clip):
     for k, v in st.llm.__dict__.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(v[:, :2], before[k][:, :2]), k
+
+
+def test_mel_front_end_uses_checkpoint_tables_in_fp32():
+    """Pitfall 10: mel features in fp32 from the checkpoint's `fb` and `window` (not recomputed), even
+    when the encoder runs in bf16."""
+    import dataclasses
+
+    from nemo_duplex.config import DtypeConfig, tiny_config
+    from nemo_duplex.model import VoiceChat
+
+    cfg = dataclasses.replace(tiny_config(), dtype=DtypeConfig(encoder="bf16"))
+    model = VoiceChat(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    model.cast_for_inference()
+    fe = model.perception.preprocessor
+    assert fe.featurizer.fb.dtype == torch.float32 and fe.featurizer.window.dtype == torch.float32
+    audio = torch.randn(1, 4000) * 0.1
+    mel, _ = fe(audio, torch.tensor([4000]))
+    assert mel.dtype == torch.float32
+    with torch.no_grad():
+        fe.featurizer.fb.mul_(2.0)     # a checkpoint with other tables gives other features: ln(2) apart
+    mel2, n = fe(audio, torch.tensor([4000]))
+    valid = (mel2 - mel)[..., : int(n[0])][mel[..., : int(n[0])] > -10]   # away from the 2^-24 log guard
+    assert valid.numel() > 1000 and torch.allclose(valid, torch.full_like(valid, 0.6931472), atol=1e-3)
