@@ -1,6 +1,6 @@
 """Cross-check against NVIDIA's own code (nemo-toolkit 3.0.0, spec 12) at tiny size on the CPU: NeMo's
 mel preprocessor vs our "nemo3" front end, and NeMo's ConformerEncoder with our weights vs our offline
-encoder. Test-time only; needs nemo-toolkit and its ASR extras (see the report / docs), else skipped."""
+encoder. Test-time only: scripts/test.sh runs it in .venv-nemo (nemo-toolkit and its ASR needs)."""
 import pytest
 import torch
 
