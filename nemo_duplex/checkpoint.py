@@ -775,8 +775,10 @@ def load_model(ckpt_dir: str | Path, base: ModelConfig, device: str | torch.devi
     rnnt_vocab = RNNTVocab.from_file(rnnt_json) if cfg.rnnt.present and rnnt_json.is_file() else None
 
     model = build_empty_model(cfg, device)
-    load_state(model, ckpt_dir)
+    # tokenizer tables first, then the checkpoint: its stored continuation/BOS-EOS flag buffers are what
+    # the model was trained with and win over the ones recomputed from the tokenizer
     model.set_vocab(tokenizer)
+    load_state(model, ckpt_dir)
     return model, tokenizer, rnnt_vocab, cfg
 
 

@@ -428,3 +428,23 @@ def test_checkpoint_without_function_head_and_rnnt(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_state(VoiceChat(tiny_config()), tmp_path / "c")
     assert "stt_model.function_head.weight" in str(e.value) and "stt_model.rnnt_joint.enc.weight" in str(e.value)
+
+
+def test_loader_keeps_the_checkpoints_token_flags(tiny_checkpoint, tmp_path):
+    """The continuation / BOS-EOS flag buffers come from the checkpoint (what the model was trained
+    with), not from recomputing them off the tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_duplex.checkpoint import load_model
+    from nemo_duplex.config import tiny_config
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    key = "tts_model.tts_model.embed_subword.subword_flag_emb.is_continuation"
+    tensors[key][40] = 1 - tensors[key][40]
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    model, *_ = load_model(ckpt, tiny_config(), torch.device("cpu"))
+    assert torch.equal(model.state_dict()[key], tensors[key])
