@@ -16,6 +16,6 @@ python -c "import site; print(site.getsitepackages()[0])" > "$(.venv-nemo/bin/py
   einops wrapt text-unidecode nv-one-logger-core nv-one-logger-training-telemetry \
   nv-one-logger-pytorch-lightning-integration StrEnum overrides toml lhotse intervaltree sortedcontainers cytoolz \
   toolz sentencepiece pandas kaldialign braceexpand webdataset datasets multiprocess pyarrow dill scikit-learn \
-  joblib cloudpickle narwhals threadpoolctl onnx ml_dtypes
+  joblib cloudpickle narwhals threadpoolctl onnx ml_dtypes soundfile cffi pycparser
 .venv-nemo/bin/python -c "import nemo.collections.asr.modules"   # fail here, never skip the check below
 .venv-nemo/bin/python -m pytest -q -p no:cacheprovider tests/test_encoder_vs_nemo.py

@@ -10,6 +10,7 @@ where the eager step's top-1/top-2 margin is below 1e-3, and the test reports ho
 """
 import dataclasses
 
+import pytest
 import torch
 
 from graphs.capture import StepRunner
@@ -88,3 +89,49 @@ def test_graphs_match_eager_teacher_forced(tiny, example_clip):
         _restore(st, after_e)
     print(f"graphs vs eager over {FRAMES} frames: worst relative error {worst}; {flips} near-tie flips")
     assert all(v <= 1e-4 for v in worst.values()), worst
+
+
+@torch.no_grad()
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudagraph-eager", "reduce-overhead"])
+def test_graphs_match_eager_full_size_bf16(backend):
+    """The issue-4 GPU criterion: full size, bf16, 200 teacher-forced frames, 8 calls padded into a
+    bucket of 16. Stated bf16 tolerance: every stage within 2e-2 relative (the kernels' bf16 rounding
+    differs between captured and eager launches only through cuBLAS/Inductor choices); a token or code
+    may differ only where eager's top-1/top-2 margin is below 1e-3, and the test reports how many did."""
+    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.config import ModelConfig
+
+    cfg = ModelConfig()
+    cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
+    dev = torch.device("cuda")
+    model, tok, _ = random_model(cfg, dev, seed=0)
+    model.cast_for_inference().eval()
+    n_calls = 8
+    st = allocate_call_state(model, n_calls, FRAMES + 4, dev, max_prompt_tokens=0)
+    for s in range(n_calls):
+        admit(model, st, s, None, s, SamplingParams())
+    specials = special_ids(model, dev)
+    graphs = StepRunner(model, st, specials, [16], graphs=True, backend=backend)
+    graphs.capture()
+    slots = torch.arange(n_calls)
+    forced = torch.full((n_calls,), -1)
+    g = torch.Generator().manual_seed(0)
+    worst, flips = {}, 0
+    for t in range(FRAMES):
+        chunk = torch.randn(n_calls, 1280, generator=g) * 0.1
+        before = _snapshot(st)
+        s, a, f = graphs._padded_inputs(16, slots, chunk, forced)
+        out_e = frame_step(model, st, s, a, f, specials)
+        after_e = _snapshot(st)
+        _restore(st, before)
+        out_g = graphs(slots, chunk, forced)
+        for name in ("enc", "top2", "pcm"):
+            worst[name] = max(worst.get(name, 0.0), _rel(getattr(out_g, name), getattr(out_e, name)[:n_calls]))
+        margin = (out_e.top2[:n_calls, 0] - out_e.top2[:n_calls, 1]).abs()
+        differs = (out_g.text != out_e.text[:n_calls]) | (out_g.codes != out_e.codes[:n_calls]).any(-1)
+        assert (margin[differs.to(margin.device)] < 1e-3).all(), f"frame {t}: margins {margin[differs].tolist()}"
+        flips += int(differs.sum())
+        _restore(st, after_e)
+    print(f"{backend}: worst relative error {worst}; {flips} near-tie flips over {FRAMES} frames x {n_calls} calls")
+    assert all(v <= 2e-2 for v in worst.values()), worst
