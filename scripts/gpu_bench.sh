@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One device-machine call: install the carried wheels, check the kernels on the GPU, run the step
-# benchmark. Usage (on the device): bash scripts/gpu_bench.sh [extra bench_step overrides...]
+# One device-machine call: install the carried wheels, run the step benchmark.
+# Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (Hydra; .whl/ is git-ignored),
+# plus pytest's wheels in .whl/extra/ if the GPU tests should run too; name .whl in the call's carry.
+# Usage (on the device): bash scripts/gpu_bench.sh [extra bench_step overrides...]
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/codec/*.whl >/dev/null 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null) >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
