@@ -6,17 +6,18 @@ returns the real rows. Buckets are captured at start-up, largest first, never wh
 above the largest bucket is split into groups of at most the largest bucket, each replayed. With
 `graphs=False` the very same function runs eagerly, so graphs on and off compute the same thing.
 
-Two capture back ends:
+Three capture back ends (`engine.graph_backend`):
 - "reduce-overhead": `torch.compile(mode="reduce-overhead", fullgraph=True)`; Inductor fuses the
-  pointwise work and records a CUDA graph per shape. The state pools are closed over, so Dynamo sees
-  them as fixed-address tensors that the graph mutates in place.
+  pointwise work and records a CUDA graph per shape. The state pools are closed over and mutated in
+  place by the graph.
 - "cudagraph": `torch.compile` (default mode) for fusion, captured by hand with `torch.cuda.CUDAGraph`
-  into static input buffers ("cudagraph-eager": the same capture of the eager function, no compile:
-  seconds to capture instead of minutes, no Inductor fusion). Used where reduce-overhead refuses to record a graph (it skips graphs for
-  functions that mutate tensors it does not own as static inputs, which is what a state pool is);
-  which back end ran is logged at capture.
-On a CPU there are no graphs: "reduce-overhead" still compiles (Inductor's C++ back end), which is
-what the CPU graphs-vs-eager test exercises.
+  into static input buffers: for when reduce-overhead declines to record a graph (cudagraph trees skip
+  functions that mutate tensors they do not treat as static inputs, which a state pool may be).
+- "cudagraph-eager": the same hand capture of the uncompiled step: seconds to capture instead of
+  minutes, no Inductor fusion. This is the back end measured on the H200 so far (docs/performance.md);
+  the two compiled ones have run on the CPU only.
+On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
+`compiler="aot_eager"`, which the CPU graphs-vs-eager test uses to trace the same graph cheaply).
 """
 from __future__ import annotations
 
