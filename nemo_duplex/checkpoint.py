@@ -803,6 +803,12 @@ def write_checkpoint(model: nn.Module, cfg: ModelConfig, out_dir: str | Path, to
         (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=1))
 
+    _write_side_files(cfg, out, tokenizer, rnnt_vocab)
+    return out
+
+
+def _write_side_files(cfg: ModelConfig, out: Path, tokenizer: Tokenizer, rnnt_vocab: RNNTVocab | None) -> None:
+    """Everything of the official layout but the weights."""
     cfg = replace(cfg, pretrained_llm=LOCAL_LLM_DIR)
     (out / "config.json").write_text(json.dumps(official_config(cfg), indent=2))
     (out / LOCAL_LLM_DIR).mkdir(exist_ok=True)
@@ -817,7 +823,6 @@ def write_checkpoint(model: nn.Module, cfg: ModelConfig, out_dir: str | Path, to
         rnnt_vocab.save(out / "rnnt_tokenizer" / "vocab.json")
         (out / "rnnt_tokenizer" / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_type": "sentencepiece", "vocab_size": rnnt_vocab.vocab_size}, indent=1))
-    return out
 
 
 def make_tokenizer_for(cfg: ModelConfig) -> Tokenizer:
@@ -848,6 +853,60 @@ def random_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int
     _randomise(model, cfg, tokenizer, seed, device)
     rnnt_vocab = make_tiny_rnnt_vocab(cfg.rnnt.vocab_size) if cfg.rnnt.present else None
     return model, tokenizer, rnnt_vocab
+
+
+@torch.no_grad()
+def make_random_checkpoint_in_place(cfg: ModelConfig, out_dir: str | Path, seed: int = 0) -> Path:
+    """The same checkpoint as make_random_checkpoint (same weights, single file), written without holding
+    the model in RAM: the parameters are views into the memory-mapped `model.safetensors` itself, at their
+    header offsets, and init_weights fills them in place, so the page cache carries the 44 GB of the
+    full-size model to disk (a machine with less memory than the checkpoint can write it). Buffers (small)
+    are written after the parameters are filled. Layout: 8-byte-aligned buffers first, then parameters."""
+    from .model import VoiceChat
+
+    tokenizer = make_tokenizer_for(cfg)
+    cfg = _token_ids(cfg, tokenizer)
+    with _parameters_on_meta():
+        model = VoiceChat(cfg)  # fp32 parameters on meta, real buffers (spec 6.3: fp32 storage)
+    params = dict(model.named_parameters())
+    buffers = {k: v for k, v in model.state_dict().items() if k not in params}
+    order = sorted(buffers, key=lambda k: (buffers[k].element_size() % 8 != 0, k)) + sorted(params)
+    header, offset = {}, 0
+    for name in order:
+        t = params[name] if name in params else buffers[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SINGLE_FILE
+    data_start = 8 + len(blob)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        f.truncate(data_start + offset)
+    file = torch.from_file(str(path), shared=True, size=data_start + offset, dtype=torch.uint8)
+
+    def view(name: str, like: torch.Tensor) -> torch.Tensor:
+        start, end = header[name]["data_offsets"]
+        return file[data_start + start: data_start + end].view(like.dtype).view(like.shape)
+
+    for module in model.modules():
+        for leaf, p in list(module._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                qualified = next(k for k, v in params.items() if v is p)
+                setattr(module, leaf, nn.Parameter(view(qualified, p), requires_grad=False))
+    _randomise(model, cfg, tokenizer, seed)
+    for name, t in model.state_dict().items():
+        if name in buffers:
+            view(name, t).copy_(t)
+    del file  # unmaps; the shared mapping has written every page to the file
+    rnnt_vocab = make_tiny_rnnt_vocab(cfg.rnnt.vocab_size) if cfg.rnnt.present else None
+    _write_side_files(cfg, out, tokenizer, rnnt_vocab)
+    return out
 
 
 @torch.no_grad()

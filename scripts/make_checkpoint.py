@@ -2,7 +2,10 @@
 llm/config.json, tokenizer.json, rnnt_tokenizer/.
 
     python scripts/make_checkpoint.py model=nemotron_duplex_tiny out=outputs/ckpt/tiny seed=0
-    python scripts/make_checkpoint.py model=nemotron_duplex out=/data/ckpt/full seed=0   # ~44 GB, 128 GB RAM
+    python scripts/make_checkpoint.py model=nemotron_duplex out=/data/ckpt/full seed=0   # ~44 GB on disk
+
+The weights are written in place (the parameters are views into the memory-mapped output file), so the
+full-size checkpoint needs its 44 GB of disk but not 44 GB of RAM.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_duplex.checkpoint import make_random_checkpoint  # noqa: E402
+from nemo_duplex.checkpoint import make_random_checkpoint_in_place  # noqa: E402
 from nemo_duplex.config import model_config_from_dict  # noqa: E402
 
 
@@ -25,7 +28,7 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out) if cfg.get("out") else Path("outputs") / "checkpoints" / f"{mcfg.name}-seed{cfg.seed}"
     out = out if out.is_absolute() else Path(hydra.utils.get_original_cwd()) / out
     start = time.time()
-    make_random_checkpoint(mcfg, out, seed=int(cfg.seed))
+    make_random_checkpoint_in_place(mcfg, out, seed=int(cfg.seed))
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"wrote {out} ({size / 1e9:.3f} GB) in {time.time() - start:.1f} s")
 

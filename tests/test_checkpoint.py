@@ -448,3 +448,21 @@ def test_loader_keeps_the_checkpoints_token_flags(tiny_checkpoint, tmp_path):
     save_file(tensors, str(ckpt / "model.safetensors"))
     model, *_ = load_model(ckpt, tiny_config(), torch.device("cpu"))
     assert torch.equal(model.state_dict()[key], tensors[key])
+
+
+def test_in_place_writer_gives_the_same_checkpoint(tiny_checkpoint, tmp_path):
+    """The low-memory writer (parameters live in the memory-mapped output file) writes the same tensors
+    as the in-RAM one, and the result loads through the strict loader."""
+    from safetensors.torch import load_file
+
+    from nemo_duplex.checkpoint import load_model, make_random_checkpoint_in_place
+    from nemo_duplex.config import tiny_config
+
+    out = make_random_checkpoint_in_place(tiny_config(), tmp_path / "inplace", seed=0)
+    a = load_file(str(out / "model.safetensors"))
+    b = load_file(str(tiny_checkpoint / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    model, *_ = load_model(out, tiny_config(), torch.device("cpu"))
+    assert torch.equal(model.state_dict()["stt_model.lm_head.weight"], b["stt_model.lm_head.weight"])
