@@ -7,7 +7,7 @@ reads and writes the rows it is given.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
@@ -42,20 +42,31 @@ class CallState:
 
     def nbytes_per_slot(self) -> dict[str, int]:
         """Bytes of each kind of state one call holds (memory planning, issue 7)."""
+        rows = self.max_calls + 1
         def size(obj) -> int:
-            if obj is None:
-                return 0
-            if isinstance(obj, torch.Tensor):
-                return obj.numel() * obj.element_size()
-            return sum(size(getattr(obj, f.name)) for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor))
-        per = {}
-        for name in ("encoder", "rnnt", "llm", "talker", "codec"):
-            per[name] = size(getattr(self, name)) // (self.max_calls + 1)
-        scalars = sum(size(getattr(self, n)) for n in ("llm_len", "talker_pos", "frame", "prev_text", "prev_func",
-                                                       "prev_codes", "seed", "temperature", "top_p",
-                                                       "rep_penalty", "greedy", "seen"))
-        per["scalars"] = scalars // (self.max_calls + 1)
+            return sum(t.numel() * t.element_size() for _, t in state_tensors(obj))
+        per = {name: size(getattr(self, name)) // rows for name in ("encoder", "rnnt", "llm", "talker", "codec")}
+        per["scalars"] = sum(size(getattr(self, n)) for n in (
+            "llm_len", "talker_pos", "frame", "prev_text", "prev_func", "prev_codes", "seed", "temperature",
+            "top_p", "rep_penalty", "greedy", "seen")) // rows
         return per
+
+
+def state_tensors(obj, prefix: str = ""):
+    """(name, tensor) for every tensor under a state object: tensor fields, lists of tensors (the
+    codec's per-layer histories) and nested state dataclasses. None yields nothing."""
+    if obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield prefix.rstrip("."), obj
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, t in enumerate(obj):
+            yield from state_tensors(t, f"{prefix}{i}.")
+        return
+    if is_dataclass(obj):
+        for f in fields(obj):
+            yield from state_tensors(getattr(obj, f.name), f"{prefix}{f.name}.")
 
 
 def allocate_call_state(model, max_calls: int, max_frames: int, device: torch.device,

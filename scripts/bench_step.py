@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_duplex import runtime  # noqa: E402
 from nemo_duplex.frame_step import special_ids  # noqa: E402
-from nemo_duplex.state import allocate_call_state  # noqa: E402
+from nemo_duplex.state import allocate_call_state, state_tensors  # noqa: E402
 
 
 def copy_bandwidth(device, gib: float = 4.0) -> float:
@@ -77,8 +77,7 @@ def state_bytes_per_call(model, st, position: int) -> dict[str, int]:
     llm_kv = 2 * kv_tok * (position + 1) + 2 * kv_tok         # read K and V of every token, write one
     t_tok = row(tk.k) // tk.k.shape[-2]
     talker_kv = 2 * t_tok * (cfg.prompt_frames + position + 1) + 2 * t_tok
-    enc_state = 2 * sum(row(getattr(enc, f)) for f in enc.__dataclass_fields__
-                        if isinstance(getattr(enc, f), torch.Tensor) and getattr(enc, f).dim() > 1)
+    enc_state = 2 * sum(row(t) for _, t in state_tensors(enc) if t.dim() > 1)
     return {"mamba_ssm": ssm, "mamba_conv": conv, "llm_kv": llm_kv, "talker_kv": talker_kv, "encoder": enc_state}
 
 
@@ -86,9 +85,8 @@ def fill_random(st, position: int, slots: torch.Tensor, prompt_frames: int, seed
     """Put the slots at `position` with random (never zero) caches: timings on zeros can flatter."""
     g = torch.Generator(device=st.llm_len.device).manual_seed(seed)
     for obj in (st.llm, st.talker, st.encoder, st.codec):
-        for f in obj.__dataclass_fields__:
-            t = getattr(obj, f)
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
+        for _, t in state_tensors(obj):
+            if t.is_floating_point():
                 t.normal_(0, 0.5, generator=g)
     st.llm_len[slots] = position
     st.talker_pos[slots] = prompt_frames + position

@@ -16,30 +16,17 @@ import torch
 from graphs.capture import StepRunner
 from nemo_duplex.frame_step import admit, frame_step, special_ids
 from nemo_duplex.sampling import SamplingParams
-from nemo_duplex.state import allocate_call_state
+from nemo_duplex.state import allocate_call_state, state_tensors
 
 FRAMES = 200
 
 
-def _tensors(obj, prefix=""):
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, torch.Tensor):
-            yield prefix + f.name, v
-        elif isinstance(v, list):
-            for i, t in enumerate(v):
-                if isinstance(t, torch.Tensor):
-                    yield f"{prefix}{f.name}.{i}", t
-        elif dataclasses.is_dataclass(v):
-            yield from _tensors(v, prefix + f.name + ".")
-
-
 def _snapshot(st):
-    return {k: v.clone() for k, v in _tensors(st)}
+    return {k: v.clone() for k, v in state_tensors(st)}
 
 
 def _restore(st, snap):
-    for k, v in _tensors(st):
+    for k, v in state_tensors(st):
         v.copy_(snap[k])
 
 
