@@ -16,8 +16,9 @@ import torch
 from torch.profiler import record_function
 
 from . import rng
+from .model import ClipResult
 from .sampling import SamplingParams, sample_text
-from .state import CallState, PrefixCache
+from .state import CallState, PrefixCache, allocate_call_state
 
 
 @dataclass
@@ -58,8 +59,7 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     top2 = text_logits.float().topk(2, dim=-1).values
 
     with record_function("talker"):
-        n_passes = sum(1 for k in cfg.talker.unmask_schedule() if k > 0)
-        u, z = rng.talker_draws(st.seed[slots], frame, n_passes, cfg.talker.mog.num_predictions,
+        u, z = rng.talker_draws(st.seed[slots], frame, model.talker.num_passes, cfg.talker.mog.num_predictions,
                                 cfg.talker.latent_size)
         positions = st.talker_pos[slots]
         codes = model.talker.step(text, st.prev_codes[slots], st.talker, slots, positions, u, z, model.silence_codes)
@@ -135,9 +135,6 @@ def stream_inference(model, audio: torch.Tensor, prompt_ids: torch.Tensor | None
                      sampling: SamplingParams | None = None):
     """The streaming reference (spec 7.2) as a plain loop: one call, one 1280-sample chunk per step
     (a partial last chunk is zero-padded, as at end of input), cached state throughout."""
-    from .model import ClipResult
-    from .state import allocate_call_state
-
     dev = model.stt_model.embed_tokens.weight.device
     n = model.cfg.samples_per_frame_in
     audio = audio.to(dev, torch.float32)

@@ -238,7 +238,7 @@ def offline_inference(model: VoiceChat, audio: torch.Tensor, prompt_ids: torch.T
     talker.prefill_warmup(tcache, slot, model.speaker_latent(), model.silence_codes)
     code = torch.full((1, Q), cfg.talker.speech_pad_code, dtype=torch.int64, device=dev)
     gen_codes = torch.zeros(T, Q, dtype=torch.int64, device=dev)  # frame 0 stays all-zero (spec 9.13)
-    n_passes = sum(1 for k in cfg.talker.unmask_schedule() if k > 0)
+    n_passes = model.talker.num_passes
 
     inputs = []
     for t in range(T):
