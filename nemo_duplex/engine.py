@@ -205,7 +205,6 @@ class Engine:
         options = options or CallOptions()
         slot = self.slots.take()
         if slot is None:
-            self.stats.refusals["busy"] = self.stats.refusals.get("busy", 0) + 1
             raise EngineBusy(f"all {self.cfg.max_calls} call slots are in use (engine.max_calls)")
         call = Call(self, call_id or f"call_{next(self._ids)}", options, on_event or (lambda ev: None))
         call.slot = slot
@@ -392,14 +391,11 @@ class EngineStats:
     def __init__(self):
         self.steps = 0
         self.frames = 0
-        self.last_step_s = 0.0
         self.step_seconds: deque[float] = deque(maxlen=1000)
         self.batch_sizes: deque[int] = deque(maxlen=1000)
-        self.refusals: dict[str, int] = {}
 
     def record_step(self, batch: int, seconds: float) -> None:
         self.steps += 1
         self.frames += batch
-        self.last_step_s = seconds
         self.step_seconds.append(seconds)
         self.batch_sizes.append(batch)
