@@ -307,18 +307,20 @@ def test_append_after_end_and_bad_events(server, tok):
                 await ws.send_json({"type": "session.update", "session": {"voice": "Nobody"}})
                 await ws.send_json({"type": "session.update", "session": {"top_p": 0.0}})
                 await ws.send_json({"type": "response.create"})        # a no-op here
-                for raw in after:
-                    await ws.send_str(raw)
-                for raw in after:
-                    await ws.send_str(raw)
+                await ws.send_str(after[0])
+                # audio has started: settings are locked (sent before the final commit, so the reply
+                # cannot race the call's end and the socket's close)
                 await ws.send_json({"type": "session.update", "session": {"seed": 2}})
+                await ws.send_str(after[1])
+                for raw in after:
+                    await ws.send_str(raw)
                 events = [json.loads(m.data) async for m in ws if m.type == aiohttp.WSMsgType.TEXT]
                 return events
 
     events = asyncio.run(go())
     assert errors(events) == ["invalid_event", "unknown_event", "invalid_event", "invalid_audio", "invalid_event",
-                              "invalid_event", "unknown_voice", "invalid_sampling", "append_after_end",
-                              "append_after_end", "session_locked"]
+                              "invalid_event", "unknown_voice", "invalid_sampling", "session_locked",
+                              "append_after_end", "append_after_end"]
     unknown = [e for e in events if e["type"] == "error" and e["error"]["code"] == "unknown_event"][0]
     assert unknown["error"]["event_id"] == "c2"
     assert [e["type"] for e in events].count("session.updated") == 1
