@@ -287,7 +287,9 @@ def test_input_budget_exceeded(server, tok):
 
 
 def test_append_after_end_and_bad_events(server, tok):
-    srv, _ = server()
+    srv, model = server()
+    model.step_s = 0.25  # the two frames take >= 0.5 s to drain: the messages sent after the final commit
+    #                      are answered before the call ends and the socket closes
     after = [
         json.dumps({"type": "input_audio_buffer.append", "audio": b64(tone(0.1))}),
         json.dumps({"type": "input_audio_buffer.commit", "final": True}),
