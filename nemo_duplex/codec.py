@@ -12,9 +12,9 @@ CUDA in eager mode, run under `exact_fp32()` (IEEE fp32 matmuls and convolutions
 the flags are read at compile time, so the caller must set `torch.backends.cuda.matmul.fp32_precision`
 and `torch.backends.cudnn.conv.fp32_precision` to "ieee" before compiling. The per-frame inverse DFT
 goes through `ops.dft` (IEEE fp32 whatever the flags). The decoder's pointwise and transposed convs are
-GEMMs (`linear`, CodecConfig.gemm / `codec.gemm`): "ieee" fp32 (default); "tf32x3", three TF32 tensor-core
+GEMMs (`linear`, CodecConfig.gemm / `codec.gemm`): "ieee" fp32; "tf32x3", three TF32 tensor-core
 products per fp32 product, as accurate as fp32 (ops/fp32_linear.py); "bf16x3", three bf16 products,
-~1e-5 relative. Plain TF32 or bf16 never.
+~1e-5 relative; "auto" (default): tf32x3 on CUDA, ieee elsewhere. Plain TF32 or bf16 never.
 
 Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
 each causal ConvNeXt keeps its last 6 input frames; the overlap-add keeps the 12 samples (and their
@@ -67,7 +67,7 @@ def exact_fp32(device: torch.device):
 # GEMMs in fp32, or fp32-accurate from bf16 tensor cores
 # ----------------------------------------------------------------------------------------------------
 
-GEMMS = ("ieee", "tf32x3", "bf16x3")
+GEMMS = ("auto", "ieee", "tf32x3", "bf16x3")
 # Below this many rows the split GEMMs lose to the IEEE SGEMM (too few tiles to fill the GPU; measured at
 # N=1: 2.6 / 2.0 ms against 1.2 ms for the whole decode_step), so "tf32x3" / "bf16x3" fall back to "ieee"
 # there. Row counts are static per batch bucket, so a captured graph keeps one path.
@@ -86,6 +86,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
       over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.
       ~1e-5 relative per product (bf16 alone: ~4e-3); tests/test_codec.py states the bounds. Off CUDA the
       same products run as an fp32 matmul of the bf16 parts (exact products, fp32 sums)."""
+    if gemm == "auto":  # 3xTF32 where there are tensor cores: -6 ms per step at N=128 (docs/performance.md)
+        gemm = "tf32x3" if x.is_cuda else "ieee"
     if gemm in ("tf32x3", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
         gemm = "ieee"
     if gemm == "tf32x3":

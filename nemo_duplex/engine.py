@@ -53,7 +53,7 @@ class EngineConfig:
     prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
     capture_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
     graphs: bool = False
-    graph_backend: str = "reduce-overhead"  # or "cudagraph" (graphs/capture.py says when)
+    graph_backend: str = "cudagraph-eager"  # or "reduce-overhead" / "cudagraph" (graphs/capture.py says when)
     idle_wait_s: float = 0.005
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from nemo_duplex.config import LLMConfig
 from ops.decode_attention import decode_attention
 from ops.mamba_step import mamba_step
+from ops.rmsnorm import rms_norm
 
 MAMBA, ATTENTION, MLP_KIND = "M", "*", "-"  # hybrid_override_pattern letters (spec 3.2)
 
@@ -66,9 +67,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)  # one kernel on CUDA; ops/rmsnorm.py's reference otherwise
 
 
 class GatedRMSNorm(nn.Module):
@@ -81,11 +80,8 @@ class GatedRMSNorm(nn.Module):
         self.group_size = group_size
         self.eps = eps
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = y.float() * F.silu(z.float())
-        groups = h.unflatten(-1, (-1, self.group_size))
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.float() * groups.flatten(-2)  # fp32; the caller casts for out_proj
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return rms_norm(y, self.weight, self.eps, gate=z, group_size=self.group_size, out_dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -170,7 +166,7 @@ class Mamba2Mixer(nn.Module):
         z, xBC, dt_raw = self._split_proj(self.in_proj(x))
         y = mamba_step(xBC, dt_raw, conv_pool, ssm_pool, slots, self.conv1d.weight, self.conv1d.bias,
                        self.A_log, self.D, self.dt_bias, self.n_groups)
-        return self.out_proj(self.norm(y, z).to(x.dtype))
+        return self.out_proj(self.norm(y, z, x.dtype))
 
 
 class Attention(nn.Module):

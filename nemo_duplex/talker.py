@@ -18,6 +18,7 @@ from torch import nn
 
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
 from ops.decode_attention import decode_attention
+from ops.rmsnorm import rms_norm, rms_norm_rope
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
 DEFAULT_BOS_ID, DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 2, 12
@@ -36,9 +37,11 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        return rms_norm(x, self.weight, self.eps, offset=1.0)  # one kernel on CUDA (ops/rmsnorm.py)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + norm(x), the norm rounded to the compute dtype first (fused on CUDA)."""
+        return rms_norm(x, self.weight, self.eps, offset=1.0, residual=residual)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,14 +118,18 @@ class Gemma3Attention(nn.Module):
         self.window = None if full else cfg.sliding_window
         self.scale = cfg.query_pre_attn_scalar ** -0.5
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [B, T, H], positions [B, T] -> q [B, heads, T, D], k, v [B, kv_heads, T, D] (normed, rotated)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x [B, T, H], positions [B, T] -> q [B, heads, T, D], k, v [B, kv_heads, T, D] (normed, rotated).
+        rope: this layer's (cos, sin) [B, T, D] if the caller computed them once for all layers."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        cos, sin = rope if rope is not None else rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+        # q/k norm and rotary in one kernel on CUDA (ops/rmsnorm.py), same roundings as norm-then-rotate
+        q = rms_norm_rope(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), self.q_norm.weight,
+                          self.q_norm.eps, cos, sin).transpose(1, 2)
+        k = rms_norm_rope(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim), self.k_norm.weight,
+                          self.k_norm.eps, cos, sin).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor):
         """Full sequence, causal by position. -> (out [B, T, H], k, v) so a prefill can store k/v."""
@@ -137,10 +144,10 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-             rows: torch.Tensor) -> torch.Tensor:
+             rows: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One token per row: x [N, H], positions [N]; writes k/v at (rows, positions) of the pools
         [R, kv_heads, L, D] in place, then attends over the row's cache. -> [N, H]."""
-        q, k, v = self.project(x[:, None], positions[:, None])
+        q, k, v = self.project(x[:, None], positions[:, None], rope)
         pool_k[rows, :, positions] = k[:, :, 0]
         pool_v[rows, :, positions] = v[:, :, 0]
         out = _decode_attention(q[:, :, 0], pool_k, pool_v, rows, positions + 1, self.window, self.scale)
@@ -160,16 +167,16 @@ class Gemma3Layer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor):
         attn, k, v = self.self_attn(self.input_layernorm(x), positions)
         x = x + self.post_attention_layernorm(attn)
         return self.feed_forward(x), k, v
 
-    def step(self, x, positions, pool_k, pool_v, rows):
-        x = x + self.post_attention_layernorm(self.self_attn.step(self.input_layernorm(x), positions, pool_k, pool_v, rows))
-        return self.feed_forward(x)
+    def step(self, x, positions, pool_k, pool_v, rows, rope=None):
+        attn = self.self_attn.step(self.input_layernorm(x), positions, pool_k, pool_v, rows, rope)
+        return self.feed_forward(self.post_attention_layernorm.add_to(x, attn))
 
 
 @dataclass
@@ -209,9 +216,13 @@ class Gemma3Backbone(nn.Module):
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, cache: TalkerCache, rows: torch.Tensor) -> torch.Tensor:
         """x [N, H] one token per row at positions [N]; rows [N] index the stream-major pool (stream * S + slot)."""
+        ropes = {}  # cos/sin once per step for each theta (full and sliding layers), not once per layer
         for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if attn.rope_theta not in ropes:
+                ropes[attn.rope_theta] = rotary_cos_sin(positions[:, None], attn.head_dim, attn.rope_theta)
             pool_k, pool_v = cache.layer_pools(i)
-            x = layer.step(x, positions, pool_k, pool_v, rows)
+            x = layer.step(x, positions, pool_k, pool_v, rows, ropes[attn.rope_theta])
         return self.norm(x)
 
 
@@ -265,8 +276,8 @@ class CharEncoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_self_attn_layernorm(self.self_attn(self.pre_self_attn_layernorm(x), valid))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.post_self_attn_layernorm.add_to(x, self.self_attn(self.pre_self_attn_layernorm(x), valid))
+        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class CharEncoder(nn.Module):
@@ -384,7 +395,7 @@ class MoGLayer(nn.Module):
         self.post_norm = GemmaRMSNorm(hidden_size, eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.post_norm(self.mlp(self.pre_norm(x)))
+        return self.post_norm.add_to(x, self.mlp(self.pre_norm(x)))
 
 
 class MoGHead(nn.Module):
@@ -433,13 +444,16 @@ def gumbel(uniform: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(uniform + 1e-8) + 1e-8)
 
 
-def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy RVQ of z [B, latent] through codebooks [k, codebook, latent] -> codes [B, k]:
-    idx = argmin ||e_j||^2 - 2 r.e_j, then r -= e_idx (spec 4.6)."""
+    idx = argmin ||e_j||^2 - 2 r.e_j, then r -= e_idx (spec 4.6). norms [k, codebook]: the books'
+    squared norms, if the caller has them."""
     r = z.float()
+    books = codebooks.float()
+    norms = books.pow(2).sum(-1) if norms is None else norms
     codes = []
-    for book in codebooks.float():
-        idx = (book.pow(2).sum(-1)[None, :] - 2 * r @ book.T).argmin(-1)
+    for book, norm in zip(books, norms):
+        idx = torch.addmm(norm[None, :], r, book.T, alpha=-2).argmin(-1)  # one kernel for the distances
         r = r - book[idx]
         codes.append(idx)
     return torch.stack(codes, dim=-1)
@@ -511,16 +525,21 @@ class EarTTS(nn.Module):
 
     # --- embeddings ------------------------------------------------------------------------------------
 
-    def depthsum(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [..., Q] -> sum_i rvq_embs[i][codes_i] [..., latent]; code == codebook_size (speech pad /
-        masked) adds the appended zero row (spec 4.2.1)."""
+    def code_table(self) -> torch.Tensor:
+        """The codebooks with a zero row appended to each, flattened: [Q * (codebook + 1), latent]."""
         q, cb, latent = self.rvq_embs.shape
-        table = F.pad(self.rvq_embs, (0, 0, 0, 1)).reshape(q * (cb + 1), latent)
+        return F.pad(self.rvq_embs, (0, 0, 0, 1)).reshape(q * (cb + 1), latent)
+
+    def depthsum(self, codes: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """codes [..., Q] -> sum_i rvq_embs[i][codes_i] [..., latent]; code == codebook_size (speech pad /
+        masked) adds the appended zero row (spec 4.2.1). `table`: code_table(), if the caller has it."""
+        table = self.code_table() if table is None else table
+        q, cb = self.rvq_embs.shape[:2]
         offsets = torch.arange(q, device=codes.device) * (cb + 1)
         return F.embedding(codes + offsets, table).sum(-2)
 
-    def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.embed_code(self.depthsum(codes))
+    def embed_codes(self, codes: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embed_code(self.depthsum(codes, table))
 
     def text_condition(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B] -> [B, H]: char-aware embedding + flags (mask true)."""
@@ -603,12 +622,16 @@ class EarTTS(nn.Module):
         Each pass sees all codes filled so far (the rest masked) and quantises a fresh z into its codebooks."""
         codes = torch.full((h_cond.shape[0], self.cfg.num_quantizers), self.cfg.codebook_size,
                            dtype=torch.long, device=h_cond.device)
+        # once per step, not once per pass or per codebook: the padded table, fp32 books, their norms
+        table = self.code_table()
+        books = self.rvq_embs.float()
+        norms = books.pow(2).sum(-1)
         start = 0
         for p, size in enumerate(self.pass_sizes):
-            e = self.embed_codes(codes)
+            e = self.embed_codes(codes, table)
             z = self.guided_latent(e + h_cond, e + h_uncond, uniform[:, p], normal[:, p])
             # restart from z every pass: the MoG predicts the sum of the remaining codebooks (pitfall 9.8)
-            codes[:, start:start + size] = residual_quantise(z, self.rvq_embs[start:start + size])
+            codes[:, start:start + size] = residual_quantise(z, books[start:start + size], norms[start:start + size])
             start += size
         return codes
 

@@ -139,6 +139,19 @@ def bounded_attention_triton(q, k_new, v_new, keys, values, pos, pos_bias_u, pos
 # Launcher
 # ----------------------------------------------------------------------------------------------------
 
+# Opaque to torch.compile (see ops/decode_attention.py).
+@torch.library.custom_op("nemo_duplex::bounded_attention", mutates_args=())
+def bounded_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, pos: torch.Tensor, pos_bias_u: torch.Tensor,
+                         pos_bias_v: torch.Tensor, slots: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return bounded_attention_triton(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
+
+
+@bounded_attention_op.register_fake
+def _(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t):
+    return torch.empty_like(q)
+
+
 def bounded_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
                       pos_bias_u: torch.Tensor, pos_bias_v: torch.Tensor,
@@ -146,7 +159,7 @@ def bounded_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     """Attention of each row's new frame over its slot's ring window (see the module docstring).
     Reads only; call `write_window` afterwards to store the new k/v. Shapes as in the reference."""
     if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return bounded_attention_triton(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
+        return bounded_attention_op(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
     return bounded_attention_reference(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
 
 

@@ -19,6 +19,7 @@ length, so a pool sized for long calls costs nothing while calls are short. The 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -366,6 +367,21 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# An opaque custom op around the Triton path: torch.compile sees one node with a known output shape
+# instead of tracing the launcher's Python (grid and split choices, device queries), so a compiled
+# frame step keeps fullgraph=True and the kernel runs as tuned here.
+@torch.library.custom_op("nemo_duplex::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, window: Optional[int],
+                        num_splits: Optional[int]) -> torch.Tensor:
+    return decode_attention_triton(q, k_cache, v_cache, slots, seq_lens, scale, window, num_splits)
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, slots, seq_lens, scale, window, num_splits):
+    return torch.empty_like(q)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
@@ -373,5 +389,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     seq_lens [B] (keys per row, the new one included), scale (softmax scale), window (None or keys with
     pos > seq_len - 1 - window). Returns [B, Hq, D] in q's dtype. Query head h reads kv head h // (Hq/KV)."""
     if use_triton(q):
-        return decode_attention_triton(q, k_cache, v_cache, slots, seq_lens, scale, window, num_splits)
+        return decode_attention_op(q, k_cache, v_cache, slots, seq_lens, float(scale), window, num_splits)
     return decode_attention_reference(q, k_cache, v_cache, slots, seq_lens, scale, window)

@@ -146,6 +146,18 @@ def basis_matmul_triton(x: torch.Tensor, basis: torch.Tensor,
 # Launcher and the public transforms
 # ----------------------------------------------------------------------------------------------------
 
+# Opaque to torch.compile (see ops/decode_attention.py): Inductor would otherwise see a plain matmul it may
+# lower to TF32 or fuse differently; the op keeps the IEEE fp32 kernel bit for bit.
+@torch.library.custom_op("nemo_duplex::basis_matmul", mutates_args=())
+def basis_matmul_op(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    return basis_matmul_triton(x, basis)
+
+
+@basis_matmul_op.register_fake
+def _(x, basis):
+    return x.new_empty(x.shape[0], basis.shape[1], dtype=torch.float32)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -155,7 +167,7 @@ def basis_matmul(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     else the torch reference."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    out = basis_matmul_triton(flat, basis) if _use_triton(flat) else basis_matmul_reference(flat, basis)
+    out = basis_matmul_op(flat, basis) if _use_triton(flat) else basis_matmul_reference(flat, basis)
     return out.reshape(*lead, basis.shape[1])
 
 

@@ -13,6 +13,7 @@ Tiles are grouped along M so consecutive programs reuse the same weight columns 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -114,9 +115,20 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Opaque to torch.compile (see ops/decode_attention.py).
+@torch.library.custom_op("nemo_duplex::fp32_linear", mutates_args=())
+def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool) -> torch.Tensor:
+    return fp32_linear_triton(x, weight, bias, gelu)
+
+
+@fp32_linear_op.register_fake
+def _(x, weight, bias, gelu):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
     """fp32-accurate x @ weight^T + bias (then exact GELU if `gelu`): the 3xTF32 kernel on CUDA or under
     TRITON_INTERPRET=1, else the torch reference."""
     if use_triton(x):
-        return fp32_linear_triton(x, weight, bias, gelu)
+        return fp32_linear_op(x, weight, bias, gelu)
     return fp32_linear_reference(x, weight, bias, gelu)

@@ -185,6 +185,22 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Opaque to torch.compile (see ops/decode_attention.py); it writes the two state pools in place, which
+# the schema declares so that a compiled step orders it correctly and never copies the pools.
+@torch.library.custom_op("nemo_duplex::mamba_step", mutates_args=("conv_state", "ssm_state"))
+def mamba_step_op(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                  slots: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor, A_log: torch.Tensor,
+                  D: torch.Tensor, dt_bias: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return mamba_step_triton(xBC, dt_raw, conv_state, ssm_state, slots, conv_weight, conv_bias, A_log, D,
+                             dt_bias, n_groups)
+
+
+@mamba_step_op.register_fake
+def _(xBC, dt_raw, conv_state, ssm_state, slots, conv_weight, conv_bias, A_log, D, dt_bias, n_groups):
+    num_heads, head_dim = ssm_state.shape[1], ssm_state.shape[2]
+    return xBC.new_empty(xBC.shape[0], num_heads * head_dim, dtype=torch.float32)
+
+
 def mamba_step(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                slots: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor, A_log: torch.Tensor,
                D: torch.Tensor, dt_bias: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -197,7 +213,7 @@ def mamba_step(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch.Tensor
     Rows sharing a slot (padding rows on the sink) race; only the sink may be shared.
     """
     if use_triton(xBC):
-        return mamba_step_triton(xBC, dt_raw, conv_state, ssm_state, slots, conv_weight, conv_bias,
+        return mamba_step_op(xBC, dt_raw, conv_state, ssm_state, slots, conv_weight, conv_bias,
                                  A_log, D, dt_bias, n_groups)
     return mamba_step_reference(xBC, dt_raw, conv_state, ssm_state, slots, conv_weight, conv_bias,
                                 A_log, D, dt_bias, n_groups)

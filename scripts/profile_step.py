@@ -1,11 +1,20 @@
-"""Where a frame step's GPU time goes: each stage of frame_step timed with CUDA events, N calls at a
-call position (full-size model, random weights). A diagnosis tool beside bench_step.py.
+"""Where a frame step's GPU time goes, N calls at a call position (full-size model, random weights).
+A diagnosis tool beside bench_step.py.
 
     python scripts/profile_step.py model=nemotron_duplex model.weights=random device=cuda bench.batch_sizes=[32]
+    python scripts/profile_step.py ... +profile_graphs=true engine.graph_backend=cudagraph-eager
+
+Eager (default): each stage of frame_step (its record_function range) with the sum of its kernels' device
+time, then the busiest ops. With `+profile_graphs=true`: the step captured as the serving path captures
+it (`engine.graph_backend`), and the kernels of its replays by name and by kind (GEMM, attention, Mamba,
+elementwise, ...), with the kernel count per step: launch gaps are gone there, so this is where the
+remaining time is.
 """
 from __future__ import annotations
 
+import re
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import hydra
@@ -20,10 +29,51 @@ from nemo_duplex import runtime  # noqa: E402
 from nemo_duplex.frame_step import frame_step, special_ids  # noqa: E402
 from nemo_duplex.state import allocate_call_state  # noqa: E402
 
+STEPS = 3
+KINDS = [  # (kind, pattern on the kernel name), first match wins
+    ("decode attention", r"decode_attention|merge_splits"),
+    ("mamba step", r"ssm_step|conv_step"),
+    ("encoder attention", r"bounded_attention"),
+    ("fp32 GEMM (Triton)", r"fp32_linear|basis_matmul"),
+    ("GEMM (cuBLAS)", r"gemm|nvjet|xmma|cutlass|sm90_|sm80_"),
+    ("Inductor fused", r"^triton_"),
+    ("reduction", r"reduce|softmax|norm|topk|sort|scan|argmax"),
+    ("copy / index", r"copy|index|scatter|gather|cat|fill"),
+    ("elementwise", r"elementwise"),
+]
+
+
+def kind_of(name: str) -> str:
+    return next((k for k, p in KINDS if re.search(p, name, re.IGNORECASE)), "other")
+
+
+def kernel_events(prof):
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def print_graph_profile(prof, n: int, pos: int) -> None:
+    by_name, by_kind, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    kernels = kernel_events(prof)
+    for e in kernels:
+        t = e.time_range.elapsed_us() / STEPS / 1e3  # ms per step
+        by_name[e.name] += t
+        by_kind[kind_of(e.name)] += t
+        count[kind_of(e.name)] += 1
+    total = sum(by_kind.values())
+    print(f"\n==== N={n} position={pos}: captured step, {len(kernels) / STEPS:.0f} kernels and {total:.2f} ms "
+          f"of kernel time per step ====")
+    for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"{k:>20}: {t:8.2f} ms  {count[k] / STEPS:6.0f} kernels")
+    print("busiest kernels (ms per step):")
+    for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{t:8.3f}  {name[:150]}")
+
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from torch.profiler import ProfilerActivity, profile
+
+    from graphs.capture import StepRunner
 
     for part in ("encoder", "llm", "talker"):
         cfg.model.dtype[part] = cfg.bench.dtype
@@ -32,25 +82,37 @@ def main(cfg: DictConfig) -> None:
     n_max, pos = max(cfg.bench.batch_sizes), max(cfg.bench.positions)
     st = allocate_call_state(model, n_max, pos + 64, device, max_prompt_tokens=0)
     specials = special_ids(model, device)
+    on_graphs = bool(cfg.get("profile_graphs", False))
     for n in cfg.bench.batch_sizes:
         slots = torch.arange(n, device=device)
         fill_random(st, pos, slots, mcfg.prompt_frames)
         audio = torch.randn(n, mcfg.samples_per_frame_in, device=device) * 0.1
         forced = torch.full((n,), -1, dtype=torch.int64, device=device)
+        if on_graphs:
+            runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend)
+            runner.capture()
+            step = lambda: runner(slots, audio, forced)  # noqa: E731
+        else:
+            step = lambda: frame_step(model, st, slots, audio, forced, specials)  # noqa: E731
         with torch.no_grad():
             for _ in range(2):
-                frame_step(model, st, slots, audio, forced, specials)
+                step()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                for _ in range(3):
-                    frame_step(model, st, slots, audio, forced, specials)
+                for _ in range(STEPS):
+                    step()
                 torch.cuda.synchronize()
-        print(f"\n==== N={n} position={pos}: stages (device time per step) ====")
+        if on_graphs:
+            print_graph_profile(prof, n, pos)
+            del runner
+            continue
+        print(f"\n==== N={n} position={pos}: stages (kernel time per step, eager) ====")
         ka = prof.key_averages()
         for stage in ("encoder", "llm", "heads", "talker", "codec", "rnnt"):
-            e = [k for k in ka if k.key == stage]
+            # the CPU-side range: its device time is the sum of the kernels it launched (not a span)
+            e = [k for k in ka if k.key == stage and k.device_type == torch.autograd.DeviceType.CPU]
             if e:
-                print(f"{stage:>8}: {e[0].device_time_total / 3 / 1e3:8.2f} ms")
+                print(f"{stage:>8}: {e[0].device_time_total / STEPS / 1e3:8.2f} ms")
         print(ka.table(sort_by="device_time_total", row_limit=25, max_name_column_width=60))
 
 

@@ -1,0 +1,217 @@
+"""RMSNorm in one kernel: every norm of the LLM, the talker and the MoG head.
+
+    y = rmsnorm_G(x * silu(gate)) * (offset + w)      [then  y = round(y) + residual]
+
+computed in fp32 and rounded once to the output dtype, over groups of G channels (G = the whole row
+except for the Mamba-2 gated norm, whose 10240 channels are normed in 8 groups of 1280, spec 3.3).
+  * Nemotron-H RMSNorm (spec 3.2): offset 0, no gate;
+  * Gemma RMSNorm (spec 4.1, pitfall 9.6: the weight is an offset from 1): offset 1; also the talker's
+    per-head q/k norms over head_dim 72 (rows = tokens x heads);
+  * Mamba-2 GatedRMSNorm (norm_before_gate = False): gate z, G = d_inner / n_groups;
+  * `residual`: Gemma's post-norms are added to the residual stream, x + round(norm(h)), as the
+    reference adds them in the compute dtype.
+`rms_norm_rope` is the talker's q/k path: Gemma RMSNorm over each head, then rotary embedding
+(rotate-half layout, cos/sin given per token in the compute dtype), with the reference's roundings
+(norm, each product and the sum each rounded to the compute dtype, as bf16 torch ops do).
+Why a kernel: in torch each norm is 7-9 kernels (casts, pow, mean, rsqrt, two multiplies, cast back);
+with ~250 norms per frame step that was ~2,000 of the step's ~7,300 kernels (docs/performance.md).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                       gate: torch.Tensor | None = None, group_size: int | None = None,
+                       residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The torch statement of the norms above (the models' CPU path and the kernel's reference)."""
+    out_dtype = out_dtype or x.dtype
+    h = x.float()
+    if gate is not None:
+        h = h * F.silu(gate.float())
+    groups = h.unflatten(-1, (-1, group_size or h.shape[-1]))
+    groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float() if offset == 0.0 else offset + weight.float()
+    y = (groups.flatten(-2) * w).to(out_dtype)
+    return y if residual is None else residual + y
+
+
+def rms_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                            sin: torch.Tensor, offset: float = 1.0) -> torch.Tensor:
+    """x [B, T, heads, D] -> norm over D, then x cos + rotate_half(x) sin with cos/sin [B, T, D]."""
+    y = rms_norm_reference(x, weight, eps, offset)
+    half = y.shape[-1] // 2
+    rotated = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
+    cos, sin = cos[:, :, None].to(y.dtype), sin[:, :, None].to(y.dtype)
+    return y * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, gate_ptr, w_ptr, res_ptr, out_ptr, R,
+    stride_x, stride_g, stride_r, stride_o, eps, offset,
+    G: tl.constexpr, N_GROUPS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    """Program = BLOCK_R group-rows of G channels; group-row r is group r % N_GROUPS of row r // N_GROUPS."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_G)
+    mask = (r < R)[:, None] & (c < G)[None, :]
+    row, grp = r // N_GROUPS, r % N_GROUPS
+    col = (grp * G)[:, None] + c[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        z = tl.load(gate_ptr + row[:, None] * stride_g + col, mask=mask, other=0.0).to(tl.float32)
+        x = x * (z * tl.sigmoid(z))
+    mean_sq = tl.sum(x * x, axis=1) / G
+    x = x * tl.rsqrt(mean_sq + eps)[:, None]
+    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    y = (x * (w + offset)).to(out_ptr.dtype.element_ty)
+    if HAS_RES:  # round the norm first, then add in fp32 and round again: the reference's two bf16 ops
+        res = tl.load(res_ptr + row[:, None] * stride_r + col, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + res).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row[:, None] * stride_o + col, y, mask=mask)
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_x, stride_cs, stride_o, eps, offset,
+    D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row. The
+    rotated half is the same normalised row read at the partner columns (c +- D/2), so no shuffle."""
+    HALF: tl.constexpr = D // 2
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_D)
+    mask = (r < R)[:, None] & (c < D)[None, :]
+    partner = tl.where(c < HALF, c + HALF, c - HALF)
+    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + r[:, None] * stride_x + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=c < D, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    y = (x * rstd * (w + offset)).to(dtype).to(tl.float32)
+    yp = (xp * rstd * (wp + offset)).to(dtype).to(tl.float32)
+    rot = tl.where((c < HALF)[None, :], -yp, yp)
+    tok = r // HEADS
+    cs = tok[:, None] * stride_cs + c[None, :]
+    cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+    out = ((y * cos).to(dtype).to(tl.float32) + (rot * sin).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + r[:, None] * stride_o + c[None, :], out, mask=mask)
+
+
+def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor, offset: float = 1.0) -> torch.Tensor:
+    b, t, heads, d = x.shape
+    assert d % 2 == 0 and cos.shape == sin.shape == (b, t, d) and weight.numel() == d
+    x2 = _rows(x, d)
+    cos2, sin2 = _rows(cos.to(x.dtype), d), _rows(sin.to(x.dtype), d)
+    out = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    rows = x2.shape[0]
+    if rows:
+        block_d = triton.next_power_of_2(d)
+        block_r = max(1, min(16, 2048 // block_d))
+        _rms_norm_rope_kernel[(triton.cdiv(rows, block_r),)](
+            x2, weight, cos2, sin2, out, rows, x2.stride(0), cos2.stride(0), out.stride(0), float(eps), float(offset),
+            D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d,
+        )
+    return out.view(b, t, heads, d)
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                    gate: torch.Tensor | None = None, group_size: int | None = None,
+                    residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    width = x.shape[-1]
+    g = group_size or width
+    assert width % g == 0 and weight.numel() == width and weight.stride(-1) == 1
+    out_dtype = residual.dtype if residual is not None else (out_dtype or x.dtype)
+    x2 = _rows(x, width)
+    out = torch.empty(x2.shape, device=x.device, dtype=out_dtype)
+    gate2 = _rows(gate, width) if gate is not None else x2
+    res2 = _rows(residual, width) if residual is not None else out
+    n_groups = width // g
+    rows = x2.shape[0] * n_groups
+    if rows:
+        block_g = triton.next_power_of_2(g)
+        block_r = max(1, min(16, 2048 // block_g))
+        _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
+            x2, gate2, weight, res2, out, rows,
+            x2.stride(0), gate2.stride(0), res2.stride(0), out.stride(0), float(eps), float(offset),
+            G=g, N_GROUPS=n_groups, HAS_GATE=gate is not None, HAS_RES=residual is not None,
+            BLOCK_R=block_r, BLOCK_G=block_g, num_warps=4 if block_r * block_g <= 2048 else 8,
+        )
+    return out.view(*x.shape[:-1], width)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------
+
+# Opaque to torch.compile (see ops/decode_attention.py).
+@torch.library.custom_op("nemo_duplex::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, gate: Optional[torch.Tensor],
+                group_size: Optional[int], residual: Optional[torch.Tensor],
+                out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return rms_norm_triton(x, weight, eps, offset, gate, group_size, residual, out_dtype)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, offset, gate, group_size, residual, out_dtype):
+    dtype = residual.dtype if residual is not None else (out_dtype or x.dtype)
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             gate: torch.Tensor | None = None, group_size: int | None = None,
+             residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., C] (C = n_groups x group_size), weight [C], gate like x or None, residual like x (its dtype
+    is the output's) or None -> [..., C] in out_dtype (default x's). The kernel on CUDA or under
+    TRITON_INTERPRET=1, else the torch reference."""
+    if use_triton(x):
+        return rms_norm_op(x, weight, float(eps), float(offset), gate, group_size, residual, out_dtype)
+    return rms_norm_reference(x, weight, eps, offset, gate, group_size, residual, out_dtype)
+
+
+@torch.library.custom_op("nemo_duplex::rms_norm_rope", mutates_args=())
+def rms_norm_rope_op(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     offset: float) -> torch.Tensor:
+    return rms_norm_rope_triton(x, weight, eps, cos, sin, offset)
+
+
+@rms_norm_rope_op.register_fake
+def _(x, weight, eps, cos, sin, offset):
+    return torch.empty_like(x)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  offset: float = 1.0) -> torch.Tensor:
+    """x [B, T, heads, D], weight [D], cos/sin [B, T, D] -> [B, T, heads, D] in x's dtype: the kernel on
+    CUDA or under TRITON_INTERPRET=1, else the torch reference."""
+    if use_triton(x):
+        return rms_norm_rope_op(x, weight, float(eps), cos, sin, float(offset))
+    return rms_norm_rope_reference(x, weight, eps, cos, sin, offset)

@@ -1,0 +1,133 @@
+"""RMSNorm kernel (TRITON_INTERPRET=1 on CPU) vs its torch reference and vs the models' original norms
+written out in float64; full shapes on the GPU. Tolerances: fp32 outputs within 2e-6 relative of the
+reference (reduction order differs); bf16 outputs within one bf16 rounding step (2^-8 relative)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ops.rmsnorm import rms_norm, rms_norm_reference, rms_norm_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _float64(x, w, eps, offset, gate=None, group=None, residual=None):
+    """The norm written out in float64, independent of the reference's code."""
+    h = x.double()
+    if gate is not None:
+        h = h * gate.double() * torch.sigmoid(gate.double())
+    g = h.reshape(*h.shape[:-1], -1, group or h.shape[-1])
+    g = g / torch.sqrt((g * g).mean(-1, keepdim=True) + eps)
+    y = g.reshape(h.shape) * (offset + w.double())
+    return y if residual is None else y + residual.double()
+
+
+CASES = [  # (shape, group, offset, gate, residual): the model's uses at small sizes
+    ((5, 48), None, 0.0, False, False),       # Nemotron-H RMSNorm
+    ((3, 2, 40), None, 1.0, False, False),    # Gemma RMSNorm (talker hidden)
+    ((4, 1, 6, 18), None, 1.0, False, False),  # q/k norm over a head dim that is not a power of two
+    ((7, 64), 16, 0.0, True, False),          # Mamba-2 gated norm in 4 groups
+    ((6, 40), None, 1.0, False, True),        # Gemma post-norm added to the residual
+]
+
+
+@pytest.mark.parametrize("shape,group,offset,gated,with_residual", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference_and_float64(shape, group, offset, gated, with_residual, dtype):
+    gen = torch.Generator().manual_seed(hash((shape, group, gated, with_residual)) % 2**31)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    x = (3 * r(*shape)).to(dtype)
+    w = (0.2 * r(shape[-1])).to(dtype)
+    gate = r(*shape).to(dtype) if gated else None
+    res = r(*shape).to(dtype) if with_residual else None
+    out = rms_norm_triton(x, w, 1e-5, offset, gate, group, res)
+    ref = rms_norm_reference(x, w, 1e-5, offset, gate, group, res)
+    assert out.shape == x.shape and out.dtype == ref.dtype
+    exact = _float64(x, w, 1e-5, offset, gate, group, res)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 rounding (two with the residual) of the same fp32 value
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7 * (2 if res is not None else 1))
+        if DEVICE == "cuda":  # Triton 3.6's interpreter truncates fp32 -> bf16 casts (GPUs round to nearest)
+            assert (out.float() == ref.float()).float().mean() > 0.95  # nearly all bit-identical
+
+
+def test_gated_norm_out_dtype_and_strided_inputs():
+    """The Mamba block passes row-strided slices of in_proj's output and asks for bf16 out of fp32 y."""
+    gen = torch.Generator().manual_seed(3)
+    proj = torch.randn(5, 100, generator=gen).to(DEVICE)
+    y, z = proj[:, :32], proj[:, 40:72]  # strided rows
+    w = torch.randn(32, generator=gen).to(DEVICE)
+    out = rms_norm_triton(y, w, 1e-5, gate=z, group_size=8, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _float64(y, w, 1e-5, 0.0, z, 8).float(), rtol=2 ** -7, atol=1e-2)
+
+
+def test_launcher_matches_model_norms():
+    """The launcher (kernel here) against the LLM's and talker's modules' own reference paths."""
+    from nemo_duplex.llm import GatedRMSNorm, RMSNorm
+    from nemo_duplex.talker import GemmaRMSNorm
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 64, generator=gen)
+    z = torch.randn(4, 64, generator=gen)
+    for module, args in ((RMSNorm(64, 1e-5), (x,)), (GemmaRMSNorm(64, 1e-6), (x,)),
+                         (GatedRMSNorm(64, 16, 1e-5), (x, z))):
+        with torch.no_grad():
+            module.weight.normal_(0, 0.3, generator=gen)
+        kernel_out = module.to(DEVICE)(*(a.to(DEVICE) for a in args))  # TRITON_INTERPRET=1 here: the kernel
+        want = _float64(x, module.weight.detach().cpu(), module.eps, 1.0 if isinstance(module, GemmaRMSNorm) else 0.0,
+                        z if len(args) == 2 else None, getattr(module, "group_size", None))
+        torch.testing.assert_close(kernel_out.double().cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width,group,offset,gated", [(128, 4480, None, 0.0, False), (256, 1152, None, 1.0, False),
+                                                          (256 * 16, 72, None, 1.0, False), (128, 10240, 1280, 0.0, True)])
+def test_gpu_full_shapes(rows, width, group, offset, gated):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, width, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(width, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.2
+    gate = torch.randn(rows, width, device="cuda", generator=gen, dtype=torch.bfloat16) if gated else None
+    out = rms_norm(x, w, 1e-5, offset, gate, group)
+    ref = rms_norm_reference(x, w, 1e-5, offset, gate, group)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
+    assert (out == ref).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_kernel(dtype):
+    """q/k norm + rotary: kernel vs reference (both round like bf16 torch ops) vs float64 written out."""
+    from ops.rmsnorm import rms_norm_rope_reference, rms_norm_rope_triton
+    gen = torch.Generator().manual_seed(7)
+    b, t, heads, d = 3, 2, 5, 18  # d not a power of two (the talker's is 72)
+    x = (2 * torch.randn(b, t, heads, d, generator=gen)).to(DEVICE, dtype)
+    w = (0.2 * torch.randn(d, generator=gen)).to(DEVICE, dtype)
+    angles = torch.rand(b, t, d // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    out = rms_norm_rope_triton(x, w, 1e-6, cos, sin)
+    ref = rms_norm_rope_reference(x, w, 1e-6, cos, sin)
+    y = _float64(x, w, 1e-6, 1.0)
+    rotated = torch.cat([-y[..., d // 2:], y[..., :d // 2]], -1)
+    exact = y * cos.double()[:, :, None] + rotated * sin.double()[:, :, None]
+    assert out.shape == x.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+    else:  # three bf16 roundings after the norm's (the interpreter truncates instead of rounding: 2 ulp)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=4 * 2 ** -8 * max(1.0, exact.abs().max().item()))
+        torch.testing.assert_close(out.double(), exact, rtol=0, atol=0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_norm_rope_talker_shape():
+    from ops.rmsnorm import rms_norm_rope, rms_norm_rope_reference
+    from nemo_duplex.talker import rotary_cos_sin
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 1, 16, 72, device="cuda", generator=gen, dtype=torch.bfloat16) * 2
+    w = torch.randn(72, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.2
+    cos, sin = rotary_cos_sin(torch.randint(0, 9000, (256, 1), device="cuda", generator=gen), 72, 1e6)
+    out = rms_norm_rope(x, w, 1e-6, cos, sin)
+    ref = rms_norm_rope_reference(x, w, 1e-6, cos, sin)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=2 * 2 ** -8 * ref.abs().max().item())
+    assert (out == ref).float().mean() > 0.98
