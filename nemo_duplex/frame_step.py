@@ -38,6 +38,9 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     tool-result token to force, with the text channel forced to PAD, spec 3.9)."""
     cfg = model.cfg
     pad = cfg.tokens.pad_id
+    # Padding rows all point at the sink: it must never advance, or after max_frames padded steps its
+    # positions would index past the KV pools (a device-side assert that ends every call on the GPU).
+    advance = (slots != st.sink).to(torch.int64)
     with record_function("encoder"):
         enc = model.perception.stream_step(audio, st.encoder, slots)
         a = model.perception.project(enc).to(model.stt_model.embed_tokens.weight.dtype)
@@ -46,7 +49,7 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     with record_function("llm"):
         lengths = st.llm_len[slots]
         h = model.llm.step(x, st.llm, slots, lengths)
-        st.llm_len.index_copy_(0, slots, lengths + 1)
+        st.llm_len.index_copy_(0, slots, lengths + advance)
     with record_function("heads"):
         text_logits, func_logits = model.heads(h)
     frame = st.frame[slots]
@@ -63,7 +66,7 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
                                 cfg.talker.latent_size)
         positions = st.talker_pos[slots]
         codes = model.talker.step(text, st.prev_codes[slots], st.talker, slots, positions, u, z, model.silence_codes)
-        st.talker_pos.index_copy_(0, slots, positions + 1)
+        st.talker_pos.index_copy_(0, slots, positions + advance)
     with record_function("codec"):
         pcm = model.codec.decode_step(codes, st.codec, slots)
 
@@ -76,7 +79,7 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     st.prev_text.index_copy_(0, slots, text)
     st.prev_func.index_copy_(0, slots, func)
     st.prev_codes.index_copy_(0, slots, codes)
-    st.frame.index_copy_(0, slots, frame + 1)
+    st.frame.index_copy_(0, slots, frame + advance)
     newly_seen = torch.zeros_like(st.seen[slots]).scatter_(1, text[:, None], True)
     newly_seen &= ~torch.isin(text, special_ids)[:, None]
     st.seen.index_copy_(0, slots, st.seen[slots] | newly_seen)

@@ -122,3 +122,23 @@ def test_graphs_match_eager_full_size_bf16(backend):
         _restore(st, after_e)
     print(f"{backend}: worst relative error {worst}; {flips} near-tie flips over {FRAMES} frames x {n_calls} calls")
     assert all(v <= 2e-2 for v in worst.values()), worst
+
+
+@torch.no_grad()
+def test_padding_rows_never_advance_the_sink(tiny):
+    """Every padded step points its padding rows at the sink. Its positions must stay put: after more
+    padded steps than the pools hold frames, an advancing sink would write past the KV pools (on the GPU
+    a device-side assert that ended every call of a load test)."""
+    model, *_ = tiny
+    st = allocate_call_state(model, 1, 6, torch.device("cpu"), max_prompt_tokens=0)
+    admit(model, st, 0, None, 0, SamplingParams())
+    specials = special_ids(model, torch.device("cpu"))
+    sink = st.sink
+    before = (st.llm_len[sink].item(), st.talker_pos[sink].item(), st.frame[sink].item())
+    g = torch.Generator().manual_seed(0)
+    for t in range(20):  # 5 frames of the real call padded by two sink rows, then sink rows alone
+        slots = torch.tensor([0, sink, sink]) if t < 5 else torch.tensor([sink, sink])
+        audio = torch.randn(slots.shape[0], 1280, generator=g) * 0.1
+        frame_step(model, st, slots, audio, torch.full((slots.shape[0],), -1), specials)
+    assert (st.llm_len[sink].item(), st.talker_pos[sink].item(), st.frame[sink].item()) == before
+    assert st.llm_len[0].item() == 5 and st.frame[0].item() == 5
