@@ -53,6 +53,7 @@ class ServeConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     max_calls: int = 8                  # concurrent calls (= engine slots); one more is refused with busy
+    gil_switch_interval_ms: float = 0.5  # scripts/serve.py: how soon the engine thread gets the GIL back
     max_call_s: float = 160.0           # longest call (input seconds); past it the call ends: call_too_long
     max_pending_s: float = 30.0         # input received but not yet stepped, per call
     max_upload_mb: float = 16.0         # POST /generate body size
