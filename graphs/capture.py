@@ -7,15 +7,21 @@ above the largest bucket is split into groups of at most the largest bucket, eac
 `graphs=False` the very same function runs eagerly, so graphs on and off compute the same thing.
 
 Three capture back ends (`engine.graph_backend`):
+- "cudagraph-eager" (default): the step as written, captured by hand with `torch.cuda.CUDAGraph` into
+  static input buffers. Seconds to capture. The fusion Inductor would bring is done by hand instead:
+  ops/ kernels for the norms (with the talker's rotary), the attention, the Mamba step, the RNG and the
+  codec GEMMs, which took the step from ~7,300 to ~3,600 kernels (docs/performance.md).
 - "reduce-overhead": `torch.compile(mode="reduce-overhead", fullgraph=True)`; Inductor fuses the
-  pointwise work and records a CUDA graph per shape. The state pools are closed over and mutated in
-  place by the graph.
-- "cudagraph": `torch.compile` (default mode) for fusion, captured by hand with `torch.cuda.CUDAGraph`
-  into static input buffers: for when reduce-overhead declines to record a graph (cudagraph trees skip
-  functions that mutate tensors they do not treat as static inputs, which a state pool may be).
-- "cudagraph-eager": the same hand capture of the uncompiled step: seconds to capture instead of
-  minutes, no Inductor fusion. This is the back end measured on the H200 so far (docs/performance.md);
-  the two compiled ones have run on the CPU only.
+  pointwise work and records a CUDA graph per shape; the pools are closed over and mutated in place.
+- "cudagraph": `torch.compile` (default mode) for fusion, captured by hand as above: for when
+  reduce-overhead declines to record a graph (cudagraph trees skip functions that mutate tensors they do
+  not treat as static inputs, which a state pool may be).
+Why the hand capture serves: at full size on the H200 (torch 2.11), compiling the whole step for ONE
+bucket ran 4 minutes and then failed in Inductor's code generation for the text sampler's cumsum over
+131,072 logits (a split scan; docs/runs/compile_2026-11-29_s2_2_inductor_bucket32.log). Eight buckets
+would take over half an hour to build even once that is worked around. The Triton kernels are custom
+ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True; they compile and match
+eager on the CPU (tests/test_graphs.py, `compiler="aot_eager"`).
 On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
 `compiler="aot_eager"`, which the CPU graphs-vs-eager test uses to trace the same graph cheaply).
 """

@@ -43,6 +43,17 @@ class CallClosed(EngineError):
     code = "call_closed"
 
 
+class EngineDown(EngineBusy):
+    """The engine stopped after a device error: no call can be served until the process restarts."""
+    code = "engine_down"
+
+
+def device_lost(e: BaseException) -> bool:
+    """A CUDA error (a device-side assert, an illegal access) poisons the process's CUDA context: every
+    later step would fail too, so the engine stops instead of failing each new call."""
+    return isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e)
+
+
 # ---- configuration and events -----------------------------------------------------------------------
 @dataclass
 class EngineConfig:
@@ -194,6 +205,7 @@ class Engine:
         self.step_runner = StepRunner(model, self.state, self.specials, self.cfg.capture_buckets,
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
+        self.down: str | None = None  # set when a device error stopped the engine (device_lost)
         self.stats = EngineStats()
         self.prefix_cache = PrefixCache(self.cfg.prefix_cache_entries)
 
@@ -203,6 +215,8 @@ class Engine:
         """Reserve a slot now (EngineBusy if none is free: never a queue that grows without bound);
         the prompt prefill and talker warm-up run on the engine thread before the first frame."""
         options = options or CallOptions()
+        if self.down is not None:
+            raise EngineDown(f"the engine stopped after a device error and needs a restart: {self.down}")
         slot = self.slots.take()
         if slot is None:
             raise EngineBusy(f"all {self.cfg.max_calls} call slots are in use (engine.max_calls)")
@@ -255,6 +269,9 @@ class Engine:
                 did = self.tick()
             except Exception as e:  # a bug must not leave calls hanging: end every call with the reason
                 traceback.print_exc()
+                if device_lost(e):  # the thread ends: /health says engine_down (503), new calls are refused
+                    self.down = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    self._running = False
                 for call in list(self._calls.values()):
                     self._end(call, "error", f"engine error: {type(e).__name__}: {e}")
                 did = True

@@ -293,7 +293,7 @@ class CallBridge:
         try:
             self.call = self.server.engine.open_call(options, self._from_engine, self.id)
         except EngineBusy as e:
-            raise Refusal("busy", str(e), 503) from None
+            raise Refusal(e.code, str(e), 503) from None
 
     def _from_engine(self, ev) -> None:   # engine thread: hand over, never block
         try:

@@ -167,3 +167,40 @@ def test_abort_frees_slot_and_others_continue(tiny, example_clip):
         eng.tick()
     assert sum(isinstance(e, FrameEvent) for e in ev_b) == 4 and ev_b[-1].reason == "completed"
     eng.open_call()                                   # the freed slot is usable
+
+
+def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip):
+    """A CUDA error poisons the process's context, so the engine thread ends every call with the reason
+    and stops (/health then says engine_down); later calls are refused with engine_down, not failed one
+    by one. Any other exception only ends the calls of that step (the engine keeps serving)."""
+    import time
+
+    from nemo_duplex.engine import EngineDown
+
+    for message, stops in (("boom: a plain bug", False), ("CUDA error: device-side assert triggered", True)):
+        eng = _engine(tiny, max_calls=2)
+        real_runner = eng.step_runner
+
+        def failing_step(*args, _msg=message):
+            eng.step_runner = real_runner  # fail once
+            raise RuntimeError(_msg)
+        eng.start()  # captures with the real runner
+        eng.step_runner = failing_step
+        events = []
+        call = eng.open_call(on_event=events.append)
+        call.append(example_clip[: 1280 * 2].numpy())
+        deadline = time.monotonic() + 30
+        while not call.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert call.closed and events[-1].reason == "error" and message.split(":")[0] in events[-1].message
+        assert eng.slots.in_use == 0
+        if stops:
+            eng._thread.join(timeout=10)
+            assert not eng._thread.is_alive() and "CUDA error" in eng.down
+            with pytest.raises(EngineDown, match="needs a restart"):
+                eng.open_call()
+        else:
+            assert eng._thread.is_alive() and eng.down is None
+            again = eng.open_call()  # still serving
+            again.end_input()
+        eng.stop()
