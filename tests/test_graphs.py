@@ -144,3 +144,28 @@ def test_padding_rows_never_advance_the_sink(tiny):
         frame_step(model, st, slots, audio, torch.full((slots.shape[0],), -1), specials)
     assert (st.llm_len[sink].item(), st.talker_pos[sink].item(), st.frame[sink].item()) == before
     assert st.llm_len[0].item() == 5 and st.frame[0].item() == 5
+
+
+@torch.no_grad()
+def test_batch_above_the_largest_bucket_runs_in_groups(tiny):
+    """5 calls through buckets [2]: groups of 2, 2 and 1 (the last padded with a sink row), each a
+    compiled step; the outputs equal one eager step over all 5 rows (rows are independent)."""
+    model, *_ = tiny
+    specials = special_ids(model, torch.device("cpu"))
+    states = []
+    for _ in range(2):
+        st = allocate_call_state(model, 5, 8, torch.device("cpu"), max_prompt_tokens=0)
+        for s in range(5):
+            admit(model, st, s, None, s, SamplingParams())
+        states.append(st)
+    grouped = StepRunner(model, states[0], specials, [2], graphs=True, compiler="aot_eager")
+    slots, forced = torch.arange(5), torch.full((5,), -1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        audio = torch.randn(5, 1280, generator=g) * 0.1
+        out_g = grouped(slots, audio, forced)
+        out_e = frame_step(model, states[1], slots, audio, forced, specials)
+        assert out_g.text.shape == (5,) and out_g.pcm.shape == out_e.pcm.shape
+        assert torch.equal(out_g.text, out_e.text) and torch.equal(out_g.codes, out_e.codes)
+        torch.testing.assert_close(out_g.pcm, out_e.pcm, rtol=1e-5, atol=1e-5)
+    assert torch.equal(states[0].llm_len, states[1].llm_len)
