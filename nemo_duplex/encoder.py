@@ -225,11 +225,13 @@ class ConformerConvolution(nn.Module):
         return self.finish(self.depthwise_conv(F.pad(x, (self.context, 0))))
 
     def step(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """x [B, d]; cache [S, d, k-1]: this layer's last k-1 GLU outputs per slot, oldest first."""
-        x = F.glu(self.pointwise_conv1(x[:, :, None]), dim=1)  # [B, d, 1]
-        window = torch.cat([cache[slots], x], dim=2)
+        """x [B, d]; cache [S, d, k-1]: this layer's last k-1 GLU outputs per slot, oldest first.
+        One frame: the k=1 convolutions are plain GEMMs over [B, d] (no conv kernels, no layout copies)."""
+        x = F.glu(F.linear(x, self.pointwise_conv1.weight[:, :, 0]), dim=-1)  # [B, d]
+        window = torch.cat([cache[slots], x[:, :, None]], dim=2)
         cache.index_copy_(0, slots, window[:, :, 1:])
-        return self.finish(self.depthwise_conv(window))[:, 0]
+        y = F.silu(self.batch_norm(self.depthwise_conv(window)[:, :, 0]))
+        return F.linear(y, self.pointwise_conv2.weight[:, :, 0])
 
 
 class ConformerLayer(nn.Module):

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nemo_duplex.config import RNNTConfig
 
@@ -71,11 +70,12 @@ def lstm_step(lstm: nn.Module, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
     and needs no cuDNN weight compaction. x [B, H_in], h/c [layers, B, H] -> (out [B, H], h', c')."""
     hs, cs = [], []
     for layer in range(lstm.num_layers):
-        gates = (F.linear(x, getattr(lstm, f"weight_ih_l{layer}"), getattr(lstm, f"bias_ih_l{layer}"))
-                 + F.linear(h[layer], getattr(lstm, f"weight_hh_l{layer}"), getattr(lstm, f"bias_hh_l{layer}")))
-        i, f, g, o = gates.chunk(4, dim=-1)
-        c_new = torch.sigmoid(f) * c[layer] + torch.sigmoid(i) * torch.tanh(g)
-        x = torch.sigmoid(o) * torch.tanh(c_new)
+        # gates = x W_ih^T + b_ih + h W_hh^T + b_hh; i, f, g, o = chunks; c' = s(f) c + s(i) tanh(g);
+        # h' = s(o) tanh(c'). torch.lstm_cell is that math with the gate arithmetic in one fused kernel on
+        # CUDA (in fp32, as cuDNN's LSTM, which NeMo runs), instead of ten small kernels per layer.
+        x, c_new = torch.lstm_cell(x, (h[layer], c[layer]),
+                                   getattr(lstm, f"weight_ih_l{layer}"), getattr(lstm, f"weight_hh_l{layer}"),
+                                   getattr(lstm, f"bias_ih_l{layer}"), getattr(lstm, f"bias_hh_l{layer}"))
         hs.append(x)
         cs.append(c_new)
     return x, torch.stack(hs), torch.stack(cs)
