@@ -66,6 +66,10 @@ class EngineConfig:
     graphs: bool = False
     graph_backend: str = "cudagraph-eager"  # or "reduce-overhead" / "cudagraph" (graphs/capture.py says when)
     idle_wait_s: float = 0.005
+    # Hold a step up to this long after its oldest frame arrived while some live call has no frame yet,
+    # so calls whose frames arrive together (lockstep clients) are stepped together instead of split over
+    # two steps. 0 = step whatever is pending at once (what docs/performance.md measured).
+    coalesce_ms: float = 0.0
 
 
 @dataclass
@@ -170,6 +174,10 @@ class Call:
             return len(self._frames)
 
     # engine side
+    def _oldest_ready(self) -> float | None:
+        with self._lock:
+            return self._frames[0][1] if self._frames else None
+
     def _take_frame(self):
         with self._lock:
             if not self._frames:
@@ -263,8 +271,26 @@ class Engine:
         for call in list(self._calls.values()):
             self._end(call, "shutdown", "the engine stopped")
 
+    def _coalesce(self) -> None:
+        """Wait (bounded by coalesce_ms from the oldest pending frame) until every live call has a frame."""
+        limit = self.cfg.coalesce_ms / 1e3
+        if limit <= 0:
+            return
+        while self._running:
+            with self._lock:
+                live = [c for c in self._calls.values() if c.admitted and not c.closed and not c.input_ended]
+            oldest = min((t for t in (c._oldest_ready() for c in live) if t is not None), default=None)
+            if oldest is None or all(c.pending_frames for c in live):
+                return
+            left = oldest + limit - time.monotonic()
+            if left <= 0:
+                return
+            with self._lock:
+                self._work.wait(timeout=min(left, self.cfg.idle_wait_s))
+
     def _run(self) -> None:
         while self._running:
+            self._coalesce()
             try:
                 did = self.tick()
             except Exception as e:  # a bug must not leave calls hanging: end every call with the reason

@@ -204,3 +204,31 @@ def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip)
             again = eng.open_call()  # still serving
             again.end_input()
         eng.stop()
+
+
+def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
+    """engine.coalesce_ms: a frame waits (bounded) for the other live calls' frames, so two calls whose
+    frames arrive 50 ms apart share one step; a call whose partner sends nothing is stepped after the
+    bound, never held forever."""
+    import time
+
+    frame = example_clip[:1280].numpy()
+    eng = _engine(tiny, max_calls=2, coalesce_ms=400.0)
+    eng.start()
+    a, b = eng.open_call(), eng.open_call()
+    while not (a.admitted and b.admitted):
+        time.sleep(0.01)
+    a.append(frame)
+    time.sleep(0.05)
+    b.append(frame)
+    deadline = time.monotonic() + 30
+    while eng.stats.frames < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(eng.stats.batch_sizes) == [2]
+    t0 = time.monotonic()
+    a.append(frame)  # b sends nothing more: a is stepped alone once its frame is 400 ms old
+    while eng.stats.frames < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waited = time.monotonic() - t0
+    assert list(eng.stats.batch_sizes) == [2, 1] and 0.35 < waited < 10
+    eng.stop()
