@@ -219,8 +219,9 @@ class Gemma3Backbone(nn.Module):
         ropes = {}  # cos/sin once per step for each theta (full and sliding layers), not once per layer
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            if attn.rope_theta not in ropes:
-                ropes[attn.rope_theta] = rotary_cos_sin(positions[:, None], attn.head_dim, attn.rope_theta)
+            if attn.rope_theta not in ropes:  # in the compute dtype, as the rotation uses them
+                cos, sin = rotary_cos_sin(positions[:, None], attn.head_dim, attn.rope_theta)
+                ropes[attn.rope_theta] = (cos.to(x.dtype), sin.to(x.dtype))
             pool_k, pool_v = cache.layer_pools(i)
             x = layer.step(x, positions, pool_k, pool_v, rows, ropes[attn.rope_theta])
         return self.norm(x)
