@@ -39,24 +39,25 @@ log = logging.getLogger(__name__)
 
 
 class StepRunner:
-    def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool = True,
+    def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
                  backend: str = "reduce-overhead", compiler: str = "inductor"):
         self.model, self.state, self.specials = model, state, specials
         self.buckets = sorted(set(int(b) for b in buckets))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"engine.capture_buckets must be positive sizes, got {buckets}")
-        self.graphs = graphs
-        self.backend = backend
         self.device = state.llm_len.device
+        # "auto": captured on CUDA (the serving path), eager on the CPU (no graphs there)
+        self.graphs = self.device.type == "cuda" if graphs == "auto" else bool(graphs)
+        self.backend = backend
         self.sink = state.sink
         self._compiled = None
         self._cuda_graphs: dict[int, tuple] = {}
         self.capture_seconds: dict[int, float] = {}
         if backend not in ("reduce-overhead", "cudagraph", "cudagraph-eager"):
             raise ValueError(f"engine.graph_backend must be reduce-overhead, cudagraph or cudagraph-eager, got {backend!r}")
-        if graphs and backend == "cudagraph-eager":
+        if self.graphs and backend == "cudagraph-eager":
             self._compiled = self._eager
-        elif graphs:
+        elif self.graphs:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.buckets))
             mode = "reduce-overhead" if backend == "reduce-overhead" and self.device.type == "cuda" else None
             # compiler "aot_eager" traces the same graph but runs it with eager kernels: the CPU test of

@@ -63,7 +63,7 @@ class EngineConfig:
     max_prompt_tokens: int = 512
     prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
     capture_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
-    graphs: bool = False
+    graphs: bool | str = "auto"        # "auto": captured on CUDA, eager on the CPU (graphs/capture.py)
     graph_backend: str = "cudagraph-eager"  # or "reduce-overhead" / "cudagraph" (graphs/capture.py says when)
     idle_wait_s: float = 0.005
     # Hold a step up to this long after its oldest frame arrived while some live call has no frame yet,
@@ -213,6 +213,7 @@ class Engine:
         self.step_runner = StepRunner(model, self.state, self.specials, self.cfg.capture_buckets,
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
+        # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)
         self.stats = EngineStats()
         self.prefix_cache = PrefixCache(self.cfg.prefix_cache_entries)

@@ -142,7 +142,7 @@ def main(cfg: DictConfig) -> None:
     wbytes = weight_bytes(model)
     specials = special_ids(model, device)
     buckets = sorted(set(int(x) for x in cfg.engine.capture_buckets))
-    graphs = StepRunner(model, st, specials, buckets, graphs=bool(cfg.engine.graphs), backend=cfg.engine.graph_backend)
+    graphs = StepRunner(model, st, specials, buckets, graphs=cfg.engine.graphs, backend=cfg.engine.graph_backend)
     eager = StepRunner(model, st, specials, buckets, graphs=False)
     t0 = time.perf_counter()
     graphs.capture()
@@ -170,7 +170,7 @@ def main(cfg: DictConfig) -> None:
                               if k not in ("state_bytes_per_call",)}), flush=True)
     result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
               "copy_bandwidth_GBps": bw / 1e9, "bf16_gemm_TFLOPs": flops / 1e12,
-              "capture_s": capture_s, "backend": cfg.engine.graph_backend, "graphs": bool(cfg.engine.graphs),
+              "capture_s": capture_s, "backend": cfg.engine.graph_backend, "graphs": graphs.graphs,
               "buckets": buckets, "dtype": b.dtype, "rows": rows,
               "config": OmegaConf.to_container(cfg, resolve=True)}
     out_dir = Path(os.environ.get("OUT") or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)

@@ -2,7 +2,7 @@
 POST /generate, /health, /metrics and a browser page on / (docs/protocol.md).
 
     python scripts/serve.py                                        # embedded tiny model on the CPU
-    python scripts/serve.py model=nemotron_duplex checkpoint=<dir> device=cuda engine.graphs=true
+    python scripts/serve.py model=nemotron_duplex checkpoint=<dir> device=cuda   # engine.graphs=auto: captured
     python scripts/serve.py serve.port=9000 serve.max_calls=32 engine.max_calls=32
 """
 from __future__ import annotations

@@ -169,3 +169,11 @@ def test_batch_above_the_largest_bucket_runs_in_groups(tiny):
         assert torch.equal(out_g.text, out_e.text) and torch.equal(out_g.codes, out_e.codes)
         torch.testing.assert_close(out_g.pcm, out_e.pcm, rtol=1e-5, atol=1e-5)
     assert torch.equal(states[0].llm_len, states[1].llm_len)
+
+
+def test_graphs_auto_means_captured_on_cuda_only(tiny):
+    model, *_ = tiny
+    st = allocate_call_state(model, 1, 4, torch.device("cpu"), max_prompt_tokens=0)
+    specials = special_ids(model, torch.device("cpu"))
+    assert StepRunner(model, st, specials, [1], graphs="auto").graphs is False
+    assert StepRunner(model, st, specials, [1], graphs=False).graphs is False
