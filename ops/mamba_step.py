@@ -187,7 +187,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 # Opaque to torch.compile (see ops/decode_attention.py); it writes the two state pools in place, which
 # the schema declares so that a compiled step orders it correctly (whether Inductor then updates the pools
-# in place or through a copy has been checked on the CPU only: tests/ops/test_custom_ops.py).
+# in place or through a copy is not checked yet; tests/ops/test_custom_ops.py checks the values).
 @torch.library.custom_op("nemo_duplex::mamba_step", mutates_args=("conv_state", "ssm_state"))
 def mamba_step_op(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                   slots: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor, A_log: torch.Tensor,
