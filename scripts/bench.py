@@ -589,6 +589,7 @@ def wandb_run(cfg: DictConfig, out: Path, meta: dict):
     try:
         import wandb
     except ImportError:
+        print(f"wandb is not installed: no W&B run (wandb.mode={cfg.wandb.mode}); the results are in {out}", flush=True)
         return None
     return wandb.init(project=cfg.wandb.project, mode=cfg.wandb.mode, dir=str(out), job_type="load",
                       config={"loadtest": OmegaConf.to_container(cfg.loadtest, resolve=True), **meta})
