@@ -27,7 +27,7 @@ def check_memory(cfg: DictConfig, serve: ServeConfig, max_calls: int) -> None:
     """Refuse to start, before any weights load, when the state pools of max_calls calls of up to
     serve.max_call_s would not fit (nemo_duplex/memory.py). The budget is memory.device_gib when set,
     else the device's free memory on CUDA; on the CPU there is no check unless device_gib is set."""
-    from nemo_duplex.memory import GiB, plan
+    from nemo_duplex.memory import DEFAULT_RESERVE_BYTES, GiB, plan
 
     m = cfg.get("memory") or {}
     if not m.get("check", True):
@@ -41,7 +41,7 @@ def check_memory(cfg: DictConfig, serve: ServeConfig, max_calls: int) -> None:
     prompt = int(cfg.engine.get("max_prompt_tokens", EngineConfig.max_prompt_tokens))
     entries = int(cfg.engine.get("prefix_cache_entries", getattr(EngineConfig, "prefix_cache_entries", 0)))
     p = plan(runtime.model_config(cfg), max_calls, serve.max_call_s, device_memory, max_prompt_tokens=prompt,
-             reserve=int(float(m.get("reserve_gib", 4.0)) * GiB), prefix_cache_entries=entries)
+             reserve=int(float(m.get("reserve_gib", DEFAULT_RESERVE_BYTES / GiB)) * GiB), prefix_cache_entries=entries)
     print(p.summary(), flush=True)
 
 
