@@ -11,6 +11,9 @@ Three capture back ends (`engine.graph_backend`):
   static input buffers. Seconds to capture. The fusion Inductor would bring is done by hand instead:
   ops/ kernels for the norms (with the talker's rotary), the attention, the Mamba step, the RNG and the
   codec GEMMs, which took the step from ~7,300 to ~3,600 kernels (docs/performance.md).
+- "cudagraph-regions": the same hand capture, with the step's pure small-op pieces (the talker's MoG
+  passes, the RNN-T symbol loop) compiled by Inductor on their own (graphs/regions.py). Not measured on
+  a GPU yet.
 - "reduce-overhead": `torch.compile(mode="reduce-overhead", fullgraph=True)`; Inductor fuses the
   pointwise work and records a CUDA graph per shape; the pools are closed over and mutated in place.
 - "cudagraph": `torch.compile` (default mode) for fusion, captured by hand as above: for when
@@ -33,9 +36,13 @@ from dataclasses import fields
 
 import torch
 
+from graphs.regions import install_regions
 from nemo_duplex.frame_step import StepOutput, frame_step
 
 log = logging.getLogger(__name__)
+
+
+BACKENDS = ("cudagraph-eager", "cudagraph-regions", "reduce-overhead", "cudagraph")
 
 
 class StepRunner:
@@ -53,9 +60,13 @@ class StepRunner:
         self._compiled = None
         self._cuda_graphs: dict[int, tuple] = {}
         self.capture_seconds: dict[int, float] = {}
-        if backend not in ("reduce-overhead", "cudagraph", "cudagraph-eager"):
-            raise ValueError(f"engine.graph_backend must be reduce-overhead, cudagraph or cudagraph-eager, got {backend!r}")
+        self.regions = []
+        if backend not in BACKENDS:
+            raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if self.graphs and backend == "cudagraph-eager":
+            self._compiled = self._eager
+        elif self.graphs and backend == "cudagraph-regions":
+            self.regions = install_regions(model, compiler)  # compiled on the capture's warm-up calls
             self._compiled = self._eager
         elif self.graphs:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.buckets))

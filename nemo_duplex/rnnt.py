@@ -127,8 +127,17 @@ class RNNTDecoder(nn.Module):
         """enc [B, d_enc] (one encoder frame per call, before proj), slots [B] -> tokens [B, max_symbols]
         int64, emitted tokens first, -1 padded. Always max_symbols iterations; rows that saw blank stop
         emitting and committing (masked), so the op sequence does not depend on the data."""
-        batch = enc.shape[0]
         h, c, last = state.h[:, slots], state.c[:, slots], state.last_token[slots]
+        tokens, h, c, last = self.decode_frame(joint, enc, h, c, last)
+        state.h.index_copy_(1, slots, h)
+        state.c.index_copy_(1, slots, c)
+        state.last_token.index_copy_(0, slots, last)
+        return tokens
+
+    def decode_frame(self, joint: "RNNTJoint", enc: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
+                     last: torch.Tensor):
+        """The pure part of stream_step (no state pools): -> (tokens, h, c, last) after this frame."""
+        batch = enc.shape[0]
         f = joint.enc(enc.to(joint.enc.weight.dtype))
         tokens = torch.full((batch, self.cfg.max_symbols_per_step), -1, dtype=torch.int64, device=enc.device)
         active = torch.ones(batch, dtype=torch.bool, device=enc.device)
@@ -141,10 +150,7 @@ class RNNTDecoder(nn.Module):
             c = torch.where(emit[None, :, None], c_next, c)
             last = torch.where(emit, k, last)
             active = emit
-        state.h.index_copy_(1, slots, h)
-        state.c.index_copy_(1, slots, c)
-        state.last_token.index_copy_(0, slots, last)
-        return tokens
+        return tokens, h, c, last
 
 
 class RNNTJoint(nn.Module):

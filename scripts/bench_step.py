@@ -171,6 +171,7 @@ def main(cfg: DictConfig) -> None:
     result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
               "copy_bandwidth_GBps": bw / 1e9, "bf16_gemm_TFLOPs": flops / 1e12,
               "capture_s": capture_s, "backend": cfg.engine.graph_backend, "graphs": graphs.graphs,
+              "regions": {r.name: r.failed or "compiled" for r in graphs.regions},
               "buckets": buckets, "dtype": b.dtype, "rows": rows,
               "config": OmegaConf.to_container(cfg, resolve=True)}
     out_dir = Path(os.environ.get("OUT") or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
@@ -178,6 +179,8 @@ def main(cfg: DictConfig) -> None:
     (out_dir / f"bench_step_{int(time.time())}.json").write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s, capture {capture_s:.0f} s "
           f"({cfg.engine.graph_backend}), weights {wbytes / 2**30:.1f} GiB")
+    for r in graphs.regions:
+        print(f"region {r.name}: {'compiled' if r.failed is None else 'eager after a failed compile: ' + r.failed}")
     print(f"{'N':>4} {'pos':>5} {'floor ms':>9} {'graph ms':>9} {'host ms':>8} {'ratio':>6} {'eager ms':>9} {'eager host':>10}")
     for r in rows:
         print(f"{r['n']:>4} {r['position']:>5} {r['floor_ms']:>9.2f} {r['graphs_gpu_ms']:>9.2f} "

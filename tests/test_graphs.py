@@ -177,3 +177,41 @@ def test_graphs_auto_means_captured_on_cuda_only(tiny):
     specials = special_ids(model, torch.device("cpu"))
     assert StepRunner(model, st, specials, [1], graphs="auto").graphs is False
     assert StepRunner(model, st, specials, [1], graphs=False).graphs is False
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compiled_regions_match_eager(tiny, compiler):
+    """cudagraph-regions: the talker's MoG passes and the RNN-T loop compiled on their own (fullgraph),
+    the rest eager. Over 4 frames of 3 calls in a bucket of 4 (one sink row): tokens and codes identical
+    to the plain step; PCM and the logits within 1e-5 (aot_eager runs the same ops: exact; Inductor's
+    fused fp32 arithmetic: a few ulp)."""
+    from graphs.regions import remove_regions
+
+    model, *_ = tiny
+    specials = special_ids(model, torch.device("cpu"))
+    states = []
+    for _ in range(2):
+        st = allocate_call_state(model, 3, 8, torch.device("cpu"), max_prompt_tokens=0)
+        for s in range(3):
+            admit(model, st, s, None, s, SamplingParams())
+        states.append(st)
+    slots, forced = torch.arange(3), torch.full((3,), -1)
+    g = torch.Generator().manual_seed(2)
+    frames = [torch.randn(3, 1280, generator=g) * 0.1 for _ in range(4)]
+    padded_slots = torch.tensor([0, 1, 2, states[1].sink])
+    eager = [frame_step(model, states[1], padded_slots, torch.cat([a, torch.zeros(1, 1280)]),
+                        torch.full((4,), -1), specials) for a in frames]  # before any region is installed
+    try:
+        runner = StepRunner(model, states[0], specials, [4], graphs=True, backend="cudagraph-regions",
+                            compiler=compiler)
+        assert [r.name for r in runner.regions] == ["talker.generate_step", "stt_model.rnnt_decoder.decode_frame"]
+        for audio, out_e in zip(frames, eager):
+            out_r = runner(slots, audio, forced)
+            assert torch.equal(out_r.text, out_e.text[:3]) and torch.equal(out_r.codes, out_e.codes[:3])
+            assert torch.equal(out_r.user, out_e.user[:3])
+            torch.testing.assert_close(out_r.pcm, out_e.pcm[:3], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out_r.top2, out_e.top2[:3], rtol=1e-5, atol=1e-5)
+        assert all(r.failed is None for r in runner.regions), [r.failed for r in runner.regions]
+    finally:
+        remove_regions(model)

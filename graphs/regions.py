@@ -1,0 +1,75 @@
+"""Regional compilation: Inductor fusion for the step's pure, small-op-heavy pieces, inside the hand capture.
+
+Why: compiling the whole frame step at full size takes minutes per bucket and hit an Inductor bug
+(graphs/capture.py), while most of the step is already one kernel per op (ops/). What is left of the
+small kernels sits in a few fixed-size pieces that do not depend on the layer counts (scripts/census_step.py):
+the talker's MoG passes with their residual quantisation (~500 ops) and the RNN-T's unrolled symbol loop
+(~270). Those are pure functions of their inputs (no state pools), so each is compiled on its own,
+`fullgraph=True`, and the step around them is captured by hand as before (`cudagraph-regions`).
+
+Batch sizes: the first call compiles for its shape; the second shape makes the batch dimension dynamic
+(torch.compile's automatic dynamic shapes), so a set of capture buckets costs about three compiles per
+region (the largest bucket, the dynamic graph, and bucket 1, which is specialised), not one per bucket.
+
+A region whose compilation fails logs why and runs eagerly from then on: a compiler bug costs speed, not
+the server. Regions are installed on the model instance (the compiled callable shadows the method), so
+the model's code stays plain and `remove_regions` restores it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# (path to the module from the model, method): the pure pieces compiled on their own
+REGIONS = (("talker", "generate_step"), ("stt_model.rnnt_decoder", "decode_frame"))
+
+
+class _Region:
+    """A method compiled once, with an eager fallback if compiling or running the compiled code fails."""
+
+    def __init__(self, name: str, method, compiler: str):
+        self.name, self.eager = name, method
+        self.compiled = torch.compile(method, fullgraph=True, backend=compiler)
+        self.failed: str | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.failed is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: run this region eagerly from now on
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning("region %s: compilation failed, running it eagerly (%s)", self.name, self.failed)
+        return self.eager(*args, **kwargs)
+
+
+def _owner(model, path: str):
+    obj = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def install_regions(model, compiler: str = "inductor") -> list[_Region]:
+    """Compile every region the model has (a model without an RNN-T skips that one)."""
+    installed = []
+    for path, method in REGIONS:
+        owner = _owner(model, path)
+        if owner is None or isinstance(owner.__dict__.get(method), _Region):
+            continue
+        region = _Region(f"{path}.{method}", getattr(owner, method), compiler)
+        owner.__dict__[method] = region  # shadows the class's method on this instance only
+        installed.append(region)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    return installed
+
+
+def remove_regions(model) -> None:
+    for path, method in REGIONS:
+        owner = _owner(model, path)
+        if owner is not None and isinstance(owner.__dict__.get(method), _Region):
+            del owner.__dict__[method]
