@@ -14,7 +14,8 @@ except for the Mamba-2 gated norm, whose 10240 channels are normed in 8 groups o
 (rotate-half layout, cos/sin given per token in the compute dtype), with the reference's roundings
 (norm, each product and the sum each rounded to the compute dtype, as bf16 torch ops do).
 Why a kernel: in torch each norm is 7-9 kernels (casts, pow, mean, rsqrt, two multiplies, cast back);
-with ~250 norms per frame step that was ~2,000 of the step's ~7,300 kernels (docs/performance.md).
+with ~250 norms per frame step that was roughly 2,000 of the step's ~7,300 kernels (an estimate from the
+op counts; with the other session-2 changes the step went to ~3,600, docs/performance.md).
 """
 from __future__ import annotations
 
