@@ -146,18 +146,21 @@ def test_padding_rows_never_advance_the_sink(tiny):
     assert st.llm_len[0].item() == 5 and st.frame[0].item() == 5
 
 
+
+def _admitted_state(model, n_calls: int, max_frames: int = 8):
+    """CPU pools for n_calls calls, every slot admitted (no prompt, seed = slot)."""
+    st = allocate_call_state(model, n_calls, max_frames, torch.device("cpu"), max_prompt_tokens=0)
+    for s in range(n_calls):
+        admit(model, st, s, None, s, SamplingParams())
+    return st
+
 @torch.no_grad()
 def test_batch_above_the_largest_bucket_runs_in_groups(tiny):
     """5 calls through buckets [2]: groups of 2, 2 and 1 (the last padded with a sink row), each a
     compiled step; the outputs equal one eager step over all 5 rows (rows are independent)."""
     model, *_ = tiny
     specials = special_ids(model, torch.device("cpu"))
-    states = []
-    for _ in range(2):
-        st = allocate_call_state(model, 5, 8, torch.device("cpu"), max_prompt_tokens=0)
-        for s in range(5):
-            admit(model, st, s, None, s, SamplingParams())
-        states.append(st)
+    states = [_admitted_state(model, 5) for _ in range(2)]  # identical twins
     grouped = StepRunner(model, states[0], specials, [2], graphs=True, compiler="aot_eager")
     slots, forced = torch.arange(5), torch.full((5,), -1)
     g = torch.Generator().manual_seed(1)
@@ -190,12 +193,7 @@ def test_compiled_regions_match_eager(tiny, compiler):
 
     model, *_ = tiny
     specials = special_ids(model, torch.device("cpu"))
-    states = []
-    for _ in range(2):
-        st = allocate_call_state(model, 3, 8, torch.device("cpu"), max_prompt_tokens=0)
-        for s in range(3):
-            admit(model, st, s, None, s, SamplingParams())
-        states.append(st)
+    states = [_admitted_state(model, 3) for _ in range(2)]  # identical twins
     slots, forced = torch.arange(3), torch.full((3,), -1)
     g = torch.Generator().manual_seed(2)
     frames = [torch.randn(3, 1280, generator=g) * 0.1 for _ in range(4)]
