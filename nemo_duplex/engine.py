@@ -64,7 +64,7 @@ class EngineConfig:
     prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
     capture_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
     graphs: bool | str = "auto"        # "auto": captured on CUDA, eager on the CPU (graphs/capture.py)
-    graph_backend: str = "cudagraph-eager"  # or "reduce-overhead" / "cudagraph" (graphs/capture.py says when)
+    graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)
     idle_wait_s: float = 0.005
     # Hold a step up to this long after its oldest frame arrived while some live call has no frame yet,
     # so calls whose frames arrive together (lockstep clients) are stepped together instead of split over

@@ -39,7 +39,7 @@ def check_memory(cfg: DictConfig, serve: ServeConfig, max_calls: int) -> None:
     else:
         return
     prompt = int(cfg.engine.get("max_prompt_tokens", EngineConfig.max_prompt_tokens))
-    entries = int(cfg.engine.get("prefix_cache_entries", getattr(EngineConfig, "prefix_cache_entries", 0)))
+    entries = int(cfg.engine.get("prefix_cache_entries", EngineConfig.prefix_cache_entries))
     p = plan(runtime.model_config(cfg), max_calls, serve.max_call_s, device_memory, max_prompt_tokens=prompt,
              reserve=int(float(m.get("reserve_gib", DEFAULT_RESERVE_BYTES / GiB)) * GiB), prefix_cache_entries=entries)
     print(p.summary(), flush=True)
