@@ -4,7 +4,7 @@ Why: compiling the whole frame step at full size takes minutes per bucket and hi
 (graphs/capture.py), while most of the step is already one kernel per op (ops/). What is left of the
 small kernels sits in a few fixed-size pieces that do not depend on the layer counts (scripts/census_step.py):
 the talker's MoG passes with their residual quantisation (~500 ops) and the RNN-T's unrolled symbol loop
-(~270). Those are pure functions of their inputs (no state pools), so each is compiled on its own,
+(~260). Those are pure functions of their inputs (no state pools), so each is compiled on its own,
 `fullgraph=True`, and the step around them is captured by hand as before (`cudagraph-regions`).
 
 Batch sizes: the first call compiles for its shape; the second shape makes the batch dimension dynamic
