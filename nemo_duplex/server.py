@@ -788,6 +788,7 @@ class RealtimeSession:
 
     def __init__(self, server: Server, ws: web.WebSocketResponse, bridge: CallBridge):
         self.server, self.ws, self.bridge = server, ws, bridge
+        self.socket = DuplexSocket(ws)
         self.settings = SessionSettings()
         self.out = RealtimeOutput(bridge.ids)
         self.decoder: FrameDecoder | None = None
@@ -799,17 +800,7 @@ class RealtimeSession:
 
     async def run(self) -> None:
         self.bridge.push(self.out.ev("session.created", session=self.session_body()))
-        writer = asyncio.create_task(self._write())
-        try:
-            await self._read()
-        finally:
-            if not writer.done():
-                # reader ended first (client gone or closed): let queued output go if the socket is open
-                writer.cancel()
-            try:
-                await writer
-            except (asyncio.CancelledError, ConnectionError):
-                pass
+        await self.socket.run(self._read, self._write)
 
     async def _read(self) -> None:
         s, b = self.server, self.bridge
@@ -925,7 +916,7 @@ class RealtimeSession:
                     for e in self.out.close("failed", None):
                         await ws.send_str(json.dumps(e))
                     await ws.send_str(json.dumps(error_event(b.ids.next("event"), item.code, item.message)))
-                await ws.close(code=1000 if not item.code else 1008, message=(item.code or "closed").encode())
+                await self.socket.close(1000 if not item.code else 1008, (item.code or "closed").encode())
                 return
             if isinstance(item, dict):
                 await ws.send_str(json.dumps(item))
@@ -945,13 +936,60 @@ class RealtimeSession:
                     for e in self.out.close("incomplete", None):
                         await ws.send_str(json.dumps(e))
                     await ws.send_str(json.dumps(error_event(b.ids.next("event"), fatal.code, fatal.message)))
-                    await ws.close(code=1008, message=fatal.code.encode())
+                    await self.socket.close(1008, fatal.code.encode())
                     return
                 for e in self.out.close("completed"):
                     await ws.send_str(json.dumps(e))
                 await ws.send_str(json.dumps(self.out.ev("session.closed", reason=item.reason)))
-                await ws.close(code=1000, message=b"completed")
+                await self.socket.close(1000, b"completed")
                 return
+
+
+class DuplexSocket:
+    """One WebSocket served by two tasks: a reader (client messages) and a writer (engine output), the
+    writer being the one that ends the socket.
+
+    The writer closes through `close`, which stops the reader first. aiohttp's close() reads the client's
+    close reply itself, discarding what the client still sends, but only if no other task is waiting in
+    receive(); with the reader waiting it hands that task a CLOSING message and closes the transport
+    without the reply. A client still sending audio then got a TCP reset, which discards the bytes it had
+    not read yet: the error just sent and the close frame (the client saw 1006 and no error;
+    tests/test_server.py::test_input_budget_exceeded failed 11 runs in 40 with two CPU-bound processes
+    beside it, 0 in 40 after this change)."""
+
+    def __init__(self, ws: web.WebSocketResponse):
+        self.ws = ws
+        self.reader: asyncio.Task | None = None
+        self.closing = False
+
+    async def run(self, read, write) -> None:
+        """Until both end. The reader ending first (the client closed or vanished) cancels the writer,
+        which may be waiting for output; the writer closing the socket cancels the reader."""
+        self.reader = asyncio.create_task(read())
+        writer = asyncio.create_task(write())
+        try:
+            try:
+                await self.reader
+            except asyncio.CancelledError:
+                if not self.closing or asyncio.current_task().cancelling():
+                    raise  # this task itself was cancelled, not the reader by close()
+        finally:
+            if not writer.done() and not self.closing:
+                writer.cancel()
+            try:
+                await writer
+            except (asyncio.CancelledError, ConnectionError):
+                pass
+
+    async def close(self, code: int, message: bytes) -> None:
+        self.closing = True
+        if self.reader is not None and not self.reader.done():
+            self.reader.cancel()
+            try:
+                await self.reader
+            except asyncio.CancelledError:
+                pass
+        await self.ws.close(code=code, message=message)
 
 
 # Refusals that end the call (the others are reported and the call goes on).
@@ -1023,16 +1061,8 @@ class NativeSession:
     # -- /generate/ws
     async def run_ws(self, ws: web.WebSocketResponse) -> None:
         self.bridge.push(self.started())
-        writer = asyncio.create_task(self._write_ws(ws))
-        try:
-            await self._read_ws(ws)
-        finally:
-            if not writer.done():
-                writer.cancel()
-            try:
-                await writer
-            except (asyncio.CancelledError, ConnectionError):
-                pass
+        self.socket = DuplexSocket(ws)
+        await self.socket.run(lambda: self._read_ws(ws), lambda: self._write_ws(ws))
 
     async def _read_ws(self, ws) -> None:
         s, b = self.server, self.bridge
@@ -1082,10 +1112,10 @@ class NativeSession:
                 await ws.send_str(json.dumps(e))
             if fatal is not None:
                 await ws.send_str(json.dumps({"type": "error", "code": fatal.code, "message": fatal.message}))
-                await ws.close(code=1008, message=fatal.code.encode())
+                await self.socket.close(1008, fatal.code.encode())
                 return
             if over:
-                await ws.close(code=1000, message=b"completed")
+                await self.socket.close(1000, b"completed")
                 return
 
     # -- POST /generate
