@@ -33,7 +33,7 @@ CASES = [  # (shape, group, offset, gate, residual): the model's uses at small s
 @pytest.mark.parametrize("shape,group,offset,gated,with_residual", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference_and_float64(shape, group, offset, gated, with_residual, dtype):
-    gen = torch.Generator().manual_seed(hash((shape, group, gated, with_residual)) % 2**31)
+    gen = torch.Generator().manual_seed(CASES.index((shape, group, offset, gated, with_residual)))
     r = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
     x = (3 * r(*shape)).to(dtype)
     w = (0.2 * r(shape[-1])).to(dtype)
@@ -46,10 +46,9 @@ def test_kernel_matches_reference_and_float64(shape, group, offset, gated, with_
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
-    else:  # one bf16 rounding (two with the residual) of the same fp32 value
+    else:  # one bf16 rounding (two with the residual) of the same fp32 value, to nearest even as torch
         torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7 * (2 if res is not None else 1))
-        if DEVICE == "cuda":  # Triton 3.6's interpreter truncates fp32 -> bf16 casts (GPUs round to nearest)
-            assert (out.float() == ref.float()).float().mean() > 0.95  # nearly all bit-identical
+        assert (out.float() == ref.float()).float().mean() > 0.95  # nearly all bit-identical
 
 
 def test_gated_norm_out_dtype_and_strided_inputs():
@@ -114,14 +113,15 @@ def test_norm_rope_kernel(dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
-    else:  # three bf16 roundings after the norm's (the interpreter truncates instead of rounding: 2 ulp)
+    else:  # the kernel rounds like the reference (bf16 by bit arithmetic): identical but for rare flips
         torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=4 * 2 ** -8 * max(1.0, exact.abs().max().item()))
+        assert (out == ref).float().mean().item() > 0.98
         torch.testing.assert_close(out.double(), exact, rtol=0, atol=0.1)
 
 
 @pytest.mark.gpu
 def test_gpu_norm_rope_talker_shape():
-    from ops.rmsnorm import rms_norm_rope, rms_norm_rope_reference
+    from ops.rmsnorm import rms_norm_reference, rms_norm_rope, rms_norm_rope_reference
     from nemo_duplex.talker import rotary_cos_sin
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, 1, 16, 72, device="cuda", generator=gen, dtype=torch.bfloat16) * 2
@@ -129,5 +129,13 @@ def test_gpu_norm_rope_talker_shape():
     cos, sin = rotary_cos_sin(torch.randint(0, 9000, (256, 1), device="cuda", generator=gen), 72, 1e6)
     out = rms_norm_rope(x, w, 1e-6, cos, sin)
     ref = rms_norm_rope_reference(x, w, 1e-6, cos, sin)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=2 * 2 ** -8 * ref.abs().max().item())
-    assert (out == ref).float().mean() > 0.98
+    y_max = rms_norm_reference(x, w, 1e-6, 1.0).abs().max().item()
+    diff = (out.float() - ref.float()).abs()
+    same = (out == ref).float().mean().item()
+    print(f"norm+rope talker shape: max |kernel - reference| {diff.max().item():.3g}, max |y| {y_max:.3g}, "
+          f"{same:.4f} of elements identical")
+    # The kernel's rsqrt and sum order differ from torch's by an fp32 ulp, which flips the bf16 rounding
+    # of a normalised element now and then (~1 in 2^15): the flip (1 ulp of y) passes through cos and sin
+    # and each of the three bf16 roundings after it can add an ulp, so at most 5 bf16 ulps of max |y|.
+    assert diff.max().item() <= 5 * 2 ** -8 * y_max
+    assert same > 0.98
