@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from graphs.regions import install_regions
@@ -41,8 +42,21 @@ from nemo_duplex.frame_step import StepOutput, frame_step
 
 log = logging.getLogger(__name__)
 
+# What the engine takes to the host after a step (the rest of StepOutput stays on the device).
+HOST_FIELDS = ("text", "func", "top2", "user", "codes", "pcm")
+NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
+
 
 BACKENDS = ("cudagraph-eager", "cudagraph-regions", "reduce-overhead", "cudagraph")
+
+
+def buckets_for(configured, max_calls: int) -> list[int]:
+    """The capture buckets worth recording for at most max_calls rows: those below max_calls, then the
+    smallest one at or above it (max_calls itself if none is). A bucket above that would never be used
+    and costs a capture at start-up."""
+    sizes = sorted(set(int(b) for b in configured))
+    below = [b for b in sizes if b < max_calls]
+    return below + [next((b for b in sizes if b >= max_calls), max_calls)]
 
 
 class StepRunner:
@@ -59,6 +73,8 @@ class StepRunner:
         self.sink = state.sink
         self._compiled = None
         self._cuda_graphs: dict[int, tuple] = {}
+        self._graph_pool = None  # shared by every bucket's graph (_capture_cuda_graph)
+        self._staging: dict[int, tuple] = {}  # per captured bucket: pinned host twins of inputs and outputs
         self.capture_seconds: dict[int, float] = {}
         self.regions = []
         if backend not in BACKENDS:
@@ -78,6 +94,14 @@ class StepRunner:
 
     def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor) -> StepOutput:
         return frame_step(self.model, self.state, slots, audio, forced, self.specials)
+
+    def padded_rows(self, n: int) -> int:
+        """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager."""
+        if not self.graphs:
+            return n
+        largest = self.buckets[-1]
+        full, rest = divmod(n, largest)
+        return full * largest + (self.bucket_for(rest) if rest else 0)
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -100,11 +124,11 @@ class StepRunner:
         n_in = self.model.cfg.samples_per_frame_in
         for b in sorted(self.buckets, reverse=True):
             t0 = time.perf_counter()
-            s, a, f = self._padded_inputs(b, torch.empty(0, dtype=torch.int64), torch.empty(0, n_in),
-                                          torch.empty(0, dtype=torch.int64))
             if self.backend.startswith("cudagraph") and self.device.type == "cuda":
-                self._capture_cuda_graph(b, s, a, f)
+                self._capture_cuda_graph(b)
             else:
+                s, a, f = self._padded_inputs(b, torch.empty(0, dtype=torch.int64), torch.empty(0, n_in),
+                                              torch.empty(0, dtype=torch.int64))
                 for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
                     self._compiled(s, a, f)
             if self.device.type == "cuda":
@@ -112,7 +136,28 @@ class StepRunner:
             self.capture_seconds[b] = time.perf_counter() - t0
             log.info("captured bucket %d (%s) in %.1f s", b, self.backend, self.capture_seconds[b])
 
-    def _capture_cuda_graph(self, b: int, s, a, f) -> None:
+    def _staged_inputs(self, b: int):
+        """A bucket's static inputs as views of ONE device buffer, with a pinned host twin: a step then
+        moves its inputs with one copy (graph_step_to_host). Audio first, so every view stays aligned."""
+        n_in = self.model.cfg.samples_per_frame_in
+        nbytes = b * n_in * 4 + 2 * b * 8
+        device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+        def split(buf):
+            a = buf[: b * n_in * 4].view(torch.float32).view(b, n_in)
+            s = buf[b * n_in * 4: b * n_in * 4 + b * 8].view(torch.int64)
+            f = buf[b * n_in * 4 + b * 8:].view(torch.int64)
+            return s, a, f
+        s, a, f = split(device_buf)
+        s.fill_(self.sink)
+        a.zero_()
+        f.fill_(-1)
+        host = tuple(t.numpy() for t in split(host_buf))
+        return (s, a, f), (device_buf, host_buf, host)
+
+    def _capture_cuda_graph(self, b: int) -> None:
+        (s, a, f), staging = self._staged_inputs(b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -120,9 +165,25 @@ class StepRunner:
                 self._compiled(s, a, f)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # One memory pool for every bucket: the graphs replay one at a time on one stream and each
+        # replay's outputs are copied out before the next (__call__), so a bucket may reuse the memory of
+        # another's intermediates. Private pools would cost one step's activations per bucket.
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             out = self._compiled(s, a, f)
+            # the fields the engine takes to the host, packed into one buffer inside the graph: one copy out
+            packed = torch.cat([getattr(out, k).reshape(b, -1).contiguous().view(torch.uint8).reshape(-1)
+                                for k in HOST_FIELDS])
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        host_out = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
+        views, offset, flat = {}, 0, host_out.numpy()
+        for k in HOST_FIELDS:
+            t = getattr(out, k)
+            nbytes = t.numel() * t.element_size()
+            views[k] = flat[offset: offset + nbytes].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
+            offset += nbytes
         self._cuda_graphs[b] = (graph, s, a, f, out)
+        self._staging[b] = staging + (packed, host_out, views)
 
     @torch.no_grad()
     def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor) -> StepOutput:
@@ -147,3 +208,69 @@ class StepRunner:
             out = self._compiled(*self._padded_inputs(b, slots, audio, forced))
         # a replayed graph reuses its output memory on the next replay: copy the real rows out now
         return StepOutput(**{fl.name: getattr(out, fl.name)[:n].clone() for fl in fields(StepOutput)})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A step for the engine: numpy in, numpy out, as few torch calls as possible
+# ---------------------------------------------------------------------------------------------------------
+# Why: every torch call from Python releases the GIL and takes it back. The server's event loop holds it
+# meanwhile, up to a switch interval each time, so under load each call costs the engine thread up to
+# 0.5 ms. The general path (`runner(...)` then `to_host`) makes ~50 such calls per step: at 128 live calls
+# the engine spent 12-15 ms per step before the device even started (docs/performance.md, "Load"). A
+# captured bucket here takes four: one copy in, the replay, one copy out, one wait.
+
+@dataclass
+class HostStep:
+    outputs: dict[str, np.ndarray]   # HOST_FIELDS, first dim = the batch's rows, owned by the caller
+    launched: float                  # perf_counter() once the step's device work was queued
+    padded_rows: int                 # rows the device ran, capture-bucket padding included
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy tensors to the host with ONE wait for the device (pinned buffers, non-blocking copies)."""
+    if not tensors or not tensors[0].is_cuda:
+        return [t.cpu() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]  # cached pinned blocks
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host
+
+
+def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarray) -> HostStep:
+    """One step of `runner` (a StepRunner, or anything called like one) for rows slots [n] int64, audio
+    [n, 1280] float32, forced [n] int64. A StepRunner's captured buckets take the staged path; anything
+    else (eager, compiled back ends, test doubles and wrappers) runs `runner(...)` and copies out."""
+    n = len(slots)
+    if getattr(runner, "_staging", None):   # (duck-typed: tests stand doubles in for StepRunner)
+        largest = runner.buckets[-1]
+        if n <= largest and runner.bucket_for(n) in runner._staging:
+            return _staged_step(runner, runner.bucket_for(n), slots, audio, forced)
+        if n > largest:  # groups of at most the largest bucket, each its own staged step
+            parts = [step_to_host(runner, slots[i: i + largest], audio[i: i + largest], forced[i: i + largest])
+                     for i in range(0, n, largest)]
+            return HostStep({k: np.concatenate([p.outputs[k] for p in parts]) for k in HOST_FIELDS},
+                            parts[-1].launched, sum(p.padded_rows for p in parts))
+    out = runner(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
+                 torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)),
+                 torch.from_numpy(np.ascontiguousarray(forced, dtype=np.int64)))
+    launched = time.perf_counter()
+    host = to_host([getattr(out, k) for k in HOST_FIELDS])
+    padded = runner.padded_rows(n) if hasattr(runner, "padded_rows") else n
+    return HostStep({k: t.numpy() for k, t in zip(HOST_FIELDS, host)}, launched, padded)
+
+
+def _staged_step(runner: StepRunner, b: int, slots, audio, forced) -> HostStep:
+    graph = runner._cuda_graphs[b][0]
+    device_in, host_in, (s, a, f), packed, host_out, views = runner._staging[b]
+    n = len(slots)
+    s[:n], s[n:] = slots, runner.sink   # padding rows: the sink, silence, nothing forced
+    a[:n], a[n:] = audio, 0.0
+    f[:n], f[n:] = forced, -1
+    device_in.copy_(host_in, non_blocking=True)
+    graph.replay()
+    host_out.copy_(packed, non_blocking=True)
+    launched = time.perf_counter()
+    torch.cuda.current_stream(runner.device).synchronize()
+    # copies: the pinned buffers are overwritten by the bucket's next step
+    return HostStep({k: views[k][:n].copy() for k in HOST_FIELDS}, launched, b)

@@ -21,6 +21,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from graphs.capture import step_to_host
+
 from .frame_step import admit, special_ids
 from .sampling import SamplingParams
 from .state import PrefixCache, SlotAllocator, allocate_call_state
@@ -55,6 +57,12 @@ def device_lost(e: BaseException) -> bool:
 
 
 # ---- configuration and events -----------------------------------------------------------------------
+# Steps of 8 to 64 calls, then 16, then 32: a batch pads to the next bucket, and with the powers of two
+# only a batch of 65 ran as 128 (49 ms instead of ~34 on the H200); buckets above engine.max_calls are
+# not captured (graphs/capture.py buckets_for). docs/performance.md "Load" has both sets measured.
+CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+
+
 @dataclass
 class EngineConfig:
     max_calls: int = 8
@@ -62,14 +70,14 @@ class EngineConfig:
     max_pending_s: float = 30.0        # input received but not yet stepped, per call
     max_prompt_tokens: int = 512
     prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
-    capture_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
     graphs: bool | str = "auto"        # "auto": captured on CUDA, eager on the CPU (graphs/capture.py)
     graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)
     idle_wait_s: float = 0.005
-    # Hold a step up to this long after its oldest frame arrived while some live call has no frame yet,
-    # so calls whose frames arrive together (lockstep clients) are stepped together instead of split over
-    # two steps. 0 = step whatever is pending at once (what docs/performance.md measured).
-    coalesce_ms: float = 0.0
+    # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
+    # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
+    # together instead of split over two steps. 0 = step whatever is pending at once.
+    coalesce_ms: float = 15.0
 
 
 @dataclass
@@ -120,6 +128,7 @@ class Call:
         self.input_ended = False
         self.closed = False
         self.frames_in = 0        # whole frames received
+        self.last_ready: float | None = None  # when the last whole frame arrived (engine.coalesce_ms)
         self.frames_out = 0       # frames stepped
         self.admitted = False
 
@@ -144,6 +153,7 @@ class Call:
                 self._frames.append((self._buf[:n].copy(), now))
                 self._buf = self._buf[n:]
                 self.frames_in += 1
+                self.last_ready = now
         self.engine._wake()
 
     def end_input(self) -> None:
@@ -197,6 +207,7 @@ class Engine:
         self.sample_rate = mc.source_sample_rate
         self.max_frames = math.ceil(self.cfg.max_call_s / mc.frame_length)
         self.max_pending_frames = math.ceil(self.cfg.max_pending_s / mc.frame_length)
+        self.frame_seconds = mc.frame_length
         self.state = allocate_call_state(model, self.cfg.max_calls, self.max_frames, self.device,
                                          self.cfg.max_prompt_tokens)
         self.slots = SlotAllocator(self.cfg.max_calls)
@@ -209,8 +220,9 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._running = False
-        from graphs.capture import StepRunner
-        self.step_runner = StepRunner(model, self.state, self.specials, self.cfg.capture_buckets,
+        from graphs.capture import StepRunner, buckets_for
+        self.step_runner = StepRunner(model, self.state, self.specials,
+                                      buckets_for(self.cfg.capture_buckets, self.cfg.max_calls),
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
@@ -273,21 +285,27 @@ class Engine:
             self._end(call, "shutdown", "the engine stopped")
 
     def _coalesce(self) -> None:
-        """Wait (bounded by coalesce_ms from the oldest pending frame) until every live call has a frame."""
+        """Hold the step while `coalesce_wait` says a live call's frame is due soon (engine.coalesce_ms).
+        One scan of the calls decides how long and for whom; each wake-up (every append notifies) then
+        only looks at the calls still awaited, so a burst of N appends costs O(N^2) cheap checks, not N
+        scans with a lock per call (the event loop needs the GIL meanwhile)."""
         limit = self.cfg.coalesce_ms / 1e3
         if limit <= 0:
             return
-        while self._running:
+        with self._lock:
+            live = [c for c in self._calls.values() if c.admitted and not c.closed and not c.input_ended]
+        now = time.monotonic()
+        wait = coalesce_wait([(c._oldest_ready(), c.last_ready) for c in live], now, limit, self.frame_seconds)
+        if wait <= 0:
+            return
+        deadline = now + wait
+        awaited = [c for c in live if c.last_ready is not None and c.last_ready + self.frame_seconds <= deadline
+                   and not c.pending_frames]
+        while self._running and awaited and now < deadline:
             with self._lock:
-                live = [c for c in self._calls.values() if c.admitted and not c.closed and not c.input_ended]
-            oldest = min((t for t in (c._oldest_ready() for c in live) if t is not None), default=None)
-            if oldest is None or all(c.pending_frames for c in live):
-                return
-            left = oldest + limit - time.monotonic()
-            if left <= 0:
-                return
-            with self._lock:
-                self._work.wait(timeout=min(left, self.cfg.idle_wait_s))
+                self._work.wait(timeout=min(deadline - now, self.cfg.idle_wait_s))
+            awaited = [c for c in awaited if not (c._frames or c.closed or c.input_ended)]  # len() needs no lock
+            now = time.monotonic()
 
     def _run(self) -> None:
         while self._running:
@@ -320,6 +338,7 @@ class Engine:
             if not call.closed:
                 self._admit(call)
 
+        gathered = time.perf_counter()
         batch = []
         with self._lock:
             calls = list(self._calls.values())
@@ -336,7 +355,7 @@ class Engine:
                 call.on_event(DrainedEvent(call.id, call.frames_out))
                 self._end(call, "completed")
         if batch:
-            self._step(batch)
+            self._step(batch, gathered)
         return bool(batch or ending or admitting)
 
     def _admit(self, call: Call) -> None:
@@ -351,25 +370,30 @@ class Engine:
         except Exception as e:
             self._end(call, "error", str(e))
 
-    def _step(self, batch) -> None:
+    def _step(self, batch, gathered: float) -> None:
         t0 = time.perf_counter()
         n = len(batch)
-        slots = torch.tensor([c.slot for c, *_ in batch], dtype=torch.int64)
-        audio = torch.from_numpy(np.stack([a for _, a, _, _ in batch]))
-        forced = torch.tensor([f for *_, f in batch], dtype=torch.int64)
-        out = self.step_runner(slots, audio, forced)
-        text, func, top2, user, codes, pcm = _to_host([out.text, out.func, out.top2, out.user, out.codes, out.pcm])
-        # Python lists and numpy views once per step: indexing torch tensors per call costs ~0.1 ms a call
+        slots = np.array([c.slot for c, *_ in batch], dtype=np.int64)
+        audio = np.stack([a for _, a, _, _ in batch])
+        forced = np.array([f for *_, f in batch], dtype=np.int64)
+        host = step_to_host(self.step_runner, slots, audio, forced)  # numpy in and out (graphs/capture.py)
+        waited = time.perf_counter()
+        self.stats.gather_seconds += t0 - gathered
+        launched = host.launched
+        out = host.outputs
+        # Python lists and numpy rows once per step: indexing torch tensors per call costs ~0.1 ms a call
         # (9 ms per step at 96 calls, measured on the CPU), which the GPU would wait for.
-        text, func, top2, user, codes, pcm = (text.tolist(), func.tolist(), top2.tolist(), user.tolist(),
-                                              codes.numpy(), pcm.numpy())
+        text, func, top2, user, codes, pcm = (out["text"].tolist(), out["func"].tolist(), out["top2"].tolist(),
+                                              out["user"].tolist(), out["codes"], out["pcm"])
         sent = time.monotonic()
         for i, (call, _, ready, _) in enumerate(batch):
             ev = FrameEvent(call.id, call.frames_out, text[i], func[i], pcm[i], [t for t in user[i] if t >= 0],
                             (top2[i][0], top2[i][1]), codes[i], ready, sent)
             call.frames_out += 1
             call.on_event(ev)
-        self.stats.record_step(n, time.perf_counter() - t0)
+        done = time.perf_counter()
+        self.stats.record_step(n, done - t0, prep=launched - t0, device=waited - launched,
+                               dispatch=done - waited, padded=host.padded_rows)
 
     def _end(self, call: Call, reason: str, message: str = "") -> None:
         with self._lock:
@@ -431,17 +455,25 @@ class Engine:
         return results
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy a step's outputs to the host with ONE wait for the GPU. Each blocking .cpu() releases and
-    re-takes the GIL, and the server's event-loop thread can hold it for a whole switch interval each
-    time, so six of them cost the engine thread several milliseconds per step under load."""
-    if not tensors or not tensors[0].is_cuda:
-        return [t.cpu() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]  # cached pinned blocks
-    for h, t in zip(host, tensors):
-        h.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return host
+def coalesce_wait(calls: list[tuple[float | None, float | None]], now: float, limit: float,
+                  frame_s: float) -> float:
+    """How long to hold a step so that frames due together share it; 0 = step now.
+
+    calls: per live call (arrival time of its oldest pending frame or None, arrival time of its last frame
+    or None). A call without a pending frame is waited for when its next frame is due (its last arrival
+    plus one frame period) before the bound: the oldest pending frame's arrival plus `limit`. So callers
+    that send in lockstep are stepped together even when their frames reach the engine ~10 ms apart,
+    while with staggered callers a step waits only for frames due within the bound, and a step whose
+    frames are already older than the bound (the engine was busy) never waits. A call that has not sent
+    a frame yet has no rhythm to go by and is not waited for."""
+    pending = [oldest for oldest, _ in calls if oldest is not None]
+    if not pending:
+        return 0.0
+    deadline = min(pending) + limit
+    if now >= deadline:
+        return 0.0
+    due = any(oldest is None and last is not None and last + frame_s <= deadline for oldest, last in calls)
+    return deadline - now if due else 0.0
 
 
 class EngineStats:
@@ -452,9 +484,22 @@ class EngineStats:
         self.frames = 0
         self.step_seconds: deque[float] = deque(maxlen=1000)
         self.batch_sizes: deque[int] = deque(maxlen=1000)
+        # where a step's wall time goes, summed over steps (/metrics): taking the calls' frames (before
+        # the step), host work from the frames to the last launch, waiting for the device, handing the
+        # frames out; and rows including capture-bucket padding
+        self.gather_seconds = 0.0
+        self.prep_seconds = 0.0
+        self.device_seconds = 0.0
+        self.dispatch_seconds = 0.0
+        self.padded_rows = 0
 
-    def record_step(self, batch: int, seconds: float) -> None:
+    def record_step(self, batch: int, seconds: float, prep: float = 0.0, device: float = 0.0,
+                    dispatch: float = 0.0, padded: int = 0) -> None:
         self.steps += 1
         self.frames += batch
         self.step_seconds.append(seconds)
         self.batch_sizes.append(batch)
+        self.prep_seconds += prep
+        self.device_seconds += device
+        self.dispatch_seconds += dispatch
+        self.padded_rows += padded or batch

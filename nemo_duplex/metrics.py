@@ -28,6 +28,14 @@ class ServerMetrics:
         self.steps = Counter("duplex_steps", "batched engine steps", registry=r)
         self.step_seconds = Histogram("duplex_step_seconds", "wall time of one batched frame step",
                                       buckets=STEP_BUCKETS, registry=r)
+        self.step_phase = {phase: Counter(f"duplex_step_{phase}_seconds", help_, registry=r) for phase, help_ in (
+            ("gather", "taking the calls' pending frames before a step (sum)"),
+            ("prep", "engine host work per step, frames taken -> step launched (sum)"),
+            ("device", "waiting for the device per step (sum)"),
+            ("dispatch", "handing a step's frames out (sum)"))}
+        self.padded_rows = Counter("duplex_padded_rows", "rows stepped including capture-bucket padding",
+                                   registry=r)
+        self._seen_phase = {"gather": 0.0, "prep": 0.0, "device": 0.0, "dispatch": 0.0, "padded": 0}
         self.batch_size = Gauge("duplex_last_batch_size", "calls in the last batched step", registry=r)
         self.frame_lag = Histogram("duplex_frame_lag_seconds", "last input sample of a frame -> its packet sent",
                                    buckets=LAG_BUCKETS, registry=r)
@@ -66,6 +74,14 @@ class ServerMetrics:
             self._seen_steps = stats.steps
             if stats.batch_sizes:
                 self.batch_size.set(stats.batch_sizes[-1])
+        for phase, counter in self.step_phase.items():
+            total = getattr(stats, f"{phase}_seconds")
+            if total > self._seen_phase[phase]:
+                counter.inc(total - self._seen_phase[phase])
+                self._seen_phase[phase] = total
+        if stats.padded_rows > self._seen_phase["padded"]:
+            self.padded_rows.inc(stats.padded_rows - self._seen_phase["padded"])
+            self._seen_phase["padded"] = stats.padded_rows
         if stats.frames > self._seen_frames:
             self.frames.inc(stats.frames - self._seen_frames)
             self._seen_frames = stats.frames

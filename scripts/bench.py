@@ -256,10 +256,15 @@ def timeline(samples: list[dict], t0: float) -> list[dict]:
         steps = b.get("duplex_steps_total", 0) - a.get("duplex_steps_total", 0)
         frames = b.get("duplex_frames_total", 0) - a.get("duplex_frames_total", 0)
         busy = b.get("duplex_step_seconds_sum", 0) - a.get("duplex_step_seconds_sum", 0)
+        phase = {p: (b.get(f"duplex_step_{p}_seconds_total", 0) - a.get(f"duplex_step_{p}_seconds_total", 0))
+                 for p in ("gather", "prep", "device", "dispatch")}
+        padded = b.get("duplex_padded_rows_total", 0) - a.get("duplex_padded_rows_total", 0)
         dt = b["t"] - a["t"]
         rows.append({"t": round(b["t"] - t0, 3), "steps": int(steps),
                      "step_ms": 1000 * busy / steps if steps else None,
                      "batch": frames / steps if steps else None,
+                     "padded_batch": padded / steps if steps else None,
+                     **{f"{p}_ms": 1000 * v / steps if steps else None for p, v in phase.items()},
                      "frames_per_s": frames / dt if dt > 0 else None,
                      "active_calls": b.get("duplex_active_calls"),
                      "gpu_memory_bytes": b.get("gpu_memory_bytes")})
@@ -404,6 +409,9 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
                       "max_interval": max((x["step_ms"] for x in busy), default=None)}
     row["batch"] = {"mean": _mean([x["batch"] * x["steps"] for x in busy], [x["steps"] for x in busy]),
                     "max_interval": max((x["batch"] for x in busy), default=None)}
+    for key in ("padded_batch", "gather_ms", "prep_ms", "device_ms", "dispatch_ms"):  # where the step time went
+        have = [x for x in busy if x.get(key) is not None]
+        row[key] = _mean([x[key] * x["steps"] for x in have], [x["steps"] for x in have])
     mem = [s["gpu_memory_bytes"] for s in samples if s.get("gpu_memory_bytes")]
     row["gpu_memory_bytes"] = max(mem) if mem else None
     row["gpu_memory_per_call_mib"] = round(max(mem) / n / 2 ** 20, 1) if mem else None
@@ -507,20 +515,22 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['jitter_buffer_ms']:g} ms, uploads {'on' if meta['uploads'] else 'off'}; server: "
              f"{' '.join(meta['server_overrides']) or meta['url']}", "",
              "| start | N | real time | failed | server lag p50 / p95 / p99 ms | lateness p99 ms | late pkts "
-             "| first audio p50 ms | drain p50 ms | step ms (mean / max) | batch (mean) | GPU MiB/call |",
-             "|---|---:|---|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+             "| first audio p50 ms | drain p50 ms | step ms (mean / max) | gather + prep / device / dispatch ms "
+             "| batch / padded (mean) | GPU MiB/call |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---|---|---|---:|"]
     f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"   # noqa: E731
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['start']} | {r['n_calls']} | skipped: {r['skipped']} |" + " |" * 9)
+            lines.append(f"| {r['start']} | {r['n_calls']} | skipped: {r['skipped']} |" + " |" * 10)
             continue
         s = r["server_lag_ms"]
         lines.append(
             f"| {r['start']} | {r['n_calls']} | {'yes' if r['real_time'] else 'NO'} | {r['failed_calls']} | "
             f"{f(s['p50'])} / {f(s['p95'])} / {f(s['p99'])} | {f(r['lateness_ms']['p99'])} | {r['late_packets']} | "
             f"{f(r['first_packet_ms']['p50'])} | {f(r['drain_ms']['p50'])} | "
-            f"{f(r['step_ms']['mean'])} / {f(r['step_ms']['max_interval'])} | {f(r['batch']['mean'])} | "
-            f"{f(r['gpu_memory_per_call_mib'])} |")
+            f"{f(r['step_ms']['mean'])} / {f(r['step_ms']['max_interval'])} | "
+            f"{f(r.get('gather_ms'))} + {f(r.get('prep_ms'))} / {f(r.get('device_ms'))} / {f(r.get('dispatch_ms'))} | "
+            f"{f(r['batch']['mean'])} / {f(r.get('padded_batch'))} | {f(r['gpu_memory_per_call_mib'])} |")
     lines += ["", "Sustained (largest N with every N' <= N real time): "
               + ", ".join(f"{k} {v}" for k, v in sustained([r for r in rows if not r.get("skipped")]).items())]
     return "\n".join(lines)

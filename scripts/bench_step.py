@@ -122,7 +122,7 @@ def time_steps(fn, iters: int, warmup: int, device):
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from graphs.capture import StepRunner
+    from graphs.capture import StepRunner, buckets_for
 
     b = cfg.bench
     for part in ("encoder", "llm", "talker"):
@@ -141,7 +141,7 @@ def main(cfg: DictConfig) -> None:
     flops = gemm_rate(device) if on_gpu else float("nan")
     wbytes = weight_bytes(model)
     specials = special_ids(model, device)
-    buckets = sorted(set(int(x) for x in cfg.engine.capture_buckets))
+    buckets = buckets_for(cfg.engine.capture_buckets, max_n)
     graphs = StepRunner(model, st, specials, buckets, graphs=cfg.engine.graphs, backend=cfg.engine.graph_backend)
     eager = StepRunner(model, st, specials, buckets, graphs=False)
     t0 = time.perf_counter()

@@ -84,11 +84,14 @@ def test_parse_metrics_and_timeline():
     m = bench.parse_metrics(page)
     assert m == {"duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5,
                  "duplex_refusals_total": 3.0, "duplex_active_calls": 3.0}
-    a = {"t": 1.0, "duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5}
+    a = {"t": 1.0, "duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5,
+         "duplex_step_device_seconds_total": 0.3, "duplex_padded_rows_total": 40.0}
     b = {"t": 2.0, "duplex_steps_total": 14.0, "duplex_frames_total": 37.0, "duplex_step_seconds_sum": 0.7,
-         "duplex_active_calls": 3.0}
+         "duplex_step_device_seconds_total": 0.46, "duplex_padded_rows_total": 56.0, "duplex_active_calls": 3.0}
     (row,) = bench.timeline([a, b], 0.0)
     assert row["step_ms"] == pytest.approx(50.0) and row["batch"] == pytest.approx(3.0)
+    assert row["device_ms"] == pytest.approx(40.0) and row["padded_batch"] == pytest.approx(4.0)
+    assert row["prep_ms"] == 0.0   # not on the page: counted as nothing
     assert row["frames_per_s"] == pytest.approx(12.0)
 
 
@@ -114,6 +117,10 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
             assert all(run[key][q] is not None for q in ("p50", "p95", "p99", "max")), key
         assert run["drain_ms"]["p50"] is not None and run["first_packet_ms"]["p50"] is not None
         assert run["step_ms"]["mean"] > 0 and 1.0 <= run["batch"]["mean"] <= 2.0
+        # the phases are parts of the step (eager on the CPU: no padding)
+        assert run["device_ms"] > 0 and run["prep_ms"] > 0 and run["dispatch_ms"] >= 0 and run["gather_ms"] >= 0
+        assert run["prep_ms"] + run["device_ms"] + run["dispatch_ms"] <= run["step_ms"]["mean"] * 1.05 + 1
+        assert run["padded_batch"] == pytest.approx(run["batch"]["mean"], rel=1e-3)
         assert run["timeline"] and all("step_ms" in t and "batch" in t for t in run["timeline"])
 
         # every packet, recomputed from the per-call file: the verdict follows from the arrivals

@@ -207,9 +207,9 @@ def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip)
 
 
 def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
-    """engine.coalesce_ms: a frame waits (bounded) for the other live calls' frames, so two calls whose
-    frames arrive 50 ms apart share one step; a call whose partner sends nothing is stepped after the
-    bound, never held forever."""
+    """engine.coalesce_ms: a frame waits (bounded) for the frames of live calls that are due, so two
+    calls whose frames arrive 50 ms apart share one step; a call whose partner sends nothing more is
+    stepped after the bound, never held forever."""
     import time
 
     frame = example_clip[:1280].numpy()
@@ -218,17 +218,43 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
     a, b = eng.open_call(), eng.open_call()
     while not (a.admitted and b.admitted):
         time.sleep(0.01)
+    deadline = time.monotonic() + 60
+
+    def stepped(frames):
+        while eng.stats.frames < frames and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    a.append(frame)   # first frames: no rhythm yet, stepped as they come (one step or two)
+    b.append(frame)
+    stepped(2)
+    first_steps = len(eng.stats.batch_sizes)
     a.append(frame)
     time.sleep(0.05)
     b.append(frame)
-    deadline = time.monotonic() + 30
-    while eng.stats.frames < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert list(eng.stats.batch_sizes) == [2]
+    stepped(4)
+    assert list(eng.stats.batch_sizes)[first_steps:] == [2]
     t0 = time.monotonic()
     a.append(frame)  # b sends nothing more: a is stepped alone once its frame is 400 ms old
-    while eng.stats.frames < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    stepped(5)
     waited = time.monotonic() - t0
-    assert list(eng.stats.batch_sizes) == [2, 1] and 0.35 < waited < 10
+    assert list(eng.stats.batch_sizes)[first_steps:] == [2, 1] and 0.35 < waited < 10
     eng.stop()
+
+
+def test_coalesce_wait_rule():
+    """coalesce_wait on made-up arrival times (seconds; frames every 0.08 s, bound 0.02 s)."""
+    from nemo_duplex.engine import coalesce_wait
+
+    F, L = 0.08, 0.02
+    # lockstep: b's next frame is due with a's (its last came one period before a's): wait to the bound
+    assert coalesce_wait([(10.000, 10.000), (None, 9.921)], 10.003, L, F) == pytest.approx(0.017)
+    # staggered: b's next frame is due 40 ms after a's, past the bound: step now
+    assert coalesce_wait([(10.000, 10.000), (None, 9.960)], 10.003, L, F) == 0.0
+    # the engine was busy: the oldest pending frame is older than the bound, step now whatever is due
+    assert coalesce_wait([(10.000, 10.000), (None, 9.930)], 10.025, L, F) == 0.0
+    # every live call has a frame, or nothing is pending, or b has never sent a frame: no wait
+    assert coalesce_wait([(10.000, 10.000), (10.002, 10.002)], 10.003, L, F) == 0.0
+    assert coalesce_wait([(None, 9.95), (None, 9.93)], 10.003, L, F) == 0.0
+    assert coalesce_wait([(10.000, 10.000), (None, None)], 10.003, L, F) == 0.0
+    # a call that went quiet (overdue) is waited for, but only up to the bound
+    assert coalesce_wait([(10.000, 10.000), (None, 9.5)], 10.010, L, F) == pytest.approx(0.010)

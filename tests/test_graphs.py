@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from graphs.capture import StepRunner
+from graphs.capture import HOST_FIELDS, StepRunner, step_to_host
 from nemo_duplex.frame_step import admit, frame_step, special_ids
 from nemo_duplex.sampling import SamplingParams
 from nemo_duplex.state import allocate_call_state, state_tensors
@@ -127,6 +127,49 @@ def test_graphs_match_eager_full_size_bf16(backend):
 
 
 @torch.no_grad()
+@pytest.mark.gpu
+def test_buckets_sharing_one_graph_pool_match_eager(tiny):
+    """Every bucket's graph is captured into one memory pool (graphs/capture.py), so a replay may
+    overwrite another bucket's intermediates and outputs. Batches of 1..5 calls in a random order over
+    buckets [1, 2, 4, 8] (each replay's neighbours are other buckets): tokens and codes identical to
+    eager twins, PCM within 1e-5 (fp32, the same kernels captured or not). The engine's path
+    (`step_to_host`: inputs and outputs through one pinned buffer each, groups above the largest
+    bucket) gives the same numbers on a third twin."""
+    import copy
+
+    model = copy.deepcopy(tiny[0]).cuda()
+    dev = torch.device("cuda")
+    specials = special_ids(model, dev)
+    states = []
+    for _ in range(3):  # identical triplets: graphs through __call__, graphs through step_to_host, eager
+        st = allocate_call_state(model, 5, 40, dev, max_prompt_tokens=0)
+        for s in range(5):
+            admit(model, st, s, None, s, SamplingParams())
+        states.append(st)
+    runner = StepRunner(model, states[0], specials, [1, 2, 4, 8], graphs=True, backend="cudagraph-eager")
+    runner.capture()
+    staged = StepRunner(model, states[1], specials, [1, 2, 4], graphs=True, backend="cudagraph-eager")
+    staged.capture()   # largest bucket 4: a batch of 5 runs as two staged groups (4 + 1)
+    g = torch.Generator().manual_seed(3)
+    for n in [3, 1, 5, 2, 4, 1, 3, 5, 2, 2, 4, 1]:
+        slots = torch.randperm(5, generator=g)[:n]
+        audio = torch.randn(n, 1280, generator=g) * 0.1
+        forced = torch.full((n,), -1)
+        forced[0] = 7 if n == 3 else -1   # a forced function token goes through the staged inputs too
+        out_g = runner(slots, audio, forced)
+        host = step_to_host(staged, slots.numpy(), audio.numpy(), forced.numpy())
+        out_e = frame_step(model, states[2], slots.to(dev), audio.to(dev), forced.to(dev), specials)
+        assert torch.equal(out_g.text, out_e.text) and torch.equal(out_g.codes, out_e.codes), n
+        torch.testing.assert_close(out_g.pcm, out_e.pcm, rtol=1e-5, atol=1e-5)
+        assert host.padded_rows == {1: 1, 2: 2, 3: 4, 4: 4, 5: 5}[n]
+        for k in HOST_FIELDS:
+            assert host.outputs[k].shape == tuple(getattr(out_e, k).shape), k
+            torch.testing.assert_close(torch.from_numpy(host.outputs[k]), getattr(out_e, k).cpu(), rtol=1e-5,
+                                       atol=1e-5, msg=lambda m, k=k: f"{k}, batch {n}: {m}")
+    assert len(runner._cuda_graphs) == 4 and len(staged._staging) == 3
+
+
+@torch.no_grad()
 def test_padding_rows_never_advance_the_sink(tiny):
     """Every padded step points its padding rows at the sink. Its positions must stay put: after more
     padded steps than the pools hold frames, an advancing sink would write past the KV pools (on the GPU
@@ -213,3 +256,23 @@ def test_compiled_regions_match_eager(tiny, compiler):
         assert all(r.failed is None for r in runner.regions), [r.failed for r in runner.regions]
     finally:
         remove_regions(model)
+
+
+def test_padded_rows_per_batch(tiny):
+    """What a batch costs in rows (engine stats, /metrics duplex_padded_rows): its bucket, groups of the
+    largest bucket above it, itself when eager."""
+    model, *_ = tiny
+    st = allocate_call_state(model, 1, 4, torch.device("cpu"), max_prompt_tokens=0)
+    specials = special_ids(model, torch.device("cpu"))
+    runner = StepRunner(model, st, specials, [8, 2], graphs=True, compiler="aot_eager")
+    assert [runner.padded_rows(n) for n in (1, 2, 3, 8, 9, 17)] == [2, 2, 8, 8, 10, 18]
+    assert StepRunner(model, st, specials, [8, 2], graphs=False).padded_rows(3) == 3
+
+
+def test_buckets_for_max_calls():
+    from graphs.capture import buckets_for
+
+    assert buckets_for([1, 2, 4, 8, 16, 32], 8) == [1, 2, 4, 8]
+    assert buckets_for([32, 1, 8, 8, 64], 20) == [1, 8, 32]      # the smallest bucket at or above 20
+    assert buckets_for([1, 2, 4], 6) == [1, 2, 4, 6]              # none above: max_calls itself
+    assert buckets_for([4, 16], 1) == [4]
