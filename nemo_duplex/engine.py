@@ -295,7 +295,8 @@ class Engine:
         with self._lock:
             live = [c for c in self._calls.values() if c.admitted and not c.closed and not c.input_ended]
         now = time.monotonic()
-        wait = coalesce_wait([(c._oldest_ready(), c.last_ready) for c in live], now, limit, self.frame_seconds)
+        wait = coalesce_wait([(c._oldest_ready(), c.last_ready, c.pending_frames) for c in live], now, limit,
+                             self.frame_seconds)
         if wait <= 0:
             return
         deadline = now + wait
@@ -455,24 +456,27 @@ class Engine:
         return results
 
 
-def coalesce_wait(calls: list[tuple[float | None, float | None]], now: float, limit: float,
+def coalesce_wait(calls: list[tuple[float | None, float | None, int]], now: float, limit: float,
                   frame_s: float) -> float:
     """How long to hold a step so that frames due together share it; 0 = step now.
 
     calls: per live call (arrival time of its oldest pending frame or None, arrival time of its last frame
-    or None). A call without a pending frame is waited for when its next frame is due (its last arrival
-    plus one frame period) before the bound: the oldest pending frame's arrival plus `limit`. So callers
-    that send in lockstep are stepped together even when their frames reach the engine ~10 ms apart,
-    while with staggered callers a step waits only for frames due within the bound, and a step whose
-    frames are already older than the bound (the engine was busy) never waits. A call that has not sent
-    a frame yet has no rhythm to go by and is not waited for."""
-    pending = [oldest for oldest, _ in calls if oldest is not None]
-    if not pending:
+    or None, frames pending). A call without a pending frame is waited for when its next frame is due (its
+    last arrival plus one frame period) before the bound: the arrival of the oldest frame pending alone
+    in its call, plus `limit`. So callers that send in lockstep are stepped together even when their
+    frames reach the engine ~10 ms apart, while with staggered callers a step waits only for frames due
+    within the bound, and a step whose frames are already older than the bound (the engine was busy)
+    never waits. A call with a backlog (an upload being fed, or a call that fell behind) neither sets the
+    bound nor is waited for: its frames are not paced, and its old frames would otherwise turn
+    coalescing off for everyone while an upload runs. A call that has not sent a frame yet has no rhythm
+    to go by and is not waited for."""
+    paced = [oldest for oldest, _, pending in calls if pending == 1]
+    if not paced:
         return 0.0
-    deadline = min(pending) + limit
+    deadline = min(paced) + limit
     if now >= deadline:
         return 0.0
-    due = any(oldest is None and last is not None and last + frame_s <= deadline for oldest, last in calls)
+    due = any(pending == 0 and last is not None and last + frame_s <= deadline for _, last, pending in calls)
     return deadline - now if due else 0.0
 
 

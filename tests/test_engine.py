@@ -242,19 +242,25 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
 
 
 def test_coalesce_wait_rule():
-    """coalesce_wait on made-up arrival times (seconds; frames every 0.08 s, bound 0.02 s)."""
+    """coalesce_wait on made-up arrival times (seconds; frames every 0.08 s, bound 0.02 s); per call
+    (oldest pending frame's arrival, last frame's arrival, frames pending)."""
     from nemo_duplex.engine import coalesce_wait
 
     F, L = 0.08, 0.02
     # lockstep: b's next frame is due with a's (its last came one period before a's): wait to the bound
-    assert coalesce_wait([(10.000, 10.000), (None, 9.921)], 10.003, L, F) == pytest.approx(0.017)
+    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.921, 0)], 10.003, L, F) == pytest.approx(0.017)
     # staggered: b's next frame is due 40 ms after a's, past the bound: step now
-    assert coalesce_wait([(10.000, 10.000), (None, 9.960)], 10.003, L, F) == 0.0
+    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.960, 0)], 10.003, L, F) == 0.0
     # the engine was busy: the oldest pending frame is older than the bound, step now whatever is due
-    assert coalesce_wait([(10.000, 10.000), (None, 9.930)], 10.025, L, F) == 0.0
+    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.930, 0)], 10.025, L, F) == 0.0
     # every live call has a frame, or nothing is pending, or b has never sent a frame: no wait
-    assert coalesce_wait([(10.000, 10.000), (10.002, 10.002)], 10.003, L, F) == 0.0
-    assert coalesce_wait([(None, 9.95), (None, 9.93)], 10.003, L, F) == 0.0
-    assert coalesce_wait([(10.000, 10.000), (None, None)], 10.003, L, F) == 0.0
+    assert coalesce_wait([(10.000, 10.000, 1), (10.002, 10.002, 1)], 10.003, L, F) == 0.0
+    assert coalesce_wait([(None, 9.95, 0), (None, 9.93, 0)], 10.003, L, F) == 0.0
+    assert coalesce_wait([(10.000, 10.000, 1), (None, None, 0)], 10.003, L, F) == 0.0
     # a call that went quiet (overdue) is waited for, but only up to the bound
-    assert coalesce_wait([(10.000, 10.000), (None, 9.5)], 10.010, L, F) == pytest.approx(0.010)
+    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.5, 0)], 10.010, L, F) == pytest.approx(0.010)
+    # an upload being fed (a backlog of old frames) does not end the wait for the paced calls...
+    upload = (8.0, 10.001, 40)
+    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.921, 0), upload], 10.003, L, F) == pytest.approx(0.017)
+    # ...is never waited for, and alone (or with calls that fell behind) is stepped at once
+    assert coalesce_wait([upload, (9.9, 9.99, 2)], 10.003, L, F) == 0.0
