@@ -138,7 +138,7 @@ class StepRunner:
 
     def _staged_inputs(self, b: int):
         """A bucket's static inputs as views of ONE device buffer, with a pinned host twin: a step then
-        moves its inputs with one copy (graph_step_to_host). Audio first, so every view stays aligned."""
+        moves its inputs with one copy (step_to_host). Audio first, so every view stays aligned."""
         n_in = self.model.cfg.samples_per_frame_in
         nbytes = b * n_in * 4 + 2 * b * 8
         device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)

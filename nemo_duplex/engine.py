@@ -57,9 +57,9 @@ def device_lost(e: BaseException) -> bool:
 
 
 # ---- configuration and events -----------------------------------------------------------------------
-# Steps of 8 to 64 calls, then 16, then 32: a batch pads to the next bucket, and with the powers of two
-# only a batch of 65 ran as 128 (49 ms instead of ~34 on the H200); buckets above engine.max_calls are
-# not captured (graphs/capture.py buckets_for). docs/performance.md "Load" has both sets measured.
+# Every 8 calls from 16 to 64, every 16 to 160, every 32 to 256: a batch pads to the next bucket, and with
+# powers of two a batch of 65 ran as 128 (49 ms instead of ~34 on the H200); buckets above engine.max_calls
+# are not captured (graphs/capture.py buckets_for). docs/performance.md "Load" has both sets measured.
 CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
 
 
@@ -379,7 +379,6 @@ class Engine:
         forced = np.array([f for *_, f in batch], dtype=np.int64)
         host = step_to_host(self.step_runner, slots, audio, forced)  # numpy in and out (graphs/capture.py)
         waited = time.perf_counter()
-        self.stats.gather_seconds += t0 - gathered
         launched = host.launched
         out = host.outputs
         # Python lists and numpy rows once per step: indexing torch tensors per call costs ~0.1 ms a call
@@ -393,7 +392,7 @@ class Engine:
             call.frames_out += 1
             call.on_event(ev)
         done = time.perf_counter()
-        self.stats.record_step(n, done - t0, prep=launched - t0, device=waited - launched,
+        self.stats.record_step(n, done - t0, gather=t0 - gathered, prep=launched - t0, device=waited - launched,
                                dispatch=done - waited, padded=host.padded_rows)
 
     def _end(self, call: Call, reason: str, message: str = "") -> None:
@@ -497,9 +496,10 @@ class EngineStats:
         self.dispatch_seconds = 0.0
         self.padded_rows = 0
 
-    def record_step(self, batch: int, seconds: float, prep: float = 0.0, device: float = 0.0,
+    def record_step(self, batch: int, seconds: float, gather: float = 0.0, prep: float = 0.0, device: float = 0.0,
                     dispatch: float = 0.0, padded: int = 0) -> None:
         self.steps += 1
+        self.gather_seconds += gather
         self.frames += batch
         self.step_seconds.append(seconds)
         self.batch_sizes.append(batch)
