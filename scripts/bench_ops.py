@@ -319,6 +319,61 @@ def bench_other_ops(device, smoke, quick, sweep):
                max_err(out, ref64))
 
 
+# ---------------------------------------------------------------------------------------- bf16 GEMMs of a step
+
+def step_gemm_shapes(cfg) -> list[tuple[str, int, int, int, int]]:
+    """(part, in, out, count per step, rows per call) of the GEMMs one frame step runs through cuBLAS in the
+    compute dtype (nn.Linear, and the encoder's k=1 convolutions): the encoder layers, the LLM blocks, the
+    talker backbone (two rows per call: the conditional and unconditional streams) and the text head.
+    Built on the meta device: nothing allocated."""
+    from nemo_duplex.checkpoint import _parameters_on_meta
+    from nemo_duplex.model import VoiceChat
+
+    with _parameters_on_meta():
+        model = VoiceChat(cfg)
+    parts = (("encoder", model.perception.encoder.layers, 1), ("llm", model.llm.layers, 1),
+             ("talker", model.talker.backbone.layers, 2))
+    # linear_pos runs once, in prepare_stream (the position table), not per step
+    once = {id(layer.self_attn.linear_pos) for layer in model.perception.encoder.layers}
+    counts: dict[tuple, int] = {}
+    for part, layers, rows in parts:
+        for module in layers.modules():
+            if isinstance(module, torch.nn.Linear) and id(module) not in once:
+                key = (part, module.in_features, module.out_features, rows)
+            elif isinstance(module, torch.nn.Conv1d) and module.kernel_size == (1,):  # run as F.linear
+                key = (part, module.in_channels, module.out_channels, rows)
+            else:
+                continue
+            counts[key] = counts.get(key, 0) + 1
+    counts[("heads", cfg.llm.hidden_size, cfg.llm.vocab_size, 1)] = 1  # the text head
+    return [(part, k, n, c, rows) for (part, k, n, rows), c in counts.items() if c > 0]
+
+
+def bench_gemms(device, smoke, quick, sweep):
+    """Each distinct bf16 GEMM of the step at N = 1, 32, 128 calls: time, weight bytes, and the share of
+    copy bandwidth it reaches; the per-part sums say how far cuBLAS is from streaming the weights."""
+    from nemo_duplex.config import ModelConfig, tiny_config
+    cfg = tiny_config() if smoke else ModelConfig()
+    dtype = torch.float32 if smoke else torch.bfloat16
+    shapes = step_gemm_shapes(cfg)
+    totals: dict[tuple[str, int], list[float]] = {}
+    for n_calls in ((2,) if smoke else (128,) if quick else (1, 32, 128)):
+        for part, k, n, count, rows in shapes:
+            m = n_calls * rows
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            w = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
+            ms = timed(lambda: F.linear(x, w), smoke)
+            nbytes = (n * k + m * k + m * n) * x.element_size()
+            record("gemm", f"{part} {m}x{k}->{n} (x{count} per step)", "cuBLAS F.linear", ms, nbytes, None,
+                   N=n_calls)
+            t = totals.setdefault((part, n_calls), [0.0, 0.0])
+            t[0] += ms * count
+            t[1] += nbytes * count
+            del x, w
+    for (part, n_calls), (ms, nbytes) in totals.items():
+        record("gemm per step", f"{part} N={n_calls}", "sum of its GEMMs", ms, nbytes, None)
+
+
 # ---------------------------------------------------------------------------------------- main
 
 def write_table(out_dir: Path, meta: dict) -> None:
@@ -341,7 +396,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--quick", action="store_true", help="N=128 only")
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel parameters")
-    parser.add_argument("--only", default="attention,linear,codec,other")
+    parser.add_argument("--only", default="attention,linear,codec,other,gemm")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     global LIVE_LOG
@@ -351,7 +406,7 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
                 torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
     sections = {"attention": bench_decode_attention, "linear": bench_fp32_linear, "codec": bench_codec,
-                "other": bench_other_ops}
+                "other": bench_other_ops, "gemm": bench_gemms}
     for name in args.only.split(","):
         try:
             sections[name](device, args.smoke, args.quick, args.sweep)
