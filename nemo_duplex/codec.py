@@ -13,7 +13,8 @@ the flags are read at compile time, so the caller must set `torch.backends.cuda.
 and `torch.backends.cudnn.conv.fp32_precision` to "ieee" before compiling. The per-frame inverse DFT
 goes through `ops.dft` (IEEE fp32 whatever the flags). The decoder's pointwise and transposed convs are
 GEMMs (`linear`, CodecConfig.gemm / `codec.gemm`): "ieee" fp32; "tf32x3", three TF32 tensor-core
-products per fp32 product, as accurate as fp32 (ops/fp32_linear.py); "bf16x3", three bf16 products,
+products per fp32 product, as accurate as fp32 (ops/fp32_linear.py; "tf32x3w": the weight split
+beforehand); "bf16x3", three bf16 products,
 ~1e-5 relative; "auto" (default): tf32x3 on CUDA, ieee elsewhere. Plain TF32 or bf16 never.
 
 Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
@@ -67,7 +68,7 @@ def exact_fp32(device: torch.device):
 # GEMMs in fp32, or fp32-accurate from bf16 tensor cores
 # ----------------------------------------------------------------------------------------------------
 
-GEMMS = ("auto", "ieee", "tf32x3", "bf16x3")
+GEMMS = ("auto", "ieee", "tf32x3", "tf32x3w", "bf16x3")
 # Below this many rows the split GEMMs lose to the IEEE SGEMM (too few tiles to fill the GPU; measured at
 # N=1: 2.6 / 2.0 ms against 1.2 ms for the whole decode_step), so "tf32x3" / "bf16x3" fall back to "ieee"
 # there. Row counts are static per batch bucket, so a captured graph keeps one path.
@@ -81,6 +82,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
     "ieee": an fp32 GEMM with IEEE products (under exact_fp32: cuBLAS SGEMM, no tensor cores).
     "tf32x3": ops/fp32_linear.py, three TF32 tensor-core products per fp32 product (hi/lo split in
       registers), as accurate as "ieee" (~1e-7 relative); bias and GELU fused. Plain TF32 is never used.
+    "tf32x3w": the same products with the weight split by two small kernels first, so the GEMM kernel
+      splits only x (the weight tiles go to the tensor cores as loaded). Not measured on a GPU yet.
     "bf16x3": every fp32 value v is split v = hi + lo with hi = bf16(v), lo = bf16(v - hi) (16 of fp32's 24
       mantissa bits), and x w ~ x_hi w_hi + x_lo w_hi + x_hi w_lo (x_lo w_lo dropped): ONE cuBLAS bf16 GEMM
       over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.
@@ -88,10 +91,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
       same products run as an fp32 matmul of the bf16 parts (exact products, fp32 sums)."""
     if gemm == "auto":  # 3xTF32 where there are tensor cores: -6 ms per step at N=128 (docs/performance.md)
         gemm = "tf32x3" if x.is_cuda else "ieee"
-    if gemm in ("tf32x3", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
+    if gemm in ("tf32x3", "tf32x3w", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
         gemm = "ieee"
-    if gemm == "tf32x3":
-        return fp32_linear(x, weight, bias, gelu)
+    if gemm in ("tf32x3", "tf32x3w"):
+        return fp32_linear(x, weight, bias, gelu, presplit=gemm == "tf32x3w")
     if gemm == "ieee":
         y = F.linear(x, weight, bias)
     elif gemm == "bf16x3":

@@ -74,6 +74,60 @@ def _fp32_linear_kernel(
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _fp32_linear_presplit_kernel(
+    x_ptr, wh_ptr, wl_ptr, b_ptr, y_ptr, M, N,
+    stride_xm, stride_wn, stride_ym,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """3xTF32 with the weight already split (w = w_hi + w_lo, w_hi exactly a TF32 value, split_tf32):
+    the weight tiles go to the tensor cores as they are loaded, and only x is split, in registers. Same
+    products as tl.dot's "tf32x3" (x_lo w_hi + x_hi w_lo + x_hi w_hi, smallest first), without splitting
+    the weight tile on every K step of every program."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
+
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w_offsets = cols[None, :] * stride_wn + ks[:, None]
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w_hi = tl.load(wh_ptr + w_offsets, mask=w_mask, other=0.0)
+        w_lo = tl.load(wl_ptr + w_offsets, mask=w_mask, other=0.0)
+        x_hi = ((x.to(tl.uint32, bitcast=True) >> 13) << 13).to(tl.float32, bitcast=True)  # TF32's 10 bits
+        x_lo = x - x_hi  # exact in fp32
+        acc = tl.dot(x_lo, w_hi, acc, input_precision="tf32")
+        acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
+        acc = tl.dot(x_hi, w_hi, acc, input_precision="tf32")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    if GELU:
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
+
+
+def split_tf32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 w -> (w_hi, w_lo), both [N, K] contiguous fp32: w_hi keeps TF32's 10 mantissa bits (a value
+    the tensor cores take exactly), w_lo = w - w_hi exactly (the rest, ~2^-11 of w)."""
+    w = weight.contiguous()
+    hi = (w.view(torch.int32) & -8192).view(torch.float32)  # -8192 = 0xFFFFE000: clear the low 13 bits
+    return hi, w - hi
+
+
 GPU_TILES = (128, 64, 32, 4, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages: best of a sweep (docs/performance.md)
 
 
@@ -81,7 +135,9 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        precision: str = "tf32x3", tiles: tuple[int, int, int, int, int] | None = None
                        ) -> torch.Tensor:
     """x [..., K] fp32, weight [N, K] fp32 (K-contiguous, any row stride), bias [N] or None -> [..., N] fp32.
-    `precision` is tl.dot's input precision ("tf32x3"; "ieee" for comparisons); `tiles` overrides GPU_TILES."""
+    `precision` is tl.dot's input precision ("tf32x3"; "ieee" for comparisons), or "tf32x3w": the same
+    products with the weight split beforehand (split_tf32, two small kernels over the weight) and only x
+    split in the kernel. `tiles` overrides GPU_TILES."""
     assert x.dtype == weight.dtype == torch.float32
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -97,6 +153,16 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         tiles = (1024, 128, 64, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1" else GPU_TILES
     block_m, block_n, block_k, num_warps, num_stages = tiles
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    if precision == "tf32x3w":
+        w_hi, w_lo = split_tf32(weight)
+        _fp32_linear_presplit_kernel[grid](
+            x2, w_hi, w_lo, bias if bias is not None else y, y, m, n,
+            x2.stride(0), w_hi.stride(0), y.stride(0),
+            K=k, HAS_BIAS=bias is not None, GELU=gelu,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        return y.view(*lead, n)
     _fp32_linear_kernel[grid](
         x2, weight, bias if bias is not None else y, y, m, n,
         x2.stride(0), weight.stride(0), y.stride(0),
@@ -117,18 +183,20 @@ def use_triton(t: torch.Tensor) -> bool:
 
 # Opaque to torch.compile (see ops/decode_attention.py).
 @torch.library.custom_op("nemo_duplex::fp32_linear", mutates_args=())
-def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool) -> torch.Tensor:
-    return fp32_linear_triton(x, weight, bias, gelu)
+def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
+                   presplit: bool = False) -> torch.Tensor:
+    return fp32_linear_triton(x, weight, bias, gelu, precision="tf32x3w" if presplit else "tf32x3")
 
 
 @fp32_linear_op.register_fake
-def _(x, weight, bias, gelu):
+def _(x, weight, bias, gelu, presplit=False):
     return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
+                presplit: bool = False) -> torch.Tensor:
     """fp32-accurate x @ weight^T + bias (then exact GELU if `gelu`): the 3xTF32 kernel on CUDA or under
-    TRITON_INTERPRET=1, else the torch reference."""
+    TRITON_INTERPRET=1 (`presplit`: the variant with the weight split beforehand), else the torch reference."""
     if use_triton(x):
-        return fp32_linear_op(x, weight, bias, gelu)
+        return fp32_linear_op(x, weight, bias, gelu, presplit)
     return fp32_linear_reference(x, weight, bias, gelu)

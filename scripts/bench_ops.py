@@ -176,6 +176,8 @@ def bench_fp32_linear(device, smoke, quick, sweep):
         with exact_fp32(x.device):
             for impl, fn in (("torch F.linear fp32 (SGEMM)", lambda: fp32_linear_reference(x, w, b)),
                              ("triton tf32x3", lambda: fp32_linear_triton(x, w, b)),
+                             ("triton tf32x3w (weight split first, included)",
+                              lambda: fp32_linear_triton(x, w, b, precision="tf32x3w")),
                              ("torch bf16x3 (1 cuBLAS bf16 GEMM)", lambda: linear(x, w, b, "bf16x3"))):
                 out = fn()
                 ms = timed(fn, smoke)
@@ -225,7 +227,7 @@ def bench_codec(device, smoke, quick, sweep):
     batches = [1, 32, 128] if not (quick or smoke) else ([128] if quick else [2])
     # (label, gemm, mode): mode "before" = the previous code (ConvTranspose1d / Conv1d modules via cuDNN)
     variants = [("ieee + cuDNN ConvTranspose (before)", "ieee", "before"), ("ieee", "ieee", None),
-                ("tf32x3", "tf32x3", None), ("bf16x3", "bf16x3", None)]
+                ("tf32x3", "tf32x3", None), ("tf32x3w", "tf32x3w", None), ("bf16x3", "bf16x3", None)]
     if sweep and not smoke:
         variants.append(("tf32x3 + cudnn.benchmark", "tf32x3", "benchmark"))
     for label, gemm, mode in variants:

@@ -20,19 +20,31 @@ def _relative_error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torc
     return ((out.double() - ref).abs() / scale).max().item()
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32x3w"])
 @pytest.mark.parametrize("gelu", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_matches_float64(gelu, with_bias):
+def test_kernel_matches_float64(gelu, with_bias, precision):
     gen = torch.Generator().manual_seed(int(gelu) * 2 + int(with_bias))
     # M, N, K not multiples of the tiles: every edge mask is exercised
     x = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
     w = (torch.randn(27, 40, generator=gen) / 6).to(DEVICE)
     b = torch.randn(27, generator=gen).to(DEVICE) if with_bias else None
-    out = fp32_linear_triton(x, w, b, gelu, tiles=(32, 16, 16, 4, 1))
+    out = fp32_linear_triton(x, w, b, gelu, precision=precision, tiles=(32, 16, 16, 4, 1))
     assert out.shape == (2, 37, 27) and out.dtype == torch.float32
     # 40-term fp32 sums (and erf in fp32 for the GELU): a few 2^-24 relative
     assert _relative_error(out, x, w, b, gelu) <= 1e-6
     torch.testing.assert_close(out, fp32_linear_reference(x, w, b, gelu), rtol=1e-5, atol=1e-5)
+
+
+def test_split_tf32_is_exact():
+    """w_hi + w_lo == w exactly, w_hi has TF32's 10 mantissa bits (low 13 of 23 clear), |w_lo| <= 2^-10 |w|."""
+    from ops.fp32_linear import split_tf32
+
+    w = torch.randn(33, 17, generator=torch.Generator().manual_seed(9)).to(DEVICE) * 3
+    hi, lo = split_tf32(w.t())  # a transposed view: split_tf32 works on a contiguous copy
+    assert torch.equal(hi + lo, w.t().contiguous())
+    assert int((hi.view(torch.int32) & 8191).abs().max()) == 0
+    assert (lo.abs() <= w.t().abs() * 2 ** -10).all()
 
 
 def test_strided_weight_and_launcher():
@@ -55,5 +67,7 @@ def test_gpu_codec_shapes_are_fp32_accurate(m, k, n):
     b = (torch.randn(n, generator=gen) * 0.1).cuda()
     for gelu in (False, True):
         assert _relative_error(fp32_linear_triton(x, w, b, gelu), x, w, b, gelu) <= 2e-6
+        presplit = fp32_linear_triton(x, w, b, gelu, precision="tf32x3w")
+        assert _relative_error(presplit, x, w, b, gelu) <= 2e-6
     x3 = _relative_error(fp32_linear_triton(x, w, b), x, w, b)
     assert _relative_error(fp32_linear_triton(x, w, b, precision="tf32"), x, w, b) >= 10 * x3
