@@ -4,8 +4,8 @@
 # plus pytest's wheels in .whl/extra/ if the GPU tests should run too; name .whl in the call's carry.
 # Usage (on the device): bash scripts/gpu_bench.sh [extra bench_step overrides...]
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null) >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-outputs/gpu}
+source scripts/gpu_env.sh   # the carried wheels (Hydra; pytest and wandb if carried)
+export OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

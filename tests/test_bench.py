@@ -102,10 +102,12 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "scripts/bench.py"), "model.weights=random",
                         "loadtest.n_calls=[2]", "loadtest.starts=[lockstep,staggered]", "loadtest.duration_s=1.2",
                         "loadtest.stagger_s=0.5", "loadtest.lead_s=0.5", "loadtest.max_call_s=5",
-                        "wandb.mode=disabled", f"loadtest.out={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+                        "wandb.mode=offline", f"loadtest.out={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
                        capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((out / "load.json").read_text())
+    # the W&B run (offline: written beside the results, no network)
+    assert len(list((out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
     n_frames = 15   # 1.2 s of 80 ms frames
     assert result["duration_s"] == pytest.approx(1.2)
     assert len(result["input_sha256"]) == 64
