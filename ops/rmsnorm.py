@@ -64,8 +64,9 @@ def rms_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, c
 @triton.jit
 def _round_to(x, dtype: tl.constexpr, BF16: tl.constexpr):
     """fp32 -> the nearest `dtype` value, as fp32. For bf16 by integer arithmetic on the bits (round to
-    nearest even): on the GPU a `.to(bfloat16).to(float32)` pair between two fp32 ops did not round in
-    one of five elements (tests/ops/test_rmsnorm.py measured 80% agreement with torch's bf16 ops)."""
+    nearest even), which no compiler pass can fold away: with `.to(bfloat16).to(float32)` between fp32
+    ops the norm + rotary kernel agreed with torch's bf16 ops in only 80% of elements on the H200 (as if
+    the pair did not round), and the interpreter truncates such casts; with this, 100% on both."""
     if BF16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
