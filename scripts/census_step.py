@@ -1,7 +1,7 @@
 """Kernel census of one frame step on the CPU: how many device ops each stage launches, by op name.
 
     TRITON_INTERPRET=1 python scripts/census_step.py            # tiny model, the kernels' code paths
-    TRITON_INTERPRET=1 python scripts/census_step.py calls=4
+    TRITON_INTERPRET=1 python scripts/census_step.py calls=4 layers=full   # the real layer counts
 
 A captured step's time is mostly its launch count times a few microseconds (docs/performance.md,
 "Where the time goes"), and the count does not need a GPU: this runs the tiny model through the same
@@ -14,6 +14,8 @@ with them (the tiny model has fewer layers than the real one: the per-layer coun
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -23,9 +25,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_duplex import frame_step as step_module  # noqa: E402
+from nemo_duplex import talker as talker_module  # noqa: E402
 from nemo_duplex.checkpoint import random_model  # noqa: E402
-from nemo_duplex.config import tiny_config  # noqa: E402
+from nemo_duplex.config import ModelConfig, tiny_config  # noqa: E402
 from nemo_duplex.state import allocate_call_state  # noqa: E402
+from ops.decode_attention import decode_attention  # noqa: E402
 
 VIEWS = {"empty", "empty_like", "empty_strided", "as_strided", "as_strided_", "set_", "view", "_unsafe_view",
          "reshape", "_reshape_alias", "resize_", "resolve_conj", "expand", "unsqueeze", "squeeze", "t",
@@ -37,9 +41,33 @@ FUSED_ON_CUDA = {"lstm_cell": 3}  # two GEMMs and one fused gate kernel
 STAGES = ("encoder", "llm", "heads", "talker", "talker.backbone", "talker.generate", "codec", "rnnt")
 
 
-def census(calls: int = 2) -> dict[str, collections.Counter]:
-    cfg = tiny_config()
+def full_layer_counts(cfg):
+    """The tiny model's dims with the real model's layer counts (24 encoder layers, the 52-letter LLM
+    pattern, 28 talker layers): the per-layer stages then count what the full model launches."""
+    full = ModelConfig()
+    return dataclasses.replace(
+        cfg, encoder=dataclasses.replace(cfg.encoder, n_layers=full.encoder.n_layers),
+        llm=dataclasses.replace(cfg.llm, hybrid_override_pattern=full.llm.hybrid_override_pattern),
+        talker=dataclasses.replace(cfg.talker, backbone=dataclasses.replace(
+            cfg.talker.backbone, num_hidden_layers=full.talker.backbone.num_hidden_layers)))
+
+
+def census(calls: int = 2, full_layers: bool = False) -> dict[str, collections.Counter]:
+    cfg = full_layer_counts(tiny_config()) if full_layers else tiny_config()
     model = random_model(cfg, seed=0)[0].eval()
+    # the GPU's code paths where the CPU would take the torch ones: the LLM's Mamba and attention
+    # kernels, the talker's decode attention (both choose by device; the kernels run under the interpreter)
+    model.llm.step = functools.partial(model.llm.step, use_kernels=True)
+    cpu_attention = talker_module._decode_attention
+    talker_module._decode_attention = lambda q, k, v, slots, lengths, window, scale: decode_attention(
+        q, k, v, slots, lengths, scale, window)
+    try:
+        return _count(model, cfg, calls)
+    finally:  # the module is shared with whatever else runs in this process
+        talker_module._decode_attention = cpu_attention
+
+
+def _count(model, cfg, calls: int) -> dict[str, collections.Counter]:
     talker = model.talker
     for obj, name, label in ((talker.backbone, "step", "talker.backbone"), (talker, "generate_step", "talker.generate")):
         inner = getattr(obj, name)
@@ -83,9 +111,11 @@ def census(calls: int = 2) -> dict[str, collections.Counter]:
 
 def main() -> None:
     calls = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("calls=")), 2))
-    counts = census(calls)
+    full = "layers=full" in sys.argv[1:]
+    counts = census(calls, full_layers=full)
     total = sum(sum(c.values()) for c in counts.values())
-    print(f"{total} device ops in one frame step of the tiny model ({calls} calls); innermost stage wins")
+    what = "the tiny model with the full layer counts" if full else "the tiny model"
+    print(f"{total} device ops in one frame step of {what} ({calls} calls); innermost stage wins")
     for stage, c in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
         top = ", ".join(f"{name} {n}" for name, n in c.most_common(10))
         print(f"{stage:>16}: {sum(c.values()):5d}  {top}")

@@ -18,4 +18,24 @@ def test_census_counts_the_fused_kernels_once():
     assert everything["rms_norm"] > 0 and everything["rms_norm_rope"] > 0
     assert everything["bitwise_xor"] == 0          # no integer hash left in torch
     assert counts["rnnt"]["lstm_cell"] > 0 and counts["rnnt"]["sigmoid"] == 0
-    assert sum(everything.values()) < 2500         # 1,787 when written (tiny model, 2 calls)
+    assert sum(everything.values()) < 2500         # 1,582 (tiny model, 2 calls, the GPU's attention paths)
+    assert counts["llm"]["mamba_step"] > 0 and counts["talker.backbone"]["decode_attention"] > 0
+    assert counts["talker.backbone"]["_softmax"] == 0   # the kernel, not the CPU's masked softmax
+
+
+@pytest.mark.triton_interpret
+def test_census_with_the_full_layer_counts():
+    """layers=full: the per-layer stages scale with the real model's 24 / 52 / 28 layers, the fixed ones
+    (MoG passes, codec, RNN-T) do not; the talker module's CPU attention is restored afterwards."""
+    import nemo_duplex.talker as talker_module
+    from census_step import census
+
+    before = talker_module._decode_attention
+    tiny, full = census(calls=2), census(calls=2, full_layers=True)
+    assert talker_module._decode_attention is before
+    total = lambda c: sum(c.values())  # noqa: E731
+    assert total(full["encoder"]) > 10 * total(tiny["encoder"]) / 2   # 2 -> 24 layers
+    assert full["talker.backbone"]["decode_attention"] == 28 and tiny["talker.backbone"]["decode_attention"] == 6
+    assert full["llm"]["mamba_step"] == 27
+    for fixed in ("talker.generate", "codec", "rnnt"):
+        assert total(full[fixed]) == total(tiny[fixed]), fixed
