@@ -189,15 +189,15 @@ class RelPositionMultiHeadAttention(nn.Module):
         return self.linear_out(out)
 
     def step(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-             t: torch.Tensor) -> torch.Tensor:
+             t: torch.Tensor, ring: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, d] (frame t of each row); keys/values [S, W, H, Dh]: this layer's ring windows, the new
-        frame's k/v are written at t % W after attending (ops/bounded_attention.py)."""
+        frame's k/v are written at ring = t % W after attending (ops/bounded_attention.py)."""
         b = x.shape[0]
         q = self.linear_q(x).view(b, self.n_heads, self.head_dim)
         k = self.linear_k(x).view(b, self.n_heads, self.head_dim)
         v = self.linear_v(x).view(b, self.n_heads, self.head_dim)
         out = bounded_attention(q, k, v, keys, values, self.pos_by_distance, self.pos_bias_u, self.pos_bias_v, slots, t)
-        write_window(keys, values, slots, t, k, v)
+        write_window(keys, values, slots, t, k, v, ring)
         return self.linear_out(out.reshape(b, -1))
 
 
@@ -258,11 +258,12 @@ class ConformerLayer(nn.Module):
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
 
-    def step(self, x, keys, values, conv_cache, slots, t):
-        x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
-        x = x + self.self_attn.step(self.norm_self_att(x), keys, values, slots, t)
+    def step(self, x, keys, values, conv_cache, slots, t, ring=None):
+        # x + 0.5 * ff as one add (alpha): halving is exact, so it rounds as the two ops do, one kernel fewer
+        x = torch.add(x, self.feed_forward1(self.norm_feed_forward1(x)), alpha=0.5)
+        x = x + self.self_attn.step(self.norm_self_att(x), keys, values, slots, t, ring)
         x = x + self.conv.step(self.norm_conv(x), conv_cache, slots)
-        x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
+        x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
         return self.norm_out(x)
 
 
@@ -298,8 +299,9 @@ class ConformerEncoder(nn.Module):
         dtype = self.pre_encode.out.weight.dtype
         first_column = frame_index * self.cfg.subsampling_factor - (mel.shape[2] - 1)
         x = self.pre_encode(mel.transpose(1, 2).to(dtype), first_index=first_column)[:, -1]
+        ring = torch.remainder(frame_index, state.keys.shape[2])  # where each row's new k/v go, every layer
         for i, layer in enumerate(self.layers):
-            x = layer.step(x, state.keys[i], state.values[i], state.conv_cache[i], slots, frame_index)
+            x = layer.step(x, state.keys[i], state.values[i], state.conv_cache[i], slots, frame_index, ring)
         return x
 
 

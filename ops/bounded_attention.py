@@ -164,8 +164,10 @@ def bounded_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 
 
 def write_window(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,
-                 k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-    """Store frame t's k/v [B, H, D] at ring position t % W of each row's slot, in place."""
-    position = torch.remainder(t, keys.shape[1])
+                 k_new: torch.Tensor, v_new: torch.Tensor, position: torch.Tensor | None = None) -> None:
+    """Store frame t's k/v [B, H, D] at ring position t % W of each row's slot, in place. `position`:
+    t % W if the caller has it already (the encoder computes it once for all its layers)."""
+    if position is None:
+        position = torch.remainder(t, keys.shape[1])
     keys.index_put_((slots, position), k_new.to(keys.dtype))
     values.index_put_((slots, position), v_new.to(values.dtype))
