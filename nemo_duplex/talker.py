@@ -144,13 +144,16 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-             rows: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             rows: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+             lengths: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row: x [N, H], positions [N]; writes k/v at (rows, positions) of the pools
-        [R, kv_heads, L, D] in place, then attends over the row's cache. -> [N, H]."""
+        [R, kv_heads, L, D] in place, then attends over the row's cache. -> [N, H]. `lengths` =
+        positions + 1 if the caller has it (the backbone computes it once for all layers)."""
         q, k, v = self.project(x[:, None], positions[:, None], rope)
         pool_k[rows, :, positions] = k[:, :, 0]
         pool_v[rows, :, positions] = v[:, :, 0]
-        out = _decode_attention(q[:, :, 0], pool_k, pool_v, rows, positions + 1, self.window, self.scale)
+        lengths = positions + 1 if lengths is None else lengths
+        out = _decode_attention(q[:, :, 0], pool_k, pool_v, rows, lengths, self.window, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -174,8 +177,8 @@ class Gemma3Layer(nn.Module):
         x = x + self.post_attention_layernorm(attn)
         return self.feed_forward(x), k, v
 
-    def step(self, x, positions, pool_k, pool_v, rows, rope=None):
-        attn = self.self_attn.step(self.input_layernorm(x), positions, pool_k, pool_v, rows, rope)
+    def step(self, x, positions, pool_k, pool_v, rows, rope=None, lengths=None):
+        attn = self.self_attn.step(self.input_layernorm(x), positions, pool_k, pool_v, rows, rope, lengths)
         return self.feed_forward(self.post_attention_layernorm.add_to(x, attn))
 
 
@@ -217,13 +220,14 @@ class Gemma3Backbone(nn.Module):
     def step(self, x: torch.Tensor, positions: torch.Tensor, cache: TalkerCache, rows: torch.Tensor) -> torch.Tensor:
         """x [N, H] one token per row at positions [N]; rows [N] index the stream-major pool (stream * S + slot)."""
         ropes = {}  # cos/sin once per step for each theta (full and sliding layers), not once per layer
+        lengths = positions + 1  # keys each row attends over, the new one included (once, not per layer)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             if attn.rope_theta not in ropes:  # in the compute dtype, as the rotation uses them
                 cos, sin = rotary_cos_sin(positions[:, None], attn.head_dim, attn.rope_theta)
                 ropes[attn.rope_theta] = (cos.to(x.dtype), sin.to(x.dtype))
             pool_k, pool_v = cache.layer_pools(i)
-            x = layer.step(x, positions, pool_k, pool_v, rows, ropes[attn.rope_theta])
+            x = layer.step(x, positions, pool_k, pool_v, rows, ropes[attn.rope_theta], lengths)
         return self.norm(x)
 
 
