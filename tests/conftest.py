@@ -6,6 +6,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Define every kernel now, while the variable is set: Triton decides at definition whether a kernel is
+    # interpreted, and a test that runs without the variable (the fixture below) and imports a model
+    # module first would otherwise define them for a GPU driver that is not there.
+    import importlib
+    import pkgutil
+
+    import ops
+    for _module in pkgutil.iter_modules(ops.__path__):
+        importlib.import_module(f"ops.{_module.name}")
 
 import pytest  # noqa: E402
 

@@ -72,11 +72,13 @@ def test_encoder_parity_passes_and_catches_a_wrong_attention_window(tmp_path, mo
 # --- margins ----------------------------------------------------------------------------------------
 
 def test_margins_passes_and_catches_a_wrong_channel_weight(tmp_path, models, example_clip, monkeypatch):
-    clip = _clip(tmp_path, "speech", example_clip[20 * 1280: 44 * 1280])
+    # 48 frames: the tiny model's bf16 near-ties come at a few per cent of frames with fresh noise each run
+    # (1-2 of 48, 0-2 of 24 measured), so 24 frames put the 10% bound at 2 and failed now and then on 3
+    clip = _clip(tmp_path, "speech", example_clip[20 * 1280: 68 * 1280])
     ctx = _ctx(tmp_path, [clip], models)
     good = margins(ctx, CRITERIA["margins"])
     assert good.status == PASS, good.reason
-    assert good.metrics["frames"] == 24 and good.metrics["codec_max_abs_err"] <= 1e-6
+    assert good.metrics["frames"] == 48 and good.metrics["codec_max_abs_err"] <= 1e-6
     for d in good.details["clips"]["speech"]["divergences"]:   # what bf16 may differ on: near-ties only
         assert d["fp32_margin"] < 1.0
 
