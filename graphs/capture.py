@@ -60,9 +60,14 @@ def buckets_for(configured, max_calls: int) -> list[int]:
 
 
 class StepRunner:
+    takes_sampling_flag = True  # step_to_host passes `sampling` (test stand-ins do not take it)
+
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
-                 backend: str = "reduce-overhead", compiler: str = "inductor"):
+                 backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False):
         self.model, self.state, self.specials = model, state, specials
+        # greedy_graphs: every bucket also gets a variant for batches of greedy calls only (frame_step's
+        # sampling=False: no sort over the vocabulary), at twice the captures; the general one serves all
+        self.variants = (True, False) if greedy_graphs else (True,)
         self.buckets = sorted(set(int(b) for b in buckets))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"engine.capture_buckets must be positive sizes, got {buckets}")
@@ -74,7 +79,8 @@ class StepRunner:
         self._compiled = None
         self._cuda_graphs: dict[int, tuple] = {}
         self._graph_pool = None  # shared by every bucket's graph (_capture_cuda_graph)
-        self._staging: dict[int, tuple] = {}  # per captured bucket: pinned host twins of inputs and outputs
+        self._staging: dict[tuple, tuple] = {}  # per captured (bucket, sampling): pinned host twins of in/outputs
+        self._inputs: dict[int, tuple] = {}     # per bucket: static inputs, shared by its variants
         self.capture_seconds: dict[int, float] = {}
         self.regions = []
         if backend not in BACKENDS:
@@ -85,15 +91,20 @@ class StepRunner:
             self.regions = install_regions(model, compiler)  # compiled on the capture's warm-up calls
             self._compiled = self._eager
         elif self.graphs:
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.buckets))
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                        4 * len(self.buckets) * len(self.variants))
             mode = "reduce-overhead" if backend == "reduce-overhead" and self.device.type == "cuda" else None
             # compiler "aot_eager" traces the same graph but runs it with eager kernels: the CPU test of
             # graphs-vs-eager uses it, since Inductor's C++ build of the whole step takes minutes there
             self._compiled = torch.compile(self._eager, mode=mode if compiler == "inductor" else None,
                                            backend=compiler, fullgraph=True, dynamic=False)
 
-    def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor) -> StepOutput:
-        return frame_step(self.model, self.state, slots, audio, forced, self.specials)
+    def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
+               sampling: bool = True) -> StepOutput:
+        return self._step(slots, audio, forced, sampling)
+
+    def _step(self, slots, audio, forced, sampling: bool) -> StepOutput:
+        return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling)
 
     def padded_rows(self, n: int) -> int:
         """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager."""
@@ -124,13 +135,14 @@ class StepRunner:
         n_in = self.model.cfg.samples_per_frame_in
         for b in sorted(self.buckets, reverse=True):
             t0 = time.perf_counter()
-            if self.backend.startswith("cudagraph") and self.device.type == "cuda":
-                self._capture_cuda_graph(b)
-            else:
-                s, a, f = self._padded_inputs(b, torch.empty(0, dtype=torch.int64), torch.empty(0, n_in),
-                                              torch.empty(0, dtype=torch.int64))
-                for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
-                    self._compiled(s, a, f)
+            for sampling in self.variants:
+                if self.backend.startswith("cudagraph") and self.device.type == "cuda":
+                    self._capture_cuda_graph(b, sampling)
+                else:
+                    s, a, f = self._padded_inputs(b, torch.empty(0, dtype=torch.int64), torch.empty(0, n_in),
+                                                  torch.empty(0, dtype=torch.int64))
+                    for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
+                        self._compiled(s, a, f, sampling)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.capture_seconds[b] = time.perf_counter() - t0
@@ -156,20 +168,22 @@ class StepRunner:
         host = tuple(t.numpy() for t in split(host_buf))
         return (s, a, f), (device_buf, host_buf, host)
 
-    def _capture_cuda_graph(self, b: int) -> None:
-        (s, a, f), staging = self._staged_inputs(b)
+    def _capture_cuda_graph(self, b: int, sampling: bool = True) -> None:
+        if b not in self._inputs:
+            self._inputs[b] = self._staged_inputs(b)
+        (s, a, f), staging = self._inputs[b]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                self._compiled(s, a, f)
+                self._compiled(s, a, f, sampling)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every bucket: the graphs replay one at a time on one stream and each
         # replay's outputs are copied out before the next (__call__), so a bucket may reuse the memory of
         # another's intermediates. Private pools would cost one step's activations per bucket.
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._compiled(s, a, f)
+            out = self._compiled(s, a, f, sampling)
             # the fields the engine takes to the host, packed into one buffer inside the graph: one copy out
             packed = torch.cat([getattr(out, k).reshape(b, -1).contiguous().view(torch.uint8).reshape(-1)
                                 for k in HOST_FIELDS])
@@ -182,30 +196,37 @@ class StepRunner:
             nbytes = t.numel() * t.element_size()
             views[k] = flat[offset: offset + nbytes].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
             offset += nbytes
-        self._cuda_graphs[b] = (graph, s, a, f, out)
-        self._staging[b] = staging + (packed, host_out, views)
+        self._cuda_graphs[(b, sampling)] = (graph, s, a, f, out)
+        self._staging[(b, sampling)] = staging + (packed, host_out, views)
+
+    def variant(self, b: int, sampling: bool) -> tuple[int, bool]:
+        """The captured graph for a batch in bucket b: the greedy-only one when the batch is all greedy
+        and it was captured, else the general one (exact for greedy rows too)."""
+        return (b, False) if not sampling and (b, False) in self._cuda_graphs else (b, True)
 
     @torch.no_grad()
-    def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor) -> StepOutput:
+    def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
+                 sampling: bool = True) -> StepOutput:
+        """`sampling=False`: the caller vouches that every row is greedy (frame_step)."""
         n = slots.shape[0]
         if not self.graphs:
-            return frame_step(self.model, self.state, slots.to(self.device), audio.to(self.device),
-                              forced.to(self.device), self.specials)
+            return self._step(slots.to(self.device), audio.to(self.device), forced.to(self.device), sampling)
+        sampling = sampling or False not in self.variants  # only what capture() prepared, never a new compile
         largest = self.buckets[-1]
         if n > largest:  # groups of at most the largest bucket, each replayed
-            parts = [self(slots[i: i + largest], audio[i: i + largest], forced[i: i + largest])
+            parts = [self(slots[i: i + largest], audio[i: i + largest], forced[i: i + largest], sampling)
                      for i in range(0, n, largest)]
             return StepOutput(**{fl.name: torch.cat([getattr(p, fl.name) for p in parts]) for fl in fields(StepOutput)})
         b = self.bucket_for(n)
-        if b in self._cuda_graphs:
-            graph, s, a, f, out = self._cuda_graphs[b]
+        if self.variant(b, sampling) in self._cuda_graphs:
+            graph, s, a, f, out = self._cuda_graphs[self.variant(b, sampling)]
             ns, na, nf = self._padded_inputs(b, slots, audio, forced)
             s.copy_(ns)
             a.copy_(na)
             f.copy_(nf)
             graph.replay()
         else:
-            out = self._compiled(*self._padded_inputs(b, slots, audio, forced))
+            out = self._compiled(*self._padded_inputs(b, slots, audio, forced), sampling)
         # a replayed graph reuses its output memory on the next replay: copy the real rows out now
         return StepOutput(**{fl.name: getattr(out, fl.name)[:n].clone() for fl in fields(StepOutput)})
 
@@ -237,32 +258,36 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return host
 
 
-def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarray) -> HostStep:
+def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarray,
+                 sampling: bool = True) -> HostStep:
     """One step of `runner` (a StepRunner, or anything called like one) for rows slots [n] int64, audio
-    [n, 1280] float32, forced [n] int64. A StepRunner's captured buckets take the staged path; anything
-    else (eager, compiled back ends, test doubles and wrappers) runs `runner(...)` and copies out."""
+    [n, 1280] float32, forced [n] int64; `sampling=False` when every row is greedy. A StepRunner's
+    captured buckets take the staged path; anything else (eager, compiled back ends, test doubles and
+    wrappers) runs `runner(...)` and copies out."""
     n = len(slots)
     if getattr(runner, "_staging", None):   # (duck-typed: tests stand doubles in for StepRunner)
         largest = runner.buckets[-1]
-        if n <= largest and runner.bucket_for(n) in runner._staging:
-            return _staged_step(runner, runner.bucket_for(n), slots, audio, forced)
+        if n <= largest and runner.variant(runner.bucket_for(n), sampling) in runner._staging:
+            return _staged_step(runner, runner.variant(runner.bucket_for(n), sampling), slots, audio, forced)
         if n > largest:  # groups of at most the largest bucket, each its own staged step
-            parts = [step_to_host(runner, slots[i: i + largest], audio[i: i + largest], forced[i: i + largest])
-                     for i in range(0, n, largest)]
+            parts = [step_to_host(runner, slots[i: i + largest], audio[i: i + largest], forced[i: i + largest],
+                                  sampling) for i in range(0, n, largest)]
             return HostStep({k: np.concatenate([p.outputs[k] for p in parts]) for k in HOST_FIELDS},
                             parts[-1].launched, sum(p.padded_rows for p in parts))
-    out = runner(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
-                 torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)),
-                 torch.from_numpy(np.ascontiguousarray(forced, dtype=np.int64)))
+    args = (torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
+            torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)),
+            torch.from_numpy(np.ascontiguousarray(forced, dtype=np.int64)))
+    out = runner(*args, sampling=sampling) if getattr(runner, "takes_sampling_flag", False) else runner(*args)
     launched = time.perf_counter()
     host = to_host([getattr(out, k) for k in HOST_FIELDS])
     padded = runner.padded_rows(n) if hasattr(runner, "padded_rows") else n
     return HostStep({k: t.numpy() for k, t in zip(HOST_FIELDS, host)}, launched, padded)
 
 
-def _staged_step(runner: StepRunner, b: int, slots, audio, forced) -> HostStep:
-    graph = runner._cuda_graphs[b][0]
-    device_in, host_in, (s, a, f), packed, host_out, views = runner._staging[b]
+def _staged_step(runner: StepRunner, key: tuple[int, bool], slots, audio, forced) -> HostStep:
+    graph = runner._cuda_graphs[key][0]
+    device_in, host_in, (s, a, f), packed, host_out, views = runner._staging[key]
+    b = key[0]
     n = len(slots)
     s[:n], s[n:] = slots, runner.sink   # padding rows: the sink, silence, nothing forced
     a[:n], a[n:] = audio, 0.0

@@ -73,6 +73,9 @@ class EngineConfig:
     capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
     graphs: bool | str = "auto"        # "auto": captured on CUDA, eager on the CPU (graphs/capture.py)
     graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)
+    # Also capture each bucket for batches of greedy calls only (no sort over the vocabulary); twice the
+    # captures. Off until measured on a GPU (docs/performance.md).
+    greedy_graphs: bool = False
     idle_wait_s: float = 0.005
     # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
     # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
@@ -223,7 +226,8 @@ class Engine:
         from graphs.capture import StepRunner, buckets_for
         self.step_runner = StepRunner(model, self.state, self.specials,
                                       buckets_for(self.cfg.capture_buckets, self.cfg.max_calls),
-                                      graphs=self.cfg.graphs, backend=self.cfg.graph_backend)
+                                      graphs=self.cfg.graphs, backend=self.cfg.graph_backend,
+                                      greedy_graphs=self.cfg.greedy_graphs)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)
@@ -377,7 +381,8 @@ class Engine:
         slots = np.array([c.slot for c, *_ in batch], dtype=np.int64)
         audio = np.stack([a for _, a, _, _ in batch])
         forced = np.array([f for *_, f in batch], dtype=np.int64)
-        host = step_to_host(self.step_runner, slots, audio, forced)  # numpy in and out (graphs/capture.py)
+        sampling = not all(call.options.sampling.greedy for call, *_ in batch)
+        host = step_to_host(self.step_runner, slots, audio, forced, sampling)  # numpy in and out (graphs/capture.py)
         waited = time.perf_counter()
         launched = host.launched
         out = host.outputs

@@ -33,9 +33,11 @@ class StepOutput:
 
 
 def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, forced_func: torch.Tensor,
-               special_ids: torch.Tensor) -> StepOutput:
+               special_ids: torch.Tensor, sampling: bool = True) -> StepOutput:
     """slots [B] int64, audio [B, 1280] float32, forced_func [B] int64 (-1 = use the head; else the
-    tool-result token to force, with the text channel forced to PAD, spec 3.9)."""
+    tool-result token to force, with the text channel forced to PAD, spec 3.9). `sampling=False` when the
+    caller knows every row is greedy: the text token is then the argmax, which is what `sample_text`
+    returns for greedy rows, without its sort and cumulative sums over the vocabulary."""
     cfg = model.cfg
     pad = cfg.tokens.pad_id
     # Padding rows all point at the sink: it must never advance, or after max_frames padded steps its
@@ -53,8 +55,11 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     with record_function("heads"):
         text_logits, func_logits = model.heads(h)
     frame = st.frame[slots]
-    text = sample_text(text_logits, special_ids, st.seen[slots], st.temperature[slots], st.top_p[slots],
-                       st.rep_penalty[slots], st.greedy[slots], st.seed[slots], frame)
+    if sampling:
+        text = sample_text(text_logits, special_ids, st.seen[slots], st.temperature[slots], st.top_p[slots],
+                           st.rep_penalty[slots], st.greedy[slots], st.seed[slots], frame)
+    else:
+        text = text_logits.float().argmax(-1)
     func = func_logits.float().argmax(-1) if func_logits is not None else torch.full_like(text, pad)
     forcing = forced_func >= 0
     func = torch.where(forcing, forced_func, func)

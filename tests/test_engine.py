@@ -264,3 +264,36 @@ def test_coalesce_wait_rule():
     assert coalesce_wait([(10.000, 10.000, 1), (None, 9.921, 0), upload], 10.003, L, F) == pytest.approx(0.017)
     # ...is never waited for, and alone (or with calls that fell behind) is stepped at once
     assert coalesce_wait([upload, (9.9, 9.99, 2)], 10.003, L, F) == 0.0
+
+
+def test_engine_runs_all_greedy_batches_without_sampling(tiny, example_clip):
+    """The engine tells the step runner when every call of a batch is greedy (StepRunner then replays its
+    greedy-only graphs, engine.greedy_graphs); a batch with one sampling call takes the general step."""
+    from nemo_duplex.engine import CallOptions
+    from nemo_duplex.sampling import SamplingParams
+
+    eng = _engine(tiny, max_calls=3)
+    flags = []
+    runner = eng.step_runner
+
+    class Spy:   # the real runner, recording what the engine asked for
+        takes_sampling_flag = True
+
+        def __call__(self, slots, audio, forced, sampling=True):
+            flags.append((len(slots), sampling))
+            return runner(slots, audio, forced, sampling)
+    eng.step_runner = Spy()
+    frame = example_clip[:1280].numpy()
+    a, b = eng.open_call(), eng.open_call()
+    eng.tick()
+    a.append(frame)
+    b.append(frame)
+    eng.tick()
+    c = eng.open_call(CallOptions(sampling=SamplingParams(temperature=0.7, top_p=0.9)))
+    eng.tick()
+    for call in (a, b, c):
+        call.append(frame)
+    eng.tick()
+    assert flags == [(2, False), (3, True)]
+    eng.step_runner = runner
+

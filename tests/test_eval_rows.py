@@ -119,8 +119,8 @@ def test_consistency_passes_and_catches_a_slot_mixup(tmp_path, models, example_c
 
     real_step = capture.frame_step
 
-    def mixed_up(model, st, slots, audio, forced, specials):
-        return real_step(model, st, slots, audio.roll(1, dims=0), forced, specials)
+    def mixed_up(model, st, slots, audio, forced, specials, **kwargs):
+        return real_step(model, st, slots, audio.roll(1, dims=0), forced, specials, **kwargs)
 
     monkeypatch.setattr(capture, "frame_step", mixed_up)
     bad = consistency(ctx, CRITERIA["consistency"])

@@ -134,7 +134,7 @@ def test_buckets_sharing_one_graph_pool_match_eager(tiny):
     buckets [1, 2, 4, 8] (each replay's neighbours are other buckets): tokens and codes identical to
     eager twins, PCM within 1e-5 (fp32, the same kernels captured or not). The engine's path
     (`step_to_host`: inputs and outputs through one pinned buffer each, groups above the largest
-    bucket) gives the same numbers on a third twin."""
+    bucket, the greedy-only variants for half the batches) gives the same numbers on a third twin."""
     import copy
 
     model = copy.deepcopy(tiny[0]).cuda()
@@ -148,7 +148,8 @@ def test_buckets_sharing_one_graph_pool_match_eager(tiny):
         states.append(st)
     runner = StepRunner(model, states[0], specials, [1, 2, 4, 8], graphs=True, backend="cudagraph-eager")
     runner.capture()
-    staged = StepRunner(model, states[1], specials, [1, 2, 4], graphs=True, backend="cudagraph-eager")
+    staged = StepRunner(model, states[1], specials, [1, 2, 4], graphs=True, backend="cudagraph-eager",
+                        greedy_graphs=True)
     staged.capture()   # largest bucket 4: a batch of 5 runs as two staged groups (4 + 1)
     g = torch.Generator().manual_seed(3)
     for n in [3, 1, 5, 2, 4, 1, 3, 5, 2, 2, 4, 1]:
@@ -157,7 +158,8 @@ def test_buckets_sharing_one_graph_pool_match_eager(tiny):
         forced = torch.full((n,), -1)
         forced[0] = 7 if n == 3 else -1   # a forced function token goes through the staged inputs too
         out_g = runner(slots, audio, forced)
-        host = step_to_host(staged, slots.numpy(), audio.numpy(), forced.numpy())
+        # every call is greedy: odd batches through the greedy-only graphs, even ones the general graphs
+        host = step_to_host(staged, slots.numpy(), audio.numpy(), forced.numpy(), sampling=n % 2 == 0)
         out_e = frame_step(model, states[2], slots.to(dev), audio.to(dev), forced.to(dev), specials)
         assert torch.equal(out_g.text, out_e.text) and torch.equal(out_g.codes, out_e.codes), n
         torch.testing.assert_close(out_g.pcm, out_e.pcm, rtol=1e-5, atol=1e-5)
@@ -166,7 +168,7 @@ def test_buckets_sharing_one_graph_pool_match_eager(tiny):
             assert host.outputs[k].shape == tuple(getattr(out_e, k).shape), k
             torch.testing.assert_close(torch.from_numpy(host.outputs[k]), getattr(out_e, k).cpu(), rtol=1e-5,
                                        atol=1e-5, msg=lambda m, k=k: f"{k}, batch {n}: {m}")
-    assert len(runner._cuda_graphs) == 4 and len(staged._staging) == 3
+    assert len(runner._cuda_graphs) == 4 and len(staged._staging) == 6   # 3 buckets x 2 variants
 
 
 @torch.no_grad()
@@ -276,3 +278,51 @@ def test_buckets_for_max_calls():
     assert buckets_for([32, 1, 8, 8, 64], 20) == [1, 8, 32]      # the smallest bucket at or above 20
     assert buckets_for([1, 2, 4], 6) == [1, 2, 4, 6]              # none above: max_calls itself
     assert buckets_for([4, 16], 1) == [4]
+
+
+@torch.no_grad()
+def test_greedy_only_step_equals_the_general_step_for_greedy_calls(tiny):
+    """frame_step(sampling=False) (what the greedy-only graphs run) against the general step on twin
+    states of greedy calls, 6 frames of 3 calls: tokens, codes, PCM and every state tensor identical."""
+    model, *_ = tiny
+    specials = special_ids(model, torch.device("cpu"))
+    states = [_admitted_state(model, 3) for _ in range(2)]
+    slots, forced = torch.arange(3), torch.tensor([-1, 5, -1])
+    g = torch.Generator().manual_seed(4)
+    for _ in range(6):
+        audio = torch.randn(3, 1280, generator=g) * 0.1
+        general = frame_step(model, states[0], slots, audio, forced, specials)
+        greedy = frame_step(model, states[1], slots, audio, forced, specials, sampling=False)
+        for name in ("text", "func", "codes", "pcm", "top2", "user"):
+            assert torch.equal(getattr(greedy, name), getattr(general, name)), name
+    for (name, a), (_, b) in zip(state_tensors(states[0]), state_tensors(states[1])):
+        assert torch.equal(a, b), name
+
+
+def test_greedy_batches_use_only_what_was_captured(tiny):
+    """Without greedy_graphs, an all-greedy batch runs the general compiled step (no compile while
+    serving); with it, capture() prepares both and a greedy batch runs the greedy-only one."""
+    model, *_ = tiny
+    specials = special_ids(model, torch.device("cpu"))
+    calls = []
+
+    def counting(runner):
+        real = runner._compiled
+
+        def wrapped(s, a, f, sampling=True):
+            calls.append(sampling)
+            return real(s, a, f, sampling)
+        runner._compiled = wrapped
+        return runner
+
+    slots, audio, forced = torch.arange(2), torch.zeros(2, 1280), torch.full((2,), -1)
+    for greedy_graphs, expect in ((False, [True]), (True, [False])):
+        st = _admitted_state(model, 2)
+        runner = counting(StepRunner(model, st, specials, [2], graphs=True, compiler="aot_eager",
+                                     greedy_graphs=greedy_graphs))
+        runner.capture()
+        assert calls == [True] * 3 + ([False] * 3 if greedy_graphs else [])   # warm-up calls per variant
+        calls.clear()
+        runner(slots, audio, forced, sampling=False)
+        assert calls == expect
+        calls.clear()
