@@ -77,7 +77,7 @@ class StepRunner:
         self.backend = backend
         self.sink = state.sink
         self._compiled = None
-        self._cuda_graphs: dict[int, tuple] = {}
+        self._cuda_graphs: dict[tuple, tuple] = {}  # (bucket, sampling) -> graph, static inputs, outputs
         self._graph_pool = None  # shared by every bucket's graph (_capture_cuda_graph)
         self._staging: dict[tuple, tuple] = {}  # per captured (bucket, sampling): pinned host twins of in/outputs
         self._inputs: dict[int, tuple] = {}     # per bucket: static inputs, shared by its variants
