@@ -37,13 +37,18 @@ def fp32_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 @triton.jit
 def _fp32_linear_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N,
+    x_ptr, w_ptr, wl_ptr, b_ptr, y_ptr, M, N,
     stride_xm, stride_wn, stride_ym,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, PRECISION: tl.constexpr,
+    PRESPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of y. K is a compile-time constant (fixed per layer; Triton 3.6's
-    interpreter cannot run a loop with a runtime bound)."""
+    interpreter cannot run a loop with a runtime bound).
+    PRESPLIT: w_ptr holds w_hi (exactly a TF32 value) and wl_ptr w_lo = w - w_hi (split_tf32), so the
+    weight tiles go to the tensor cores as they are loaded and only x is split, in registers: the same
+    products as tl.dot's "tf32x3" (x_lo w_hi + x_hi w_lo + x_hi w_hi, smallest first), without splitting
+    the weight tile on every K step of every program. Otherwise tl.dot with input precision PRECISION."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -64,58 +69,21 @@ def _fp32_linear_kernel(
         k_mask = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
-                    other=0.0)  # [BLOCK_K, BLOCK_N] view of w^T, K-major
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        w_offsets = cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] view of w^T, K-major
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
+        if PRESPLIT:
+            w_lo = tl.load(wl_ptr + w_offsets, mask=w_mask, other=0.0)
+            x_hi = ((x.to(tl.uint32, bitcast=True) >> 13) << 13).to(tl.float32, bitcast=True)  # TF32's 10 bits
+            x_lo = x - x_hi  # exact in fp32
+            acc = tl.dot(x_lo, w, acc, input_precision="tf32")
+            acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
+            acc = tl.dot(x_hi, w, acc, input_precision="tf32")
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if GELU:  # exact (erf) GELU, as F.gelu's default
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def _fp32_linear_presplit_kernel(
-    x_ptr, wh_ptr, wl_ptr, b_ptr, y_ptr, M, N,
-    stride_xm, stride_wn, stride_ym,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """3xTF32 with the weight already split (w = w_hi + w_lo, w_hi exactly a TF32 value, split_tf32):
-    the weight tiles go to the tensor cores as they are loaded, and only x is split, in registers. Same
-    products as tl.dot's "tf32x3" (x_lo w_hi + x_hi w_lo + x_hi w_hi, smallest first), without splitting
-    the weight tile on every K step of every program."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
-
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w_offsets = cols[None, :] * stride_wn + ks[:, None]
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        w_hi = tl.load(wh_ptr + w_offsets, mask=w_mask, other=0.0)
-        w_lo = tl.load(wl_ptr + w_offsets, mask=w_mask, other=0.0)
-        x_hi = ((x.to(tl.uint32, bitcast=True) >> 13) << 13).to(tl.float32, bitcast=True)  # TF32's 10 bits
-        x_lo = x - x_hi  # exact in fp32
-        acc = tl.dot(x_lo, w_hi, acc, input_precision="tf32")
-        acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
-        acc = tl.dot(x_hi, w_hi, acc, input_precision="tf32")
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0)[None, :]
-    if GELU:
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
 
@@ -153,20 +121,12 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         tiles = (1024, 128, 64, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1" else GPU_TILES
     block_m, block_n, block_k, num_warps, num_stages = tiles
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    if precision == "tf32x3w":
-        w_hi, w_lo = split_tf32(weight)
-        _fp32_linear_presplit_kernel[grid](
-            x2, w_hi, w_lo, bias if bias is not None else y, y, m, n,
-            x2.stride(0), w_hi.stride(0), y.stride(0),
-            K=k, HAS_BIAS=bias is not None, GELU=gelu,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-            num_warps=num_warps, num_stages=num_stages,
-        )
-        return y.view(*lead, n)
+    presplit = precision == "tf32x3w"
+    w, w_lo = split_tf32(weight) if presplit else (weight, weight)  # w_lo unread unless presplit
     _fp32_linear_kernel[grid](
-        x2, weight, bias if bias is not None else y, y, m, n,
-        x2.stride(0), weight.stride(0), y.stride(0),
-        K=k, HAS_BIAS=bias is not None, GELU=gelu, PRECISION=precision,
+        x2, w, w_lo, bias if bias is not None else y, y, m, n,
+        x2.stride(0), w.stride(0), y.stride(0),
+        K=k, HAS_BIAS=bias is not None, GELU=gelu, PRECISION="tf32" if presplit else precision, PRESPLIT=presplit,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         num_warps=num_warps, num_stages=num_stages,
     )
