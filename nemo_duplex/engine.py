@@ -304,8 +304,7 @@ class Engine:
         if wait <= 0:
             return
         deadline = now + wait
-        awaited = [c for c in live if c.last_ready is not None and c.last_ready + self.frame_seconds <= deadline
-                   and not c.pending_frames]
+        awaited = [c for c in live if frame_due(c.last_ready, c.pending_frames, deadline, self.frame_seconds)]
         while self._running and awaited and now < deadline:
             with self._lock:
                 self._work.wait(timeout=min(deadline - now, self.cfg.idle_wait_s))
@@ -480,8 +479,14 @@ def coalesce_wait(calls: list[tuple[float | None, float | None, int]], now: floa
     deadline = min(paced) + limit
     if now >= deadline:
         return 0.0
-    due = any(pending == 0 and last is not None and last + frame_s <= deadline for _, last, pending in calls)
+    due = any(frame_due(last, pending, deadline, frame_s) for _, last, pending in calls)
     return deadline - now if due else 0.0
+
+
+def frame_due(last: float | None, pending: int, deadline: float, frame_s: float) -> bool:
+    """A call with no frame pending whose next frame (its last arrival + one period) is due by `deadline`:
+    the calls coalescing waits for."""
+    return pending == 0 and last is not None and last + frame_s <= deadline
 
 
 class EngineStats:

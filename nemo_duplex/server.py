@@ -10,8 +10,9 @@ Routes (docs/protocol.md has the wire formats and every error code):
 
 Threads: the engine steps on its own thread (engine.py); this event loop only moves bytes. Engine events
 reach the loop through a `Handover` (one `loop.call_soon_threadsafe` per burst, not per event), land in
-the call's bounded outbox, and one writer task per connection sends them in order. A client that stops reading fills its outbox; past
-`serve.max_outbound_frames` its call ends with `slow_consumer`, the others never notice.
+the call's bounded outbox, and one writer task per connection sends them in order. A client that stops
+reading fills its outbox; past `serve.max_outbound_frames` its call ends with `slow_consumer`, the others
+never notice.
 
 Slots: a connection reserves one of `serve.max_calls` places when it arrives (refused with `busy` when
 none is free, never queued) and gives it back only once the engine has ended its call, so the server
