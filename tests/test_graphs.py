@@ -30,6 +30,14 @@ def _restore(st, snap):
         v.copy_(snap[k])
 
 
+def _admitted_state(model, n_calls: int, max_frames: int = 8, device=torch.device("cpu")):
+    """Pools for n_calls calls, every slot admitted (no prompt, seed = slot)."""
+    st = allocate_call_state(model, n_calls, max_frames, device, max_prompt_tokens=0)
+    for s in range(n_calls):
+        admit(model, st, s, None, s, SamplingParams())
+    return st
+
+
 def _rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
@@ -97,9 +105,7 @@ def test_graphs_match_eager_full_size_bf16(backend):
     model, tok, _ = random_model(cfg, dev, seed=0)
     model.cast_for_inference().eval()
     n_calls = 8
-    st = allocate_call_state(model, n_calls, FRAMES + 4, dev, max_prompt_tokens=0)
-    for s in range(n_calls):
-        admit(model, st, s, None, s, SamplingParams())
+    st = _admitted_state(model, n_calls, FRAMES + 4, dev)
     specials = special_ids(model, dev)
     graphs = StepRunner(model, st, specials, [16], graphs=True, backend=backend)
     graphs.capture()
@@ -140,12 +146,8 @@ def test_buckets_sharing_one_graph_pool_match_eager(tiny):
     model = copy.deepcopy(tiny[0]).cuda()
     dev = torch.device("cuda")
     specials = special_ids(model, dev)
-    states = []
-    for _ in range(3):  # identical triplets: graphs through __call__, graphs through step_to_host, eager
-        st = allocate_call_state(model, 5, 40, dev, max_prompt_tokens=0)
-        for s in range(5):
-            admit(model, st, s, None, s, SamplingParams())
-        states.append(st)
+    # identical triplets: graphs through __call__, graphs through step_to_host, eager
+    states = [_admitted_state(model, 5, 40, dev) for _ in range(3)]
     runner = StepRunner(model, states[0], specials, [1, 2, 4, 8], graphs=True, backend="cudagraph-eager")
     runner.capture()
     staged = StepRunner(model, states[1], specials, [1, 2, 4], graphs=True, backend="cudagraph-eager",
@@ -191,13 +193,6 @@ def test_padding_rows_never_advance_the_sink(tiny):
     assert st.llm_len[0].item() == 5 and st.frame[0].item() == 5
 
 
-
-def _admitted_state(model, n_calls: int, max_frames: int = 8):
-    """CPU pools for n_calls calls, every slot admitted (no prompt, seed = slot)."""
-    st = allocate_call_state(model, n_calls, max_frames, torch.device("cpu"), max_prompt_tokens=0)
-    for s in range(n_calls):
-        admit(model, st, s, None, s, SamplingParams())
-    return st
 
 @torch.no_grad()
 def test_batch_above_the_largest_bucket_runs_in_groups(tiny):
