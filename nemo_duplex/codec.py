@@ -89,8 +89,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
       over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.
       ~1e-5 relative per product (bf16 alone: ~4e-3); tests/test_codec.py states the bounds. Off CUDA the
       same products run as an fp32 matmul of the bf16 parts (exact products, fp32 sums)."""
-    if gemm == "auto":  # 3xTF32 where there are tensor cores: -6 ms per step at N=128 (docs/performance.md)
-        gemm = "tf32x3" if x.is_cuda else "ieee"
+    if gemm == "auto":  # 3xTF32, weight split first, where there are tensor cores (docs/performance.md)
+        gemm = "tf32x3w" if x.is_cuda else "ieee"
     if gemm in ("tf32x3", "tf32x3w", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
         gemm = "ieee"
     if gemm in ("tf32x3", "tf32x3w"):

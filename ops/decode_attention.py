@@ -290,8 +290,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             slots: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             window: int | None = None, num_splits: int | None = None,
                             precision: str | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, pipelined: bool | None = None) -> torch.Tensor:
-    """The Triton path. `num_splits`, `block_n`, `num_warps`, `pipelined` override the tuned choices
+                            num_warps: int | None = None, pipelined: bool | None = None,
+                            num_stages: int | None = None) -> torch.Tensor:
+    """The Triton path. `num_splits`, `block_n`, `num_warps`, `pipelined`, `num_stages` override the tuned choices
     (scripts/bench_ops.py sweeps them); `precision` is the group kernel's tl.dot input precision."""
     batch, num_heads, head_dim = q.shape
     num_slots, kv_heads, max_len, cache_head_dim = k_cache.shape
@@ -334,7 +335,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None,
             HAS_TAIL=tail > 0, PIPELINED=pipelined,
             BLOCK_N=block_n, BLOCK_DA=block_da, BLOCK_DB=max(2, triton.next_power_of_2(max(tail, 1))),
-            num_warps=num_warps,
+            num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         )
     else:
         # fp32 caches: tf32x3 (three tf32 MMAs) is as accurate as "ieee" (~1e-6 relative on H200, plain

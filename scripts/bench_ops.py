@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ops.decode_attention import decode_attention_reference, decode_attention_triton  # noqa: E402
-from ops.fp32_linear import fp32_linear_reference, fp32_linear_triton  # noqa: E402
+from ops.fp32_linear import fp32_linear_reference, fp32_linear_triton, split_tf32  # noqa: E402
 
 ROWS: list[dict] = []
 LIVE_LOG: Path | None = None
@@ -118,7 +118,9 @@ def bench_decode_attention(device, smoke, quick, sweep):
             configs = []
             if n == max(calls):  # tile shapes, loop forms and splits at the big batch
                 if kv_heads == heads:
-                    configs += [dict(block_n=bn, num_warps=w) for bn, w in ((32, 1), (16, 2), (64, 4))]
+                    configs += [dict(block_n=bn, num_warps=w) for bn, w in ((32, 1), (16, 2), (64, 4), (8, 1))]
+                    configs += [dict(num_stages=st) for st in (1, 2, 4, 5)]
+                    configs += [dict(block_n=32, num_warps=1, num_stages=st) for st in (2, 4)]
                     configs += [dict(num_splits=splits) for splits in (2, 4)]
                 else:
                     configs += [dict(block_n=bn, num_warps=w, pipelined=p) for bn, w, p in
@@ -183,13 +185,18 @@ def bench_fp32_linear(device, smoke, quick, sweep):
                 ms = timed(fn, smoke)
                 record("fp32_linear", case, impl, ms, nbytes, max_err(out, ref64) / scale,
                        TFLOPs=round(flops / ms / 1e9, 1))
-            if sweep and name.startswith(("stage3", "tiny")):
-                for tiles in ((128, 128, 32, 8, 3), (128, 128, 32, 4, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
-                              (128, 256, 32, 8, 3), (256, 128, 32, 8, 3), (128, 128, 64, 8, 2)):
+            if sweep:
+                # tf32x3w tiles, the weight split beforehand (not timed: what a pre-split weight would cost)
+                w_hi, w_lo = split_tf32(w)
+                for tiles in ((128, 64, 32, 4, 4), (128, 128, 32, 8, 3), (128, 128, 32, 4, 3), (128, 64, 32, 4, 3),
+                              (64, 128, 32, 4, 4), (128, 128, 16, 8, 4), (128, 64, 64, 4, 3), (256, 64, 32, 8, 3),
+                              (128, 256, 32, 8, 3), (256, 128, 32, 8, 3), (128, 128, 64, 8, 2), (64, 64, 32, 4, 4)):
                     try:
-                        out = fp32_linear_triton(x, w, b, tiles=tiles)
-                        ms = timed(lambda: fp32_linear_triton(x, w, b, tiles=tiles), smoke)
-                        record("fp32_linear sweep", case, f"tf32x3 tiles {tiles}", ms, nbytes,
+                        def run():
+                            return fp32_linear_triton(x, w_hi, b, precision="tf32x3w", tiles=tiles, weight_lo=w_lo)
+                        out = run()
+                        ms = timed(run, smoke)
+                        record("fp32_linear sweep", case, f"tf32x3w presplit tiles {tiles}", ms, nbytes,
                                max_err(out, ref64) / scale, TFLOPs=round(flops / ms / 1e9, 1))
                     except Exception as exc:
                         print(f"  sweep {tiles} failed: {type(exc).__name__}: {str(exc)[:200]}")
