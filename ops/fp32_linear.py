@@ -86,9 +86,14 @@ def _fp32_linear_kernel(
             w_lo = tl.load(wl_ptr + w_offsets, mask=w_mask, other=0.0)
             x_hi = _round_tf32(x)
             x_lo = _round_tf32(x - x_hi)  # x - x_hi is exact in fp32
-            acc = tl.dot(x_lo, w, acc, input_precision="tf32")
-            acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
-            acc = tl.dot(x_hi, w, acc, input_precision="tf32")
+            # This block's three products summed on their own, then added to acc by an fp32 add: the
+            # tensor cores align every product to the accumulator's exponent with few guard bits, so
+            # accumulating the small products straight into the running acc lost their low bits (on the
+            # H200: 2.5-3.5e-6 relative at K=6144 against 2e-6 for tl.dot's own tf32x3, which also sums
+            # the parts before adding them).
+            part = tl.dot(x_lo, w, input_precision="tf32")
+            part = tl.dot(x_hi, w_lo, part, input_precision="tf32")
+            acc += tl.dot(x_hi, w, part, input_precision="tf32")
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
@@ -113,6 +118,7 @@ def split_tf32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 GPU_TILES = (128, 64, 32, 4, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages: best of a sweep (docs/performance.md)
+PRESPLIT_TILES = (128, 128, 16, 8, 4)  # the same for tf32x3w (session 4 sweep: -15% against GPU_TILES)
 
 
 def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
@@ -135,7 +141,8 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if m == 0:
         return y.view(*lead, n)
     if tiles is None:  # the interpreter pays per program: large tiles on the CPU
-        tiles = (1024, 128, 64, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1" else GPU_TILES
+        tiles = ((1024, 128, 64, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1"
+                 else PRESPLIT_TILES if precision == "tf32x3w" else GPU_TILES)
     block_m, block_n, block_k, num_warps, num_stages = tiles
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     presplit = precision == "tf32x3w"

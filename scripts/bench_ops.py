@@ -383,6 +383,48 @@ def bench_gemms(device, smoke, quick, sweep):
         record("gemm per step", f"{part} N={n_calls}", "sum of its GEMMs", ms, nbytes, None)
 
 
+def bench_skinny(device, smoke, quick, sweep):
+    """ops/skinny_gemm.py against cuBLAS on each bf16 GEMM of the step with at most 64 rows (N = 1, 16, 32
+    calls; the talker has two rows per call), summed per part; --sweep: tile shapes on the big ones."""
+    from nemo_duplex.config import ModelConfig, tiny_config
+    from ops.skinny_gemm import MAX_ROWS, skinny_gemm_triton
+    cfg = tiny_config() if smoke else ModelConfig()
+    dtype = torch.bfloat16
+    shapes = step_gemm_shapes(cfg)
+    totals: dict[tuple[str, int, str], list[float]] = {}
+    sweep_shapes = {(4480, 22656), (10240, 4480), (4480, 15680), (15680, 4480), (1152, 4608), (1024, 4096)}
+    for n_calls in ((2,) if smoke else (1, 32) if quick else (1, 16, 32)):
+        for part, k, n, count, rows in shapes:
+            m = n_calls * rows
+            if m > MAX_ROWS:
+                continue
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            w = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
+            ref = F.linear(x.float(), w.float())
+            nbytes = (n * k + m * k + m * n) * x.element_size()
+            case = f"{part} {m}x{k}->{n} (x{count} per step)"
+            for impl, fn in (("cuBLAS F.linear", lambda: F.linear(x, w)), ("skinny (defaults)", lambda: skinny_gemm_triton(x, w))):
+                err = max_err(fn(), ref)
+                ms = timed(fn, smoke)
+                record("skinny", case, impl, ms, nbytes, err, N=n_calls)
+                t = totals.setdefault((part, n_calls, impl), [0.0, 0.0])
+                t[0] += ms * count
+                t[1] += nbytes * count
+            if sweep and ((k, n) in sweep_shapes or smoke):
+                for tiles in ((32, 128, 4, 4), (64, 64, 4, 6), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4),
+                              (32, 256, 4, 4), (64, 128, 4, 6)):
+                    try:
+                        def run():
+                            return skinny_gemm_triton(x, w, tiles=tiles)
+                        err = max_err(run(), ref)
+                        record("skinny sweep", case, f"tiles {tiles}", timed(run, smoke), nbytes, err, N=n_calls)
+                    except Exception as exc:
+                        print(f"  sweep {tiles} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            del x, w, ref
+    for (part, n_calls, impl), (ms, nbytes) in totals.items():
+        record("skinny per step", f"{part} N={n_calls}", impl, ms, nbytes, None)
+
+
 # ---------------------------------------------------------------------------------------- main
 
 def write_table(out_dir: Path, meta: dict) -> None:
@@ -405,7 +447,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--quick", action="store_true", help="N=128 only")
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel parameters")
-    parser.add_argument("--only", default="attention,linear,codec,other,gemm")
+    parser.add_argument("--only", default="attention,linear,codec,other,gemm,skinny")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     global LIVE_LOG
@@ -415,7 +457,7 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
                 torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
     sections = {"attention": bench_decode_attention, "linear": bench_fp32_linear, "codec": bench_codec,
-                "other": bench_other_ops, "gemm": bench_gemms}
+                "other": bench_other_ops, "gemm": bench_gemms, "skinny": bench_skinny}
     for name in args.only.split(","):
         try:
             sections[name](device, args.smoke, args.quick, args.sweep)
