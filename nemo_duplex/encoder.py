@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from nemo_duplex.config import EncoderConfig, FrontendConfig
 from nemo_duplex.frontend import MelFrontend
 from ops.bounded_attention import bounded_attention, write_window
+from ops.conformer_conv import conformer_conv_step
+from ops.layernorm import add_layer_norm
 
 LAYER_NORM_EPS = 1e-5
 MASKED_SCORE = -10000.0  # NeMo's fill value for masked attention scores (spec 2.4)
@@ -157,13 +159,19 @@ class RelPositionMultiHeadAttention(nn.Module):
         self.linear_pos = nn.Linear(d, d, bias=False)
         self.pos_bias_u = nn.Parameter(torch.empty(h, cfg.head_dim))
         self.pos_bias_v = nn.Parameter(torch.empty(h, cfg.head_dim))
-        # Streaming: P[d] = linear_pos(pe(d)) for d = 0..W, [W+1, H, Dh]. Derived from the weights, so
-        # not in the state_dict; `prepare_stream` fills it and loading a state_dict empties it.
+        # Streaming tables, derived from the weights, so not in the state_dict; `prepare_stream` fills
+        # them and loading a state_dict empties them:
+        #   pos_by_distance  P[d] = linear_pos(pe(d)) for d = 0..W, [W+1, H, Dh];
+        #   qkv_weight       [linear_q; linear_k; linear_v] stacked, [3d, d]: one GEMM per step instead of
+        #                    three (a copy of the three weights, 3 d^2 per layer: 144 MiB at full size in bf16).
         self.register_buffer("pos_by_distance", torch.empty(0), persistent=False)
+        self.register_buffer("qkv_weight", torch.empty(0), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.clear_stream_tables())
 
     def clear_stream_tables(self):
-        self.pos_by_distance = torch.empty(0, device=self.linear_pos.weight.device)
+        device = self.linear_pos.weight.device
+        self.pos_by_distance = torch.empty(0, device=device)
+        self.qkv_weight = torch.empty(0, device=device)
 
     @torch.no_grad()
     def prepare_stream(self):
@@ -171,6 +179,7 @@ class RelPositionMultiHeadAttention(nn.Module):
         distances = torch.arange(self.window + 1, device=weight.device)
         pe = relative_position_table(distances, weight.shape[1]).to(weight.dtype)
         self.pos_by_distance = self.linear_pos(pe).view(-1, self.n_heads, self.head_dim)
+        self.qkv_weight = torch.cat([self.linear_q.weight, self.linear_k.weight, self.linear_v.weight])
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, H, T, Dh]
         return x.view(x.shape[0], x.shape[1], self.n_heads, self.head_dim).transpose(1, 2)
@@ -193,9 +202,8 @@ class RelPositionMultiHeadAttention(nn.Module):
         """x [B, d] (frame t of each row); keys/values [S, W, H, Dh]: this layer's ring windows, the new
         frame's k/v are written at ring = t % W after attending (ops/bounded_attention.py)."""
         b = x.shape[0]
-        q = self.linear_q(x).view(b, self.n_heads, self.head_dim)
-        k = self.linear_k(x).view(b, self.n_heads, self.head_dim)
-        v = self.linear_v(x).view(b, self.n_heads, self.head_dim)
+        # q, k, v from one GEMM over the stacked weight (prepare_stream); strided views, no copies
+        q, k, v = F.linear(x, self.qkv_weight).view(b, 3, self.n_heads, self.head_dim).unbind(1)
         out = bounded_attention(q, k, v, keys, values, self.pos_by_distance, self.pos_bias_u, self.pos_bias_v, slots, t)
         write_window(keys, values, slots, t, k, v, ring)
         return self.linear_out(out.reshape(b, -1))
@@ -226,11 +234,12 @@ class ConformerConvolution(nn.Module):
 
     def step(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [B, d]; cache [S, d, k-1]: this layer's last k-1 GLU outputs per slot, oldest first.
-        One frame: the k=1 convolutions are plain GEMMs over [B, d] (no conv kernels, no layout copies)."""
-        x = F.glu(F.linear(x, self.pointwise_conv1.weight[:, :, 0]), dim=-1)  # [B, d]
-        window = torch.cat([cache[slots], x[:, :, None]], dim=2)
-        cache.index_copy_(0, slots, window[:, :, 1:])
-        y = F.silu(self.batch_norm(self.depthwise_conv(window)[:, :, 0]))
+        One frame: the k=1 convolutions are plain GEMMs over [B, d] (no conv kernels, no layout copies);
+        between them GLU, the cache shift, the depthwise conv, LayerNorm and SiLU are one kernel
+        (ops/conformer_conv.py)."""
+        h = F.linear(x, self.pointwise_conv1.weight[:, :, 0])  # [B, 2d], GLU's two halves
+        norm = self.batch_norm
+        y = conformer_conv_step(h, cache, slots, self.depthwise_conv.weight, norm.weight, norm.bias, norm.eps)
         return F.linear(y, self.pointwise_conv2.weight[:, :, 0])
 
 
@@ -259,12 +268,21 @@ class ConformerLayer(nn.Module):
         return self.norm_out(x)
 
     def step(self, x, keys, values, conv_cache, slots, t, ring=None):
-        # x + 0.5 * ff as one add (alpha): halving is exact, so it rounds as the two ops do, one kernel fewer
-        x = torch.add(x, self.feed_forward1(self.norm_feed_forward1(x)), alpha=0.5)
-        x = x + self.self_attn.step(self.norm_self_att(x), keys, values, slots, t, ring)
-        x = x + self.conv.step(self.norm_conv(x), conv_cache, slots)
-        x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
-        return self.norm_out(x)
+        """forward's blocks for one frame [B, d]. Each block's residual add runs in one kernel with the
+        next block's LayerNorm (ops/layernorm.py): `_add_norm` returns the new residual stream x and its
+        norm h, the next block's input. x + 0.5 * ff is one add (alpha): halving is exact, so it rounds
+        as forward's two ops do."""
+        h = self.norm_feed_forward1(x)
+        x, h = _add_norm(x, self.feed_forward1(h), 0.5, self.norm_self_att)
+        x, h = _add_norm(x, self.self_attn.step(h, keys, values, slots, t, ring), 1.0, self.norm_conv)
+        x, h = _add_norm(x, self.conv.step(h, conv_cache, slots), 1.0, self.norm_feed_forward2)
+        _, out = _add_norm(x, self.feed_forward2(h), 0.5, self.norm_out)
+        return out
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor, alpha: float, norm: nn.LayerNorm):
+    """(s, norm(s)) with s = x + alpha * delta, in one kernel (the torch ops on the CPU)."""
+    return add_layer_norm(x, delta, alpha, norm.weight, norm.bias, norm.eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +380,8 @@ class Perception(nn.Module):
     # --- streaming ---------------------------------------------------------------------------------
 
     def prepare_stream(self):
-        """Compute the per-layer P[d] tables the streaming attention reads (after the weights are final)."""
+        """Build the per-layer tables the streaming attention reads, P[d] and the stacked q/k/v weight
+        (after the weights are final)."""
         for layer in self.encoder.layers:
             layer.self_attn.prepare_stream()
 

@@ -113,7 +113,7 @@ def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1) -> int:
 
     with torch.device("meta"):
         model = VoiceChat(cfg).cast_for_inference()
-        model.perception.prepare_stream()  # the streaming encoder's per-layer relative-position tables
+        model.perception.prepare_stream()  # the streaming encoder's per-layer tables (relative positions, stacked q/k/v)
     built = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return built + cfg.llm.vocab_size * (max_token_chars - model.talker.embed_subword.char_ids.shape[1]) * INT64
 

@@ -1,0 +1,147 @@
+"""Residual add + LayerNorm in one kernel: the streaming FastConformer's macaron joints (spec 2.3).
+
+    s = x + alpha * delta          (torch.add(x, delta, alpha=alpha): fp32 math, one rounding to x's dtype)
+    y = layer_norm(s) * w + b      (F.layer_norm: mean / variance in fp32, one rounding to x's dtype)
+
+Each block of a Conformer layer ends with a residual add and the next block starts by norming the sum
+(ff1's add + norm_self_att, attention's add + norm_conv, conv's add + norm_feed_forward2, ff2's add with
+alpha 0.5 + norm_out). In torch that is two kernels per joint, and the sum makes a round trip through
+memory between them; here one program per row reads x and delta once and writes both the new residual
+stream s and the normed y. With delta None it is a plain LayerNorm (y only).
+Why a kernel: at full size (24 layers, d_model 1024) the four joints were 192 of the encoder's 828 launches
+of a frame step (scripts/census_step.py), each a few microseconds inside a CUDA graph for a [B, 1024] tile.
+bf16 roundings inside the kernel use rmsnorm's `_round_to` (bit arithmetic, see its docstring).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ops.rmsnorm import _round_to
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------
+
+def add_layer_norm_reference(x: torch.Tensor, delta: torch.Tensor | None, alpha: float, weight: torch.Tensor,
+                             bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch statement (the encoder's CPU path and the kernel's reference): the two ops the streaming
+    layer ran before, unchanged."""
+    s = x if delta is None else torch.add(x, delta, alpha=alpha)
+    return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _layer_norm_row(x, mask, w_ptr, b_ptr, offs, eps, D: tl.constexpr, dtype: tl.constexpr, BF16: tl.constexpr):
+    """x: one row [BLOCK] fp32 (0 where ~mask) -> LayerNorm(x) * w + b rounded to `dtype`, as fp32.
+    Two passes over the registers (mean, then the centred sum of squares), 1 / sqrt rounded as torch's."""
+    mean = tl.sum(x, axis=0) / D
+    centred = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(centred * centred, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return _round_to(centred * rstd * w + b, dtype, BF16)
+
+
+@triton.jit
+def _add_layer_norm_kernel(
+    x_ptr, delta_ptr, w_ptr, b_ptr, s_ptr, y_ptr,
+    stride_x, stride_d, stride_s, stride_y, alpha, eps,
+    D: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+):
+    """Program = one row of D channels (BLOCK_D = next power of two, masked)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    dtype = y_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:  # torch.add's opmath: x + alpha * delta in fp32, rounded once; the norm reads the rounded sum
+        delta = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _round_to(x + alpha * delta, dtype, BF16)
+        tl.store(s_ptr + row * stride_s + offs, x.to(dtype), mask=mask)
+    y = _layer_norm_row(x, mask, w_ptr, b_ptr, offs, eps, D, dtype, BF16)
+    tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def add_layer_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, alpha: float, weight: torch.Tensor,
+                          bias: torch.Tensor, eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(s, y) with s None when delta is None (the caller's x is the sum)."""
+    width = x.shape[-1]
+    assert weight.shape == bias.shape == (width,) and weight.stride(-1) == 1 and bias.stride(-1) == 1
+    x2 = _rows(x, width)
+    y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    s, d2 = None, x2  # without delta the kernel reads neither d2 nor writes s (any pointer will do)
+    if delta is not None:
+        assert delta.shape == x.shape and delta.dtype == x.dtype
+        d2 = _rows(delta, width)
+        s = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(width)
+        _add_layer_norm_kernel[(rows,)](
+            x2, d2, weight, bias, y if s is None else s, y,
+            x2.stride(0), d2.stride(0), y.stride(0) if s is None else s.stride(0), y.stride(0),
+            float(alpha), float(eps),
+            D=width, HAS_DELTA=s is not None, BLOCK_D=block, BF16=x.dtype == torch.bfloat16,
+            num_warps=max(1, min(8, block // 256)),
+        )
+    y = y.view(x.shape)
+    return (s.view(x.shape) if s is not None else None), y
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------
+
+# Opaque to torch.compile (see ops/decode_attention.py). Two ops because a custom op may not return its
+# input: without delta the sum is x itself and only y is new.
+@torch.library.custom_op("nemo_duplex::add_layer_norm", mutates_args=())
+def add_layer_norm_op(x: torch.Tensor, delta: torch.Tensor, alpha: float, weight: torch.Tensor,
+                      bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_layer_norm_triton(x, delta, alpha, weight, bias, eps)
+
+
+@add_layer_norm_op.register_fake
+def _(x, delta, alpha, weight, bias, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("nemo_duplex::layer_norm", mutates_args=())
+def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return add_layer_norm_triton(x, None, 1.0, weight, bias, eps)[1]
+
+
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def add_layer_norm(x: torch.Tensor, delta: Optional[torch.Tensor], alpha: float, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [..., D] (same dtype), weight/bias [D] -> (s = x + alpha delta, y = LayerNorm(s)), both in
+    x's dtype; delta None -> (x, LayerNorm(x)). The kernel on CUDA or under TRITON_INTERPRET=1, else the
+    torch reference."""
+    if not use_triton(x):
+        return add_layer_norm_reference(x, delta, alpha, weight, bias, eps)
+    if delta is None:
+        return x, layer_norm_op(x, weight, bias, float(eps))
+    return add_layer_norm_op(x, delta, float(alpha), weight, bias, float(eps))
