@@ -1,9 +1,11 @@
 """Weight-streaming GEMM for few rows: y = x @ w^T (+ bias), x [M, K] with M <= 64, w [N, K], bf16.
 
 Why: a frame step multiplies a few rows per call by ~21 GB of bf16 weights, so at small batches every GEMM
-should run at the speed the weights stream from HBM. cuBLAS does not get there at few rows: the captured
-step at N=1 spent 8.5 ms in cuBLAS (719 kernels, ~2.5 TB/s) against ~5 ms for the weights at the copy
-rate (docs/performance.md, profile of session 4). Here each program owns BLOCK_N output columns for ALL
+should run at the speed the weights stream from HBM; the captured step at N=1 spent 8.5 ms in cuBLAS
+(719 kernels). Measured since (docs/performance.md): cuBLAS alone already streams the LLM's weights at
+3.5-3.6 TB/s at 1-32 rows, this kernel reached 3.1-3.6 and won only on the encoder's small GEMMs at one
+row and the text head, and the whole step was 0.5-1.1 ms slower with it. So it is off by default
+(`model.skinny_gemm_rows=0`), kept as the measured alternative. Here each program owns BLOCK_N output columns for ALL
 rows (so each weight element is read exactly once) and a slice of K; the K slices (split-K) exist only to
 put enough programs on the GPU when N is small, and their fp32 partial sums are added by a second kernel
 in a fixed order (no atomics: the result does not depend on scheduling).
@@ -188,8 +190,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state_dict keys) whose few-row products take the weight-streaming
-    kernel. `max_rows` (0 = always F.linear) is set per model by `set_skinny_rows`."""
-    max_rows: int = MAX_ROWS
+    kernel. `max_rows` (0 = always F.linear, the default) is set per model by `set_skinny_rows`."""
+    max_rows: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.max_rows)

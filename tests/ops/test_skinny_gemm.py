@@ -10,13 +10,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _check_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, min_exact: float):
     """y is the fp32 product rounded once to bf16: >= min_exact of the elements equal to the rounded fp32
-    reference, and every element within one bf16 step of it (the fp32 sums differ only in order)."""
+    reference, and every element within half a bf16 step of the fp32 reference plus the fp32 summation's
+    own order error (2^-20 of sum_k |x_k w_k|, which matters where the sum cancels to near zero)."""
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     rounded = ref.to(y.dtype).float()
     exact = (y.float() == rounded).float().mean().item()
-    step = rounded.abs().clamp_min(1e-6) * 2.0 ** -7  # one bf16 step (8 significant bits) at that magnitude
+    magnitude = F.linear(x.float().abs(), w.float().abs())
     assert exact >= min_exact, exact
-    assert ((y.float() - rounded).abs() <= step).all()
+    assert ((y.float() - ref).abs() <= ref.abs() * 2.0 ** -8 + magnitude * 2.0 ** -20).all()
 
 
 @pytest.mark.parametrize("m,k,n,split_k", [(1, 256, 96, None), (5, 384, 200, 3), (33, 512, 64, 1),
