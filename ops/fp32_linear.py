@@ -118,7 +118,7 @@ def split_tf32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 GPU_TILES = (128, 64, 32, 4, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages: best of a sweep (docs/performance.md)
-PRESPLIT_TILES = (128, 128, 16, 8, 4)  # the same for tf32x3w (session 4 sweep: -15% against GPU_TILES)
+PRESPLIT_TILES = (128, 128, 32, 8, 3)  # the same for tf32x3w (session 4 sweep at stage 3: -6% against GPU_TILES)
 
 
 def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,

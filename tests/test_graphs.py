@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from graphs.capture import HOST_FIELDS, StepRunner, step_to_host
+from graphs.regions import regions_bypassed
 from nemo_duplex.frame_step import admit, frame_step, special_ids
 from nemo_duplex.sampling import SamplingParams
 from nemo_duplex.state import allocate_call_state, state_tensors
@@ -88,14 +89,15 @@ def test_graphs_match_eager_teacher_forced(tiny, example_clip):
 
 @torch.no_grad()
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cudagraph-eager"])
+@pytest.mark.parametrize("backend", ["cudagraph-eager", "cudagraph-regions"])
 def test_graphs_match_eager_full_size_bf16(backend):
     """The issue-4 GPU criterion: full size, bf16, 200 teacher-forced frames, 8 calls padded into a
     bucket of 16. Stated bf16 tolerance: every stage within 2e-2 relative (the kernels' bf16 rounding
     differs between captured and eager launches only through cuBLAS choices); a token or code may differ
-    only where eager's top-1/top-2 margin is below 1e-3, and the test reports how many did. The serving
-    back end only: the full-size Inductor build fails on torch 2.11 after 4 minutes (graphs/capture.py
-    says why); the compiled back ends are compared with eager on the CPU above."""
+    only where eager's top-1/top-2 margin is below 1e-3, and the test reports how many did. The hand
+    capture, with and without the Inductor-compiled regions (graphs/regions.py); the whole-step Inductor
+    build fails on torch 2.11 after 4 minutes (graphs/capture.py says why) and is compared with eager on
+    the CPU above."""
     from nemo_duplex.checkpoint import random_model
     from nemo_duplex.config import ModelConfig
 
@@ -117,7 +119,8 @@ def test_graphs_match_eager_full_size_bf16(backend):
         chunk = torch.randn(n_calls, 1280, generator=g) * 0.1
         before = _snapshot(st)
         s, a, f = graphs._padded_inputs(16, slots, chunk, forced)
-        out_e = frame_step(model, st, s, a, f, specials)
+        with regions_bypassed(model):  # the plain eager step, not the compiled regions uncaptured
+            out_e = frame_step(model, st, s, a, f, specials)
         after_e = _snapshot(st)
         _restore(st, before)
         out_g = graphs(slots, chunk, forced)
@@ -251,6 +254,9 @@ def test_compiled_regions_match_eager(tiny, compiler):
             torch.testing.assert_close(out_r.pcm, out_e.pcm[:3], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(out_r.top2, out_e.top2[:3], rtol=1e-5, atol=1e-5)
         assert all(r.failed is None for r in runner.regions), [r.failed for r in runner.regions]
+        with regions_bypassed(model):  # the plain methods for a reference step, the same regions after
+            assert "generate_step" not in model.talker.__dict__
+        assert model.talker.__dict__["generate_step"] is runner.regions[0]
     finally:
         remove_regions(model)
 
