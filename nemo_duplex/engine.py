@@ -187,9 +187,12 @@ class Call:
             return len(self._frames)
 
     # engine side
-    def _oldest_ready(self) -> float | None:
+    def _pacing(self) -> tuple[float | None, float | None, int]:
+        """(arrival of the oldest pending frame or None, arrival of the last frame or None, frames pending),
+        read under one lock: read one at a time, an append landing in between gave "1 pending, oldest
+        None", which crashed the engine thread under load (H200, 128 lockstep calls)."""
         with self._lock:
-            return self._frames[0][1] if self._frames else None
+            return (self._frames[0][1] if self._frames else None), self.last_ready, len(self._frames)
 
     def _take_frame(self):
         with self._lock:
@@ -299,8 +302,7 @@ class Engine:
         with self._lock:
             live = [c for c in self._calls.values() if c.admitted and not c.closed and not c.input_ended]
         now = time.monotonic()
-        wait = coalesce_wait([(c._oldest_ready(), c.last_ready, c.pending_frames) for c in live], now, limit,
-                             self.frame_seconds)
+        wait = coalesce_wait([c._pacing() for c in live], now, limit, self.frame_seconds)
         if wait <= 0:
             return
         deadline = now + wait
@@ -313,7 +315,10 @@ class Engine:
 
     def _run(self) -> None:
         while self._running:
-            self._coalesce()
+            try:
+                self._coalesce()
+            except Exception:  # noqa: BLE001 - coalescing only times the step: a bug in it must not stop the engine
+                traceback.print_exc()
             try:
                 did = self.tick()
             except Exception as e:  # a bug must not leave calls hanging: end every call with the reason
@@ -473,7 +478,7 @@ def coalesce_wait(calls: list[tuple[float | None, float | None, int]], now: floa
     bound nor is waited for: its frames are not paced, and its old frames would otherwise turn
     coalescing off for everyone while an upload runs. A call that has not sent a frame yet has no rhythm
     to go by and is not waited for."""
-    paced = [oldest for oldest, _, pending in calls if pending == 1]
+    paced = [oldest for oldest, _, pending in calls if pending == 1 and oldest is not None]
     if not paced:
         return 0.0
     deadline = min(paced) + limit

@@ -264,6 +264,34 @@ def test_coalesce_wait_rule():
     assert coalesce_wait([(10.000, 10.000, 1), (None, 9.921, 0), upload], 10.003, L, F) == pytest.approx(0.017)
     # ...is never waited for, and alone (or with calls that fell behind) is stepped at once
     assert coalesce_wait([upload, (9.9, 9.99, 2)], 10.003, L, F) == 0.0
+    # an inconsistent reading (one pending, no arrival time) never raises: it took the engine thread
+    # down on the H200 (calls now read all three under one lock, Call._pacing)
+    assert coalesce_wait([(None, 10.0, 1), (None, 9.921, 0)], 10.003, L, F) == 0.0
+    assert coalesce_wait([(None, 10.0, 1), (10.000, 10.000, 1), (None, 9.921, 0)], 10.003, L, F) == pytest.approx(0.017)
+
+
+def test_engine_survives_a_failing_coalesce(tiny, example_clip, monkeypatch):
+    """A bug in the coalescing rule costs that step its wait, not the engine thread: the call is still
+    stepped and completes."""
+    import time
+
+    eng = _engine(tiny, max_calls=1, coalesce_ms=15.0)
+    broken = {"n": 0}
+
+    def coalesce():
+        broken["n"] += 1
+        raise TypeError("a coalescing bug")
+
+    monkeypatch.setattr(eng, "_coalesce", coalesce)
+    eng.start()
+    call = eng.open_call()
+    call.append(example_clip[:1280 * 3].numpy())
+    call.end_input()
+    deadline = time.monotonic() + 60
+    while not call.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert call.closed and call.frames_out == 3 and broken["n"] > 0 and eng._thread.is_alive()
+    eng.stop()
 
 
 def test_engine_runs_all_greedy_batches_without_sampling(tiny, example_clip):
