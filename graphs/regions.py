@@ -11,10 +11,12 @@ Batch sizes: the first call compiles for its shape; the second shape makes the b
 (torch.compile's automatic dynamic shapes), so a set of capture buckets costs about three compiles per
 region (the largest bucket, the dynamic graph, and bucket 1, which is specialised), not one per bucket.
 
-Numerics: at full size in bf16 the compiled MoG passes do not reproduce the plain step: Inductor fuses
-the bf16 ops and keeps their intermediates in fp32 (the likely cause; not isolated), and on the H200 the talker's codes differed from the
-plain step at the first frame for 5 of 8 calls (tests/test_graphs.py, the full-size GPU test). The
-regions are ~1 ms per step faster (docs/performance.md), but the serving default stays the plain capture.
+Numerics: at full size in bf16 the step with these regions does not reproduce the plain step: on the H200
+its text tokens or codes differed at the first frame for 5 of 8 calls, with text margins of 0.47-0.63,
+so not near-ties (tests/test_graphs.py, the full-size GPU test). Not isolated yet: Inductor fuses the bf16
+ops of both regions and may keep intermediates in fp32 that the plain step rounds, and the RNN-T's user
+tokens feed the LLM. The regions are ~1 ms per step faster (docs/performance.md); the serving default
+stays the plain capture.
 
 A region whose compilation fails logs why and runs eagerly from then on: a compiler bug costs speed, not
 the server. Regions are installed on the model instance (the compiled callable shadows the method), so
