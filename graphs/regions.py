@@ -12,11 +12,11 @@ Batch sizes: the first call compiles for its shape; the second shape makes the b
 region (the largest bucket, the dynamic graph, and bucket 1, which is specialised), not one per bucket.
 
 Numerics: at full size in bf16 the step with these regions does not reproduce the plain step: on the H200
-its text tokens or codes differed at the first frame for 5 of 8 calls, with text margins of 0.47-0.63,
-so not near-ties (tests/test_graphs.py, the full-size GPU test). Not isolated yet: Inductor fuses the bf16
-ops of both regions and may keep intermediates in fp32 that the plain step rounds, and the RNN-T's user
-tokens feed the LLM. The regions are ~1 ms per step faster (docs/performance.md); the serving default
-stays the plain capture.
+the talker's codes differed at the first frame for 5 of 8 calls (tests/test_graphs.py, the full-size GPU
+test; the text is computed before any region and its margins there were 0.47-0.63, so the codes, from the
+MoG region, are what differed). Not isolated yet: Inductor fuses the region's bf16 ops and may keep
+intermediates in fp32 that the plain step rounds, and the residual quantisation then picks other codes.
+The regions are ~1 ms per step faster (docs/performance.md); the serving default stays the plain capture.
 
 A region whose compilation fails logs why and runs eagerly from then on: a compiler bug costs speed, not
 the server. Regions are installed on the model instance (the compiled callable shadows the method), so

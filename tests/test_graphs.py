@@ -90,9 +90,9 @@ def test_graphs_match_eager_teacher_forced(tiny, example_clip):
 @torch.no_grad()
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cudagraph-eager", pytest.param("cudagraph-regions", marks=pytest.mark.xfail(
-    reason="H200, session 4: with the compiled regions the step's text tokens or codes differed from the plain "
-           "step at frame 0 for 5 of 8 calls, not at near-ties (text margins 0.47-0.63); cause not isolated "
-           "(graphs/regions.py). Why cudagraph-regions is not the serving default."))])
+    reason="H200, session 4: with the compiled regions the talker's codes differed from the plain step at "
+           "frame 0 for 5 of 8 calls (the text comes before any region; its margins there were 0.47-0.63); "
+           "cause not isolated (graphs/regions.py). Why cudagraph-regions is not the serving default."))])
 def test_graphs_match_eager_full_size_bf16(backend):
     """The issue-4 GPU criterion: full size, bf16, 200 teacher-forced frames, 8 calls padded into a
     bucket of 16. Stated bf16 tolerance: every stage within 2e-2 relative (the kernels' bf16 rounding
