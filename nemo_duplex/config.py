@@ -249,11 +249,6 @@ class ModelConfig:
     target_sample_rate: int = 22050
     frame_length: float = 0.08
     pretrained_llm: str = "nvidia/NVIDIA-Nemotron-Nano-9B-v2"
-    # bf16 GEMMs with at most this many rows take ops/skinny_gemm.py (weight streaming) on CUDA instead of
-    # cuBLAS; 0 = cuBLAS always (the default: on the H200 cuBLAS already streams the LLM's weights at
-    # 3.5 TB/s and the whole step was 0.5-1.1 ms slower with the kernel, docs/performance.md). A runtime
-    # choice like codec.gemm, not a checkpoint field.
-    skinny_gemm_rows: int = 0
 
     @property
     def samples_per_frame_in(self) -> int:  # 1280

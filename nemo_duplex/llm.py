@@ -25,7 +25,6 @@ from nemo_duplex.config import LLMConfig
 from ops.decode_attention import decode_attention
 from ops.mamba_step import mamba_step
 from ops.rmsnorm import rms_norm
-from ops.skinny_gemm import Linear
 
 MAMBA, ATTENTION, MLP_KIND = "M", "*", "-"  # hybrid_override_pattern letters (spec 3.2)
 
@@ -116,13 +115,13 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = cfg.mamba_conv_dim
         self.kernel = cfg.conv_kernel
         # in_proj output order: z | xBC | dt (spec 3.3)
-        self.in_proj = Linear(cfg.hidden_size, self.d_inner + self.conv_dim + self.num_heads, bias=False)
+        self.in_proj = nn.Linear(cfg.hidden_size, self.d_inner + self.conv_dim + self.num_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=True)
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
         self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.n_groups, cfg.layer_norm_epsilon)
-        self.out_proj = Linear(self.d_inner, cfg.hidden_size, bias=False)
+        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=False)
 
     def _split_proj(self, proj: torch.Tensor):
         return proj.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)  # z, xBC, dt_raw
@@ -179,10 +178,10 @@ class Attention(nn.Module):
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def _qkv(self, x: torch.Tensor):
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
@@ -235,8 +234,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.square(F.relu(self.up_proj(x))))

@@ -21,7 +21,6 @@ from .llm import NemotronH
 from .rnnt import RNNTDecoder, RNNTJoint, rnnt_greedy_decode
 from .sampling import SamplingParams, sample_text
 from .talker import EarTTS
-from ops.skinny_gemm import Linear, set_skinny_rows
 
 
 class STTModel(nn.Module):
@@ -35,9 +34,9 @@ class STTModel(nn.Module):
             self.rnnt_joint = RNNTJoint(cfg.rnnt, cfg.encoder.d_model)
         self.llm = NemotronH(cfg.llm)
         self.embed_tokens = nn.Embedding(cfg.llm.vocab_size, cfg.llm.hidden_size)
-        self.lm_head = Linear(cfg.llm.hidden_size, cfg.llm.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.llm.hidden_size, cfg.llm.vocab_size, bias=False)
         if cfg.llm.use_function_head:
-            self.function_head = Linear(cfg.llm.hidden_size, cfg.llm.vocab_size, bias=False)
+            self.function_head = nn.Linear(cfg.llm.hidden_size, cfg.llm.vocab_size, bias=False)
 
 
 class TTSModel(nn.Module):
@@ -61,7 +60,6 @@ class VoiceChat(nn.Module):
         self.cfg = cfg
         self.stt_model = STTModel(cfg)
         self.tts_model = TTSModel(cfg)
-        set_skinny_rows(self, cfg.skinny_gemm_rows)
 
     # ---- parts, by what they are -------------------------------------------------------------------
     @property

@@ -18,7 +18,6 @@ import torch
 import torch.nn as nn
 
 from nemo_duplex.config import RNNTConfig
-from ops.skinny_gemm import Linear
 
 
 def _fill_normal_(tensor: torch.Tensor, std: float, generator: torch.Generator, mean: float = 0.0) -> None:
@@ -159,9 +158,9 @@ class RNNTJoint(nn.Module):
 
     def __init__(self, cfg: RNNTConfig, encoder_hidden: int):
         super().__init__()
-        self.enc = Linear(encoder_hidden, cfg.joint_hidden)
-        self.pred = Linear(cfg.pred_hidden, cfg.joint_hidden)
-        self.joint_net = nn.Sequential(nn.ReLU(), nn.Dropout(0.0), Linear(cfg.joint_hidden, cfg.vocab_size + 1))
+        self.enc = nn.Linear(encoder_hidden, cfg.joint_hidden)
+        self.pred = nn.Linear(cfg.pred_hidden, cfg.joint_hidden)
+        self.joint_net = nn.Sequential(nn.ReLU(), nn.Dropout(0.0), nn.Linear(cfg.joint_hidden, cfg.vocab_size + 1))
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator):

@@ -19,7 +19,6 @@ from torch import nn
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
 from ops.decode_attention import decode_attention
 from ops.rmsnorm import rms_norm, rms_norm_rope
-from ops.skinny_gemm import Linear
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
 DEFAULT_BOS_ID, DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 2, 12
@@ -67,9 +66,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
@@ -107,10 +106,10 @@ class Gemma3Attention(nn.Module):
     def __init__(self, cfg: GemmaConfig, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         full = cfg.is_full_attention(layer)
@@ -242,10 +241,10 @@ class CharEncoderAttention(nn.Module):
     def __init__(self, cfg: CASConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.rope_theta = cfg.rope_theta
         self.scale = cfg.query_pre_attn_scalar ** -0.5
         self.softcap = cfg.attn_logit_softcapping
@@ -340,7 +339,7 @@ class CharAwareSubwordEncoder(nn.Module):
         self.num_chars = cfg.num_chars
         self.embed_tokens = nn.Embedding(cfg.num_chars + 1, cfg.hidden_size)  # last row: pad char
         self.backbone = nn.ModuleDict({"encoder": CharEncoder(cfg)})  # official path: T5GemmaEncoderModel.encoder
-        self.proj_embedding = Linear(cfg.hidden_size, out_size, bias=False)
+        self.proj_embedding = nn.Linear(cfg.hidden_size, out_size, bias=False)
         self.subword_flag_emb = SubwordFlagEmbedding(vocab_size, out_size)
         self.bos_eos_emb = BOSEOSEmbedding(vocab_size, out_size)
         self.register_buffer("char_ids", torch.full((vocab_size, 1), cfg.num_chars, dtype=torch.long), persistent=False)
@@ -373,8 +372,8 @@ class GatedProjectedSumRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, num_quantizers: int, eps: float = 1e-6):
         super().__init__()
         self.num_quantizers = num_quantizers
-        self.audio_proj = Linear(hidden_size, hidden_size)
-        self.text_proj = Linear(hidden_size, hidden_size)
+        self.audio_proj = nn.Linear(hidden_size, hidden_size)
+        self.text_proj = nn.Linear(hidden_size, hidden_size)
         self.gate = nn.Parameter(torch.zeros(hidden_size))
         self.residual_scale = nn.Parameter(torch.tensor(0.0))
         self.final_norm = GemmaRMSNorm(hidden_size, eps)
@@ -412,10 +411,10 @@ class MoGHead(nn.Module):
         self.num_predictions, self.low_rank, self.min_log_std = cfg.num_predictions, cfg.low_rank, cfg.min_log_std
         self.mlp_stack = nn.Sequential(*[MoGLayer(hidden_size, cfg.intermediate_size, cfg.eps) for _ in range(cfg.num_layers)],
                                        GemmaRMSNorm(hidden_size, cfg.eps))
-        self.proj_logits = Linear(hidden_size, cfg.num_predictions, bias=False)
-        self.proj_mus = Linear(hidden_size, cfg.num_predictions * cfg.low_rank, bias=False)
-        self.proj_logs = Linear(hidden_size, 1, bias=False)
-        self.proj_else = Linear(hidden_size, latent_size, bias=False)
+        self.proj_logits = nn.Linear(hidden_size, cfg.num_predictions, bias=False)
+        self.proj_mus = nn.Linear(hidden_size, cfg.num_predictions * cfg.low_rank, bias=False)
+        self.proj_logs = nn.Linear(hidden_size, 1, bias=False)
+        self.proj_else = nn.Linear(hidden_size, latent_size, bias=False)
         self.low_mat = nn.Parameter(torch.zeros(cfg.num_predictions, latent_size, cfg.low_rank))
 
     def component_mean(self, x: torch.Tensor, component: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,7 +477,7 @@ class EarTTS(nn.Module):
         self.vocab_size = vocab_size
         hidden = cfg.backbone.hidden_size
         self.backbone = Gemma3Backbone(cfg.backbone)
-        self.embed_code = Linear(cfg.latent_size, hidden, bias=False)
+        self.embed_code = nn.Linear(cfg.latent_size, hidden, bias=False)
         self.bos_emb = nn.Parameter(torch.zeros(hidden))
         self.null_emb = nn.Parameter(torch.zeros(hidden))
         # frozen projection used only to build a latent from prompt audio; the stored speaker latent replaces it

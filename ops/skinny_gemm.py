@@ -4,8 +4,9 @@ Why: a frame step multiplies a few rows per call by ~21 GB of bf16 weights, so a
 should run at the speed the weights stream from HBM; the captured step at N=1 spent 8.5 ms in cuBLAS
 (719 kernels). Measured since (docs/performance.md): cuBLAS alone already streams the LLM's weights at
 3.5-3.6 TB/s at 1-32 rows, this kernel reached 3.1-3.6 and won only on the encoder's small GEMMs at one
-row and the text head, and the whole step was 0.5-1.1 ms slower with it. So it is off by default
-(`model.skinny_gemm_rows=0`), kept as the measured alternative. Here each program owns BLOCK_N output columns for ALL
+row and the text head, and the whole step was 0.5-1.1 ms slower with it (every Linear of the LLM, heads, talker and RNN-T through
+it, commit c884f45). So no model code uses it; it stays with its benchmark (scripts/bench_ops.py --only
+skinny) as the measured alternative. Here each program owns BLOCK_N output columns for ALL
 rows (so each weight element is read exactly once) and a slice of K; the K slices (split-K) exist only to
 put enough programs on the GPU when N is small, and their fp32 partial sums are added by a second kernel
 in a fixed order (no atomics: the result does not depend on scheduling).
@@ -22,7 +23,6 @@ import os
 from typing import Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
@@ -172,7 +172,7 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def use_skinny(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+def use_skinny(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """The Triton path for bf16/fp16 on CUDA (or under TRITON_INTERPRET=1) with at most `max_rows` rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (0 < rows <= min(max_rows, MAX_ROWS) and x.dtype in (torch.bfloat16, torch.float16)
@@ -180,28 +180,9 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
             and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           max_rows: int = MAX_ROWS) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  max_rows: int = MAX_ROWS) -> torch.Tensor:
     """F.linear, through the weight-streaming kernel where `use_skinny` says so."""
     if use_skinny(x, weight, max_rows):
         return skinny_gemm_op(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state_dict keys) whose few-row products take the weight-streaming
-    kernel. `max_rows` (0 = always F.linear, the default) is set per model by `set_skinny_rows`."""
-    max_rows: int = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.max_rows)
-
-
-def set_skinny_rows(model: nn.Module, max_rows: int) -> int:
-    """Every `Linear` of `model` takes the kernel up to `max_rows` rows (0: never). Returns how many."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.max_rows = max_rows
-            count += 1
-    return count

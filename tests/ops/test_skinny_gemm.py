@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.skinny_gemm import Linear, MAX_ROWS, linear, set_skinny_rows, skinny_gemm_triton, use_skinny
+from ops.skinny_gemm import MAX_ROWS, skinny_gemm_triton, skinny_linear, use_skinny
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,22 +42,18 @@ def test_splits_do_not_change_the_result_order_dependence_is_fixed():
         assert torch.equal(skinny_gemm_triton(x, w, split_k=split_k), skinny_gemm_triton(x, w, split_k=split_k))
 
 
-def test_linear_module_dispatch_and_state_dict():
-    """`Linear` keeps nn.Linear's keys; it takes the kernel only for bf16/fp16 with few enough rows, and
-    set_skinny_rows(0) sends everything to F.linear."""
-    layer = Linear(64, 48, bias=False).to(DEVICE)
-    assert list(layer.state_dict()) == ["weight"]
-    x32 = torch.randn(3, 64, device=DEVICE)
-    assert not use_skinny(x32, layer.weight, MAX_ROWS)  # fp32: F.linear
-    layer = layer.bfloat16()
-    x = x32.bfloat16()
+def test_dispatch_takes_the_kernel_only_for_few_half_precision_rows():
+    """skinny_linear takes the kernel for bf16/fp16 with at most max_rows rows (on CUDA or under the
+    interpreter), else F.linear."""
+    w = torch.randn(48, 64, device=DEVICE).bfloat16()
+    x = torch.randn(3, 64, device=DEVICE).bfloat16()
     interpret_or_cuda = DEVICE == "cuda" or __import__("os").environ.get("TRITON_INTERPRET") == "1"
-    assert use_skinny(x, layer.weight, MAX_ROWS) == interpret_or_cuda
-    assert not use_skinny(torch.randn(MAX_ROWS + 1, 64, device=DEVICE).bfloat16(), layer.weight, MAX_ROWS)
-    assert set_skinny_rows(torch.nn.Sequential(layer, torch.nn.Linear(2, 2)), 0) == 1
-    assert not use_skinny(x, layer.weight, layer.max_rows)
-    assert torch.equal(layer(x), F.linear(x, layer.weight))
-    _check_bf16(linear(x, layer.weight), x, layer.weight, None, min_exact=0.95)
+    assert use_skinny(x, w) == interpret_or_cuda
+    assert not use_skinny(x.float(), w.float())
+    assert not use_skinny(torch.randn(MAX_ROWS + 1, 64, device=DEVICE).bfloat16(), w)
+    assert not use_skinny(x, w, max_rows=0)
+    assert torch.equal(skinny_linear(x, w, max_rows=0), F.linear(x, w))
+    _check_bf16(skinny_linear(x, w), x, w, None, min_exact=0.95)
 
 
 @pytest.mark.gpu
