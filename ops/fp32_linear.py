@@ -109,12 +109,37 @@ def round_tf32(t: torch.Tensor) -> torch.Tensor:
     return ((t.contiguous().view(torch.int32) + 0x1000) & -8192).view(torch.float32)
 
 
-def split_tf32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 w -> (w_hi, w_lo), both [N, K] contiguous fp32 TF32 values (what the tensor cores take
-    exactly): w_hi = w rounded to TF32's 10 mantissa bits, w_lo = w - w_hi (exact in fp32, |w_lo| <=
-    2^-11 |w|, signed) rounded to TF32 again."""
+def split_tf32_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = round_tf32(weight)
     return hi, round_tf32(weight - hi)
+
+
+@triton.jit
+def _split_tf32_kernel(w_ptr, hi_ptr, lo_ptr, numel, K, stride_wn, stride_wk, BLOCK: tl.constexpr):
+    """Both halves in one pass over w (any 2-D strides), written contiguous [N, K]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    w = tl.load(w_ptr + (offs // K) * stride_wn + (offs % K) * stride_wk, mask=mask, other=0.0)
+    hi = _round_tf32(w)
+    tl.store(hi_ptr + offs, hi, mask=mask)
+    tl.store(lo_ptr + offs, _round_tf32(w - hi), mask=mask)
+
+
+def split_tf32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 w [N, K] -> (w_hi, w_lo), both [N, K] contiguous fp32 TF32 values (what the tensor cores take
+    exactly): w_hi = w rounded to TF32's 10 mantissa bits, w_lo = w - w_hi (exact in fp32, |w_lo| <=
+    2^-11 |w|, signed) rounded to TF32 again. One kernel on CUDA (or under the interpreter): in torch
+    the split is five elementwise kernels and ~11 passes over the weight, and `tf32x3w` splits the codec's
+    ~92 M decoder weights on every frame step (the pre-split GEMM kernel takes them as given)."""
+    if not use_triton(weight):
+        return split_tf32_reference(weight)
+    n, k = weight.shape
+    hi = torch.empty(n, k, device=weight.device, dtype=torch.float32)
+    lo = torch.empty_like(hi)
+    block = 1024
+    _split_tf32_kernel[(triton.cdiv(n * k, block),)](weight, hi, lo, n * k, k, weight.stride(0), weight.stride(1),
+                                                      BLOCK=block)
+    return hi, lo
 
 
 GPU_TILES = (128, 64, 32, 4, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages: best of a sweep (docs/performance.md)

@@ -54,6 +54,18 @@ def test_split_tf32_rounds_to_nearest():
     assert (lo_positive > 0).any() and (lo_positive < 0).any()
 
 
+def test_split_kernel_equals_the_torch_split():
+    """The one-pass split kernel gives the torch statement's hi and lo bit for bit, also from a transposed
+    (non-contiguous) weight, the codec's upsampling layout."""
+    from ops.fp32_linear import split_tf32, split_tf32_reference
+
+    w = torch.randn(37, 70, generator=torch.Generator().manual_seed(4)).to(DEVICE) * 5
+    for weight in (w, w.t()):
+        hi, lo = split_tf32(weight)
+        ref_hi, ref_lo = split_tf32_reference(weight.contiguous())
+        assert hi.is_contiguous() and torch.equal(hi, ref_hi) and torch.equal(lo, ref_lo)
+
+
 def test_strided_weight_and_launcher():
     """A transposed weight view (the codec's upsampling matmul) and a non-contiguous x are accepted."""
     gen = torch.Generator().manual_seed(5)
