@@ -33,9 +33,10 @@ def models(tiny):
     return ModelSet.from_fp32(model, tok, rnnt_vocab, BF16)
 
 
-def _clip(folder: Path, name: str, audio: torch.Tensor) -> Clip:
-    """A WAV clip from the example speech plus fresh noise (a new draw every run)."""
-    wav = audio.numpy() + 0.01 * np.random.default_rng().standard_normal(audio.shape[0]).astype(np.float32)
+def _clip(folder: Path, name: str, audio: torch.Tensor, seed: int | None = None) -> Clip:
+    """A WAV clip from the example speech plus noise: a fresh draw every run unless `seed` is given."""
+    noise = np.random.default_rng(seed).standard_normal(audio.shape[0]).astype(np.float32)
+    wav = audio.numpy() + 0.01 * noise
     path = folder / f"{name}.wav"
     write_wav(path, wav, 16000)
     return Clip(name=name, kind="user", path=str(path), text=None, duration_s=len(wav) / 16000, sample_rate=16000)
@@ -72,9 +73,10 @@ def test_encoder_parity_passes_and_catches_a_wrong_attention_window(tmp_path, mo
 # --- margins ----------------------------------------------------------------------------------------
 
 def test_margins_passes_and_catches_a_wrong_channel_weight(tmp_path, models, example_clip, monkeypatch):
-    # 48 frames: the tiny model's bf16 near-ties come at a few per cent of frames with fresh noise each run
-    # (1-2 of 48, 0-2 of 24 measured), so 24 frames put the 10% bound at 2 and failed now and then on 3
-    clip = _clip(tmp_path, "speech", example_clip[20 * 1280: 68 * 1280])
+    # One fixed noise draw: the tiny model's bf16 near-ties vary with the draw (frames where bf16 decided
+    # otherwise, of 48, for noise seeds 0-5: 4, 3, 0, 1, 1, 0; a fresh draw reached 5 and failed the 10%
+    # bound in CI), so fresh draws made this test fail now and then. Seed 3 is a typical draw (1 of 48).
+    clip = _clip(tmp_path, "speech", example_clip[20 * 1280: 68 * 1280], seed=3)
     ctx = _ctx(tmp_path, [clip], models)
     good = margins(ctx, CRITERIA["margins"])
     assert good.status == PASS, good.reason
