@@ -14,8 +14,11 @@ region (the largest bucket, the dynamic graph, and bucket 1, which is specialise
 Numerics: at full size in bf16 the step with these regions does not reproduce the plain step: on the H200
 the talker's codes differed at the first frame for 5 of 8 calls (tests/test_graphs.py, the full-size GPU
 test; the text is computed before any region and its margins there were 0.47-0.63, so the codes, from the
-MoG region, are what differed). Not isolated yet: Inductor fuses the region's bf16 ops and may keep
-intermediates in fp32 that the plain step rounds, and the residual quantisation then picks other codes.
+MoG region, are what differed). The same happens on the CPU with the tiny model in bf16 (codes differed
+in 51 of 120 rows over 20 frames; 24 with Inductor's `emulate_precision_casts`), so it is the compiled
+arithmetic, not the capture: Inductor fuses the region's bf16 ops (keeping some intermediates in fp32
+that eager rounds, and its own exp/erf and reduction order), and the residual quantisation then picks
+other codes where the nearest codewords are close. Whether every flip is such a near-tie is not measured.
 The regions are ~1 ms per step faster (docs/performance.md); the serving default stays the plain capture.
 
 A region whose compilation fails logs why and runs eagerly from then on: a compiler bug costs speed, not

@@ -15,7 +15,9 @@ Every caller sends the same input (loadtest.clip looped to loadtest.duration_s; 
 over the native protocol (/generate/ws: binary PCM both ways, the lightest of our protocols), one 80 ms
 append at a time on an absolute schedule (append k leaves at origin + k * 80 ms), then end_input. The
 callers start together ("lockstep") or spread over loadtest.stagger_s ("staggered"); optionally a
-loadtest.upload_s WAV is POSTed to /generate every loadtest.upload_every_s, sharing the GPU.
+loadtest.upload_s WAV is POSTed to /generate every loadtest.upload_every_s, sharing the GPU: in every run
+(loadtest.uploads=true), or after the sweep in one more staggered run per N of loadtest.upload_runs on the
+same server ("staggered+uploads"), whose lag p99 is compared with the sweep's staggered run of that N.
 
 Per run (one start mode, one N):
   server lag      per frame, from the packet header: the frame's last input received -> its packet sent
@@ -340,7 +342,7 @@ def judge(records: list[CallRecord], n_frames: int, jitter_buffer_ms: float) -> 
 def sustained(rows: list[dict]) -> dict[str, int]:
     """Per start mode: the largest N such that every N' <= N in the sweep was real time (0 if none)."""
     out = {}
-    for start in dict.fromkeys(r["start"] for r in rows):
+    for start in dict.fromkeys(r["start"] for r in rows if r["start"] != UPLOADS_START):
         best = 0
         for r in sorted((r for r in rows if r["start"] == start), key=lambda r: r["n_calls"]):
             if not r.get("real_time"):
@@ -361,7 +363,8 @@ def start_offsets(start: str, n: int, stagger_s: float) -> list[float]:
     raise ValueError(f"loadtest.starts: 'lockstep' or 'staggered', got {start!r}")
 
 
-async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, server_pid: int | None) -> dict:
+async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, server_pid: int | None,
+                   uploads: bool) -> dict:
     import aiohttp
 
     from nemo_duplex.audio import encode_wav
@@ -372,7 +375,7 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
     origin = t0 + float(lt.lead_s)   # connections are made before the schedule starts
     offsets = start_offsets(start, n, float(lt.stagger_s))
     samples: list[dict] = []
-    uploads: list[UploadRecord] = []
+    upload_records: list[UploadRecord] = []
     stop_polling, stop_uploads = asyncio.Event(), asyncio.Event()
     limit = float(lt.lead_s) + max(offsets) + n_frames * FRAME_S + float(lt.run_timeout_s)
     connector = aiohttp.TCPConnector(limit=0)   # the default pool (100) would queue callers
@@ -380,11 +383,11 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
         poller = asyncio.create_task(poll_server(http, url, float(lt.metrics_every_s), stop_polling, server_pid,
                                                  samples))
         uploader = None
-        if lt.uploads:
+        if uploads:
             upcm, _ = load_input(lt.clip, float(lt.upload_s))
             wav = encode_wav(np.frombuffer(upcm, "<i2").astype(np.float32) / 32768.0, 16000)
             uploader = asyncio.create_task(upload_loop(http, url, wav, float(lt.upload_every_s), stop_uploads,
-                                                       int(lt.seed), uploads))
+                                                       int(lt.seed), upload_records))
         calls = [asyncio.create_task(paced_call(http, ws_url, i, pcm, t0 + off, origin + off, int(lt.seed)))
                  for i, off in enumerate(offsets)]
         done, pending = await asyncio.wait(calls, timeout=limit)
@@ -415,13 +418,35 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
     mem = [s["gpu_memory_bytes"] for s in samples if s.get("gpu_memory_bytes")]
     row["gpu_memory_bytes"] = max(mem) if mem else None
     row["gpu_memory_per_call_mib"] = round(max(mem) / n / 2 ** 20, 1) if mem else None
-    if lt.uploads:
-        ok = [u for u in uploads if u.error is None and u.finished is not None]
-        row["uploads"] = {"started": len(uploads), "failed": len(uploads) - len(ok),
+    if uploads:
+        ok = [u for u in upload_records if u.error is None and u.finished is not None]
+        row["uploads"] = {"started": len(upload_records), "failed": len(upload_records) - len(ok),
                           "seconds": pct([u.finished - u.started for u in ok], (50,))}
     row["timeline"] = tl
     row["records"] = records
     return row
+
+
+UPLOADS_START = "staggered+uploads"  # the start label of loadtest.upload_runs' runs
+
+
+def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
+    """Keep a finished run: its packets, the results files (rewritten), W&B, one line on stdout."""
+    save_calls(out, row)
+    rows.append(row)
+    write_results(out, rows, meta)
+    if run is not None:
+        run.log(wandb_scalars(row))
+    s = row["server_lag_ms"]
+    extra = ""
+    if "uploads" in row:
+        extra = f", uploads {row['uploads']['started'] - row['uploads']['failed']}/{row['uploads']['started']} done"
+    if row.get("lag_p99_vs_without_uploads") is not None:
+        extra += f", lag p99 {row['lag_p99_vs_without_uploads']}x the run without"
+    print(f"{row['start']:>9} N={row['n_calls']:<4} real time {'yes' if row['real_time'] else 'NO '} failed "
+          f"{row['failed_calls']} lag p50/p99 {s['p50']}/{s['p99']} ms, lateness p99 "
+          f"{row['lateness_ms']['p99']} ms, step {row['step_ms']['mean']} ms, batch {row['batch']['mean']}{extra}",
+          flush=True)
 
 
 def _mean(weighted: list[float], weights: list[float]) -> float | None:
@@ -510,9 +535,16 @@ async def wait_idle(url: str, timeout_s: float) -> None:
 # =====================================================================================================
 # Reporting
 # =====================================================================================================
+def _uploads_mode(meta: dict) -> str:
+    if meta["uploads"]:
+        return "on in every run"
+    runs = meta.get("upload_runs") or []
+    return f"in one more staggered run at N = {', '.join(map(str, runs))}" if runs else "off"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"input sha256 {meta['input_sha256'][:16]}, {meta['duration_s']:g} s per call, jitter buffer "
-             f"{meta['jitter_buffer_ms']:g} ms, uploads {'on' if meta['uploads'] else 'off'}; server: "
+             f"{meta['jitter_buffer_ms']:g} ms, uploads {_uploads_mode(meta)}; server: "
              f"{' '.join(meta['server_overrides']) or meta['url']}", "",
              "| start | N | real time | failed | server lag p50 / p95 / p99 ms | lateness p99 ms | late pkts "
              "| first audio p50 ms | drain p50 ms | step ms (mean / max) | gather + prep / device / dispatch ms "
@@ -533,6 +565,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"{f(r['batch']['mean'])} / {f(r.get('padded_batch'))} | {f(r['gpu_memory_per_call_mib'])} |")
     lines += ["", "Sustained (largest N with every N' <= N real time): "
               + ", ".join(f"{k} {v}" for k, v in sustained([r for r in rows if not r.get("skipped")]).items())]
+    for r in rows:
+        if "uploads" in r:
+            u = r["uploads"]
+            ratio = r.get("lag_p99_vs_without_uploads")
+            lines.append(f"Uploads in the {r['start']} run at N={r['n_calls']}: {u['started']} started, {u['failed']} "
+                         f"failed, median {u['seconds'].get('p50') if u['seconds'] else '-'} s each"
+                         + (f"; live lag p99 {ratio}x the same N without uploads" if ratio is not None else ""))
     return "\n".join(lines)
 
 
@@ -646,7 +685,9 @@ def main(cfg: DictConfig) -> None:
     out = output_dir(cfg)
     sizes = sorted(int(n) for n in lt.n_calls)
     pcm, digest = load_input(lt.clip, float(lt.duration_s))
-    longest = max(float(lt.duration_s), float(lt.upload_s) if lt.uploads else 0.0)
+    upload_runs = sorted(int(n) for n in (lt.upload_runs or []))
+    any_uploads = bool(lt.uploads) or bool(upload_runs)
+    longest = max(float(lt.duration_s), float(lt.upload_s) if any_uploads else 0.0)
     if float(lt.max_call_s) < longest + 1:
         raise SystemExit(f"loadtest.max_call_s = {lt.max_call_s} must exceed the calls (duration_s "
                          f"{lt.duration_s}, upload_s {lt.upload_s}) by a second")
@@ -654,13 +695,13 @@ def main(cfg: DictConfig) -> None:
     overrides: list[str] = []
     url = lt.url
     if url is None:
-        max_calls = max(sizes) + (int(lt.extra_calls) if lt.uploads else 0)
+        max_calls = max(sizes + upload_runs) + (int(lt.extra_calls) if any_uploads else 0)
         overrides = server_overrides(cfg, list(HydraConfig.get().overrides.task), max_calls)
         server = ServerProcess(overrides, out / "server.log")
         print(f"starting the server: {' '.join(overrides)}", flush=True)
     meta = {"url": url or "", "server_overrides": overrides, "input_sha256": digest,
             "duration_s": len(pcm) / 2 / 16000, "jitter_buffer_ms": float(lt.jitter_buffer_ms),
-            "uploads": bool(lt.uploads),
+            "uploads": bool(lt.uploads), "upload_runs": upload_runs,
             "planned_state_bytes_per_call": bytes_per_call(model_config(cfg), float(lt.max_call_s)).total,
             "server_max_call_s": float(lt.max_call_s)}
     rows: list[dict] = []
@@ -684,18 +725,22 @@ def main(cfg: DictConfig) -> None:
                     rows.append({"start": start, "n_calls": n, "skipped": "loadtest.time_budget_s"})
                     continue
                 asyncio.run(wait_idle(url, 60.0))
-                row = asyncio.run(run_once(url, lt, start, n, pcm, server.proc.pid if server else None))
-                save_calls(out, row)
-                rows.append(row)
+                row = asyncio.run(run_once(url, lt, start, n, pcm, server.proc.pid if server else None,
+                                           bool(lt.uploads)))
                 late_seen = late_seen or not row["real_time"]
-                write_results(out, rows, meta)
-                if run is not None:
-                    run.log(wandb_scalars(row))
-                s = row["server_lag_ms"]
-                print(f"{start:>9} N={n:<4} real time {'yes' if row['real_time'] else 'NO '} failed "
-                      f"{row['failed_calls']} lag p50/p99 {s['p50']}/{s['p99']} ms, lateness p99 "
-                      f"{row['lateness_ms']['p99']} ms, step {row['step_ms']['mean']} ms, batch "
-                      f"{row['batch']['mean']}", flush=True)
+                record_run(out, rows, row, meta, run)
+        for n in upload_runs:  # the same server, N staggered calls again, now beside the uploads
+            if time.monotonic() - began + float(lt.stagger_s) + len(pcm) / 2 / 16000 + 10.0 > float(lt.time_budget_s):
+                rows.append({"start": UPLOADS_START, "n_calls": n, "skipped": "loadtest.time_budget_s"})
+                continue
+            asyncio.run(wait_idle(url, 60.0))
+            row = asyncio.run(run_once(url, lt, "staggered", n, pcm, server.proc.pid if server else None, True))
+            row["start"] = UPLOADS_START
+            without = [r for r in rows if r["start"] == "staggered" and r["n_calls"] == n and not r.get("skipped")]
+            if without and without[0]["server_lag_ms"]["p99"] and row["server_lag_ms"]["p99"] is not None:
+                row["lag_p99_vs_without_uploads"] = round(row["server_lag_ms"]["p99"]
+                                                          / without[0]["server_lag_ms"]["p99"], 3)
+            record_run(out, rows, row, meta, run)
     finally:
         if server is not None:
             server.stop()

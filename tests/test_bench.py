@@ -102,6 +102,9 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "scripts/bench.py"), "model.weights=random",
                         "loadtest.n_calls=[2]", "loadtest.starts=[lockstep,staggered]", "loadtest.duration_s=1.2",
                         "loadtest.stagger_s=0.5", "loadtest.lead_s=0.5", "loadtest.max_call_s=5",
+                        # then the staggered run again beside uploads, on the same server
+                        "loadtest.upload_runs=[2]", "loadtest.upload_s=1.2", "loadtest.upload_every_s=0.6",
+                        "loadtest.extra_calls=2",
                         "wandb.mode=offline", f"loadtest.out={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
                        capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -111,14 +114,22 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
     n_frames = 15   # 1.2 s of 80 ms frames
     assert result["duration_s"] == pytest.approx(1.2)
     assert len(result["input_sha256"]) == 64
-    assert [(x["start"], x["n_calls"]) for x in result["runs"]] == [("lockstep", 2), ("staggered", 2)]
+    assert [(x["start"], x["n_calls"]) for x in result["runs"]] == [("lockstep", 2), ("staggered", 2),
+                                                                     ("staggered+uploads", 2)]
+    with_uploads = result["runs"][2]
+    assert with_uploads["uploads"]["started"] >= 1 and with_uploads["uploads"]["failed"] == 0
+    assert with_uploads["lag_p99_vs_without_uploads"] == pytest.approx(
+        with_uploads["server_lag_ms"]["p99"] / result["runs"][1]["server_lag_ms"]["p99"], rel=1e-2)
+    assert set(result["sustained"]) == {"lockstep", "staggered"}   # the uploads run is not part of the sweep
+    assert "Uploads in the staggered+uploads run at N=2: " in (out / "summary.md").read_text()
     for run in result["runs"]:
         assert run["failed_calls"] == 0, run["failures"]
         assert run["frames_expected"] == run["frames_received"] == 2 * n_frames
         for key in ("server_lag_ms", "client_lag_ms", "lateness_ms"):
             assert all(run[key][q] is not None for q in ("p50", "p95", "p99", "max")), key
         assert run["drain_ms"]["p50"] is not None and run["first_packet_ms"]["p50"] is not None
-        assert run["step_ms"]["mean"] > 0 and 1.0 <= run["batch"]["mean"] <= 2.0
+        # an upload is one more row of the batch while it runs (at most loadtest.extra_calls at a time)
+        assert run["step_ms"]["mean"] > 0 and 1.0 <= run["batch"]["mean"] <= 2.0 + 2 * ("uploads" in run)
         # the phases are parts of the step (eager on the CPU: no padding)
         assert run["device_ms"] > 0 and run["prep_ms"] > 0 and run["dispatch_ms"] >= 0 and run["gather_ms"] >= 0
         assert run["prep_ms"] + run["device_ms"] + run["dispatch_ms"] <= run["step_ms"]["mean"] * 1.05 + 1
