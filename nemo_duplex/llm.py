@@ -24,7 +24,7 @@ from torch import nn
 from nemo_duplex.config import LLMConfig
 from ops.decode_attention import decode_attention
 from ops.mamba_step import mamba_step
-from ops.rmsnorm import rms_norm
+from ops.rmsnorm import add_rms_norm, rms_norm
 
 MAMBA, ATTENTION, MLP_KIND = "M", "*", "-"  # hybrid_override_pattern letters (spec 3.2)
 
@@ -328,8 +328,8 @@ class NemotronH(nn.Module):
         Returns h [B, H] after norm_f. The caller advances lengths."""
         if use_kernels is None:
             use_kernels = x.is_cuda
+        h = self.layers[0].norm(x)
         for i, layer in enumerate(self.layers):
-            h = layer.norm(x)
             if layer.kind == MAMBA:
                 j = self.pool_row[i]
                 h = layer.mixer.step(h, cache.conv[j], cache.ssm[j], slots, use_kernels)
@@ -338,8 +338,10 @@ class NemotronH(nn.Module):
                 h = layer.mixer.step(h, cache.k[j], cache.v[j], slots, lengths, use_kernels)
             else:
                 h = layer.mixer(h)
-            x = x + h
-        return self.norm_f(x)
+            # the residual add and the next block's norm (or norm_f) in one kernel on CUDA: x + h, norm(x + h)
+            following = self.layers[i + 1].norm if i + 1 < len(self.layers) else self.norm_f
+            x, h = add_rms_norm(x, h, following.weight, following.eps)
+        return h
 
     # ---- random weights ----
 

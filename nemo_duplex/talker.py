@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
 from ops.decode_attention import decode_attention
-from ops.rmsnorm import rms_norm, rms_norm_rope
+from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
 DEFAULT_BOS_ID, DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 2, 12
@@ -42,6 +42,12 @@ class GemmaRMSNorm(nn.Module):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + norm(x), the norm rounded to the compute dtype first (fused on CUDA)."""
         return rms_norm(x, self.weight, self.eps, offset=1.0, residual=residual)
+
+    def add_to_then(self, residual: torch.Tensor, x: torch.Tensor, following: "GemmaRMSNorm"):
+        """(s, following(s)) with s = add_to(residual, x): a block's post-norm and residual add and the next
+        block's pre-norm, one kernel on CUDA (ops/rmsnorm.py add_rms_norm)."""
+        return add_rms_norm(residual, x, following.weight, following.eps, offset=1.0, delta_weight=self.weight,
+                            delta_eps=self.eps)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,9 +183,13 @@ class Gemma3Layer(nn.Module):
         x = x + self.post_attention_layernorm(attn)
         return self.feed_forward(x), k, v
 
-    def step(self, x, positions, pool_k, pool_v, rows, rope=None, lengths=None):
-        attn = self.self_attn.step(self.input_layernorm(x), positions, pool_k, pool_v, rows, rope, lengths)
-        return self.feed_forward(self.post_attention_layernorm.add_to(x, attn))
+    def step(self, x, h, following, positions, pool_k, pool_v, rows, rope=None, lengths=None):
+        """x [N, H] the residual stream, h = input_layernorm(x) -> (the new x, following(x)): each residual
+        add runs with the next norm (`add_to_then`); `following` is the next layer's input_layernorm or
+        the backbone's final norm."""
+        attn = self.self_attn.step(h, positions, pool_k, pool_v, rows, rope, lengths)
+        x, h = self.post_attention_layernorm.add_to_then(x, attn, self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm.add_to_then(x, self.mlp(h), following)
 
 
 @dataclass
@@ -221,14 +231,16 @@ class Gemma3Backbone(nn.Module):
         """x [N, H] one token per row at positions [N]; rows [N] index the stream-major pool (stream * S + slot)."""
         ropes = {}  # cos/sin once per step for each theta (full and sliding layers), not once per layer
         lengths = positions + 1  # keys each row attends over, the new one included (once, not per layer)
+        h = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             if attn.rope_theta not in ropes:  # in the compute dtype, as the rotation uses them
                 cos, sin = rotary_cos_sin(positions[:, None], attn.head_dim, attn.rope_theta)
                 ropes[attn.rope_theta] = (cos.to(x.dtype), sin.to(x.dtype))
             pool_k, pool_v = cache.layer_pools(i)
-            x = layer.step(x, positions, pool_k, pool_v, rows, ropes[attn.rope_theta], lengths)
-        return self.norm(x)
+            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer.step(x, h, following, positions, pool_k, pool_v, rows, ropes[attn.rope_theta], lengths)
+        return h
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ except for the Mamba-2 gated norm, whose 10240 channels are normed in 8 groups o
   * Mamba-2 GatedRMSNorm (norm_before_gate = False): gate z, G = d_inner / n_groups;
   * `residual`: Gemma's post-norms are added to the residual stream, x + round(norm(h)), as the
     reference adds them in the compute dtype.
+`add_rms_norm` is the joint between two pre-normed blocks, one kernel instead of two or three:
+s = x + d (d = delta, or round(norm_a(delta)) for Gemma's post-norms), y = norm(s); it returns the new
+residual stream s and the next block's input y (the LLM's 52 joints and the talker's 56 per frame).
 `rms_norm_rope` is the talker's q/k path: Gemma RMSNorm over each head, then rotary embedding
 (rotate-half layout, cos/sin given per token in the compute dtype), with the reference's roundings
 (norm, each product and the sum each rounded to the compute dtype, as bf16 torch ops do).
@@ -45,6 +48,18 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
     w = weight.float() if offset == 0.0 else offset + weight.float()
     y = (groups.flatten(-2) * w).to(out_dtype)
     return y if residual is None else residual + y
+
+
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                           offset: float = 0.0, delta_weight: torch.Tensor | None = None,
+                           delta_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, y): s = x + d in x's dtype, d = delta or, with delta_weight, the norm of delta (rounded to x's
+    dtype first, as `residual` does above); y = the norm of s with `weight`."""
+    if delta_weight is None:
+        s = x + delta
+    else:
+        s = rms_norm_reference(delta, delta_weight, eps if delta_eps is None else delta_eps, offset, residual=x)
+    return s, rms_norm_reference(s, weight, eps, offset)
 
 
 def rms_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -101,6 +116,48 @@ def _rms_norm_kernel(
         res = tl.load(res_ptr + row[:, None] * stride_r + col, mask=mask, other=0.0).to(tl.float32)
         y = _round_to(y + res, dtype, BF16)
     tl.store(out_ptr + row[:, None] * stride_o + col, y.to(dtype), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, d_ptr, w_ptr, dw_ptr, s_ptr, y_ptr, stride_x, stride_d, stride_s, stride_y, eps, delta_eps, offset,
+    C: tl.constexpr, NORM_DELTA: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
+):
+    """Program = one row of C channels: the joint's two (or three) torch ops, with their roundings."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < C
+    dtype = s_ptr.dtype.element_ty
+    d = tl.load(d_ptr + row * stride_d + c, mask=mask, other=0.0).to(tl.float32)
+    if NORM_DELTA:  # Gemma's post-norm of the block output, rounded before the residual add
+        dw = tl.load(dw_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        d = _round_to(d * tl.rsqrt(tl.sum(d * d, axis=0) / C + delta_eps) * (dw + offset), dtype, BF16)
+    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    s = _round_to(x + d, dtype, BF16)
+    tl.store(s_ptr + row * stride_s + c, s.to(dtype), mask=mask)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    y = _round_to(s * tl.rsqrt(tl.sum(s * s, axis=0) / C + eps) * (w + offset), dtype, BF16)
+    tl.store(y_ptr + row * stride_y + c, y.to(dtype), mask=mask)
+
+
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                        offset: float = 0.0, delta_weight: torch.Tensor | None = None,
+                        delta_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    width = x.shape[-1]
+    assert delta.shape == x.shape and weight.numel() == width
+    x2, d2 = _rows(x, width), _rows(delta, width)
+    s = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    y = torch.empty_like(s)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(width)
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2, d2, weight, delta_weight if delta_weight is not None else weight, s, y,
+            x2.stride(0), d2.stride(0), s.stride(0), y.stride(0), float(eps),
+            float(eps if delta_eps is None else delta_eps), float(offset),
+            C=width, NORM_DELTA=delta_weight is not None, BLOCK=block, BF16=x.dtype == torch.bfloat16,
+            num_warps=max(1, min(8, block // 512)),
+        )
+    return s.view(x.shape), y.view(x.shape)
 
 
 @triton.jit
@@ -232,3 +289,26 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     if use_triton(x):
         return rms_norm_rope_op(x, weight, float(eps), cos, sin, float(offset))
     return rms_norm_rope_reference(x, weight, eps, cos, sin, offset)
+
+
+@torch.library.custom_op("nemo_duplex::add_rms_norm", mutates_args=())
+def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                    delta_weight: Optional[torch.Tensor], delta_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_rms_norm_triton(x, delta, weight, eps, offset, delta_weight, delta_eps)
+
+
+@add_rms_norm_op.register_fake
+def _(x, delta, weight, eps, offset, delta_weight, delta_eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                 delta_weight: torch.Tensor | None = None,
+                 delta_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [..., C] (x's dtype is the output's), weight [C] -> (s, y) [..., C]: s = x + delta, or
+    x + round(norm(delta) * (offset + delta_weight)) with delta_weight; y = norm(s) * (offset + weight).
+    The kernel on CUDA or under TRITON_INTERPRET=1, else the torch reference."""
+    if use_triton(x):
+        return add_rms_norm_op(x, delta, weight, float(eps), float(offset), delta_weight,
+                               float(eps if delta_eps is None else delta_eps))
+    return add_rms_norm_reference(x, delta, weight, eps, offset, delta_weight, delta_eps)

@@ -226,9 +226,12 @@ def test_gemma_norm_is_one_plus_weight(backbone_case, monkeypatch):
 # cached per-token step == full-sequence forward
 
 
-def test_cached_step_matches_full_forward():
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.triton_interpret)])
+def test_cached_step_matches_full_forward(kernels):
     """Three calls in slots of both streams start at different frames; every batch also has padding rows
-    writing into the sink slot at arbitrary positions. Tolerance: atol 2e-5, rtol 1e-4 (fp32)."""
+    writing into the sink slot at arbitrary positions. Tolerance: atol 2e-5, rtol 1e-4 (fp32). With
+    `kernels` the norm kernels run through the interpreter (the step's fused add + norm joints against
+    prefill's separate norms)."""
     model = make_model()
     H, T, S, L = model.cfg.backbone.hidden_size, 70, 4, 96  # T > sliding window 48
     g = torch.Generator().manual_seed(2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.rmsnorm import rms_norm, rms_norm_reference, rms_norm_triton
+from ops.rmsnorm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, rms_norm, rms_norm_reference, rms_norm_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -139,3 +139,54 @@ def test_gpu_norm_rope_talker_shape():
     # and each of the three bf16 roundings after it can add an ulp, so at most 5 bf16 ulps of max |y|.
     assert diff.max().item() <= 5 * 2 ** -8 * y_max
     assert same > 0.98
+
+
+# ---- add_rms_norm: the joint between two pre-normed blocks ------------------------------------------------
+
+@pytest.mark.parametrize("width,offset,norm_delta", [(48, 0.0, False),   # Nemotron-H: s = x + block(x')
+                                                     (40, 1.0, True),    # Gemma: s = x + post_norm(block(x'))
+                                                     (100, 1.0, True)])  # a width that is not a power of two
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_the_two_ops(width, offset, norm_delta, dtype):
+    """(s, y) against the reference (the ops the models ran before) and float64. fp32: within 2e-6 of the
+    reference (reduction order). bf16: the residual stream s is the add of two bf16 values rounded once,
+    so it must be identical where d is identical (always without the post-norm; with it, >= 95% of d
+    bit-identical as for rms_norm); y within one bf16 step and >= 95% bit-identical."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width, generator=gen).to(DEVICE, dtype)
+    delta = (torch.randn(6, width, generator=gen) * 3).to(DEVICE, dtype)
+    w = (torch.randn(width, generator=gen) * 0.2).to(DEVICE, dtype)
+    dw = (torch.randn(width, generator=gen) * 0.2).to(DEVICE, dtype) if norm_delta else None
+    s, y = add_rms_norm_triton(x, delta, w, 1e-6, offset, dw, 1e-5)
+    s_ref, y_ref = add_rms_norm_reference(x, delta, w, 1e-6, offset, dw, 1e-5)
+    d64 = delta.double() if dw is None else _float64(delta, dw, 1e-5, offset)
+    assert s.dtype == y.dtype == dtype and s.shape == y.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(y, y_ref, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(s.double(), x.double() + d64, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y.double(), _float64(s, w, 1e-6, offset), rtol=1e-5, atol=1e-5)
+    else:
+        if dw is None:
+            assert torch.equal(s, s_ref)
+        assert (s == s_ref).float().mean() > 0.95 and (y == y_ref).float().mean() > 0.95
+        torch.testing.assert_close(s.float(), s_ref.float(), rtol=2 ** -7, atol=2 ** -7)
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=2 ** -7, atol=2 ** -7)
+    # the dispatch takes the kernel here (interpreter / CUDA) and gives the same values
+    s2, y2 = add_rms_norm(x, delta, w, 1e-6, offset, dw, 1e-5)
+    assert torch.equal(s2, s) and torch.equal(y2, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width,offset,norm_delta", [(128, 4480, 0.0, False), (256, 1152, 1.0, True)])
+def test_gpu_add_rms_norm_full_shapes(rows, width, offset, norm_delta):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(rows, width, device="cuda", generator=gen, dtype=torch.bfloat16)
+    delta = torch.randn(rows, width, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(width, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.2
+    dw = torch.randn(width, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.2 if norm_delta else None
+    s, y = add_rms_norm(x, delta, w, 1e-6, offset, dw)
+    s_ref, y_ref = add_rms_norm_reference(x, delta, w, 1e-6, offset, dw)
+    for out, ref in ((s, s_ref), (y, y_ref)):
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
+        assert (out == ref).float().mean() > 0.95
