@@ -1,15 +1,15 @@
 """Weight-streaming GEMM for few rows: y = x @ w^T (+ bias), x [M, K] with M <= 64, w [N, K], bf16.
 
 Why: a frame step multiplies a few rows per call by ~21 GB of bf16 weights, so at small batches every GEMM
-should run at the speed the weights stream from HBM; the captured step at N=1 spent 8.5 ms in cuBLAS
-(719 kernels). Measured since (docs/performance.md): cuBLAS alone already streams the LLM's weights at
-3.5-3.6 TB/s at 1-32 rows, this kernel reached 3.1-3.6 and won only on the encoder's small GEMMs at one
-row and the text head, and the whole step was 0.5-1.1 ms slower with it (every Linear of the LLM, heads, talker and RNN-T through
-it, commit c884f45). So no model code uses it; it stays with its benchmark (scripts/bench_ops.py --only
-skinny) as the measured alternative. Here each program owns BLOCK_N output columns for ALL
-rows (so each weight element is read exactly once) and a slice of K; the K slices (split-K) exist only to
-put enough programs on the GPU when N is small, and their fp32 partial sums are added by a second kernel
-in a fixed order (no atomics: the result does not depend on scheduling).
+should run at the speed the weights stream from HBM; the captured step at N=1 spent 8.5 ms in cuBLAS (719
+kernels). Measured since (docs/performance.md): cuBLAS alone already streams the LLM's weights at 3.5-3.6
+TB/s at 1-32 rows, this kernel reached 3.1-3.6 and won only on the encoder's small GEMMs at one row and
+the text head, and the whole step was 0.5-1.1 ms slower with it (every Linear of the LLM, heads, talker
+and RNN-T through it, commit c884f45). So no model code uses it; it stays with its benchmark
+(scripts/bench_ops.py --only skinny) as the measured alternative. Here each program owns BLOCK_N output
+columns for ALL rows (so each weight element is read exactly once) and a slice of K; the K slices
+(split-K) exist only to put enough programs on the GPU when N is small, and their fp32 partial sums are
+added by a second kernel in a fixed order (no atomics: the result does not depend on scheduling).
 
 Numerics: bf16 products accumulated in fp32 on the tensor cores, rounded once to the output dtype (as
 cuBLAS without split-K; the summation order differs, so outputs can differ from F.linear by one bf16
