@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -358,59 +359,44 @@ def step_gemm_shapes(cfg) -> list[tuple[str, int, int, int, int]]:
     return [(part, k, n, c, rows) for (part, k, n, rows), c in counts.items() if c > 0]
 
 
-def bench_gemms(device, smoke, quick, sweep):
+def bench_gemms(device, smoke, quick, sweep, skinny=False):
     """Each distinct bf16 GEMM of the step at N = 1, 32, 128 calls: time, weight bytes, and the share of
-    copy bandwidth it reaches; the per-part sums say how far cuBLAS is from streaming the weights."""
-    from nemo_duplex.config import ModelConfig, tiny_config
-    cfg = tiny_config() if smoke else ModelConfig()
-    dtype = torch.float32 if smoke else torch.bfloat16
-    shapes = step_gemm_shapes(cfg)
-    totals: dict[tuple[str, int], list[float]] = {}
-    for n_calls in ((2,) if smoke else (128,) if quick else (1, 32, 128)):
-        for part, k, n, count, rows in shapes:
-            m = n_calls * rows
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            w = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
-            ms = timed(lambda: F.linear(x, w), smoke)
-            nbytes = (n * k + m * k + m * n) * x.element_size()
-            record("gemm", f"{part} {m}x{k}->{n} (x{count} per step)", "cuBLAS F.linear", ms, nbytes, None,
-                   N=n_calls)
-            t = totals.setdefault((part, n_calls), [0.0, 0.0])
-            t[0] += ms * count
-            t[1] += nbytes * count
-            del x, w
-    for (part, n_calls), (ms, nbytes) in totals.items():
-        record("gemm per step", f"{part} N={n_calls}", "sum of its GEMMs", ms, nbytes, None)
-
-
-def bench_skinny(device, smoke, quick, sweep):
-    """ops/skinny_gemm.py against cuBLAS on each bf16 GEMM of the step with at most 64 rows (N = 1, 16, 32
-    calls; the talker has two rows per call), summed per part; --sweep: tile shapes on the big ones."""
+    copy bandwidth it reaches; the per-part sums say how far cuBLAS is from streaming the weights.
+    `skinny` (--only skinny): the GEMMs with at most 64 rows (N = 1, 16, 32; the talker has two rows per
+    call) through cuBLAS and ops/skinny_gemm.py, with their errors against fp32; --sweep: its tile shapes
+    on the big ones."""
     from nemo_duplex.config import ModelConfig, tiny_config
     from ops.skinny_gemm import MAX_ROWS, skinny_gemm_triton
     cfg = tiny_config() if smoke else ModelConfig()
-    dtype = torch.bfloat16
-    shapes = step_gemm_shapes(cfg)
-    totals: dict[tuple[str, int, str], list[float]] = {}
+    dtype = torch.float32 if smoke and not skinny else torch.bfloat16
+    section = "skinny" if skinny else "gemm"
+    if skinny:
+        sizes = (2,) if smoke else (1, 32) if quick else (1, 16, 32)
+    else:
+        sizes = (2,) if smoke else (128,) if quick else (1, 32, 128)
     sweep_shapes = {(4480, 22656), (10240, 4480), (4480, 15680), (15680, 4480), (1152, 4608), (1024, 4096)}
-    for n_calls in ((2,) if smoke else (1, 32) if quick else (1, 16, 32)):
-        for part, k, n, count, rows in shapes:
+    totals: dict[tuple[str, int, str], list[float]] = {}
+    for n_calls in sizes:
+        for part, k, n, count, rows in step_gemm_shapes(cfg):
             m = n_calls * rows
-            if m > MAX_ROWS:
+            if skinny and m > MAX_ROWS:
                 continue
             x = torch.randn(m, k, device=device, dtype=dtype)
             w = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
-            ref = F.linear(x.float(), w.float())
+            ref = F.linear(x.float(), w.float()) if skinny else None
             nbytes = (n * k + m * k + m * n) * x.element_size()
             case = f"{part} {m}x{k}->{n} (x{count} per step)"
-            for impl, fn in (("cuBLAS F.linear", lambda: F.linear(x, w)), ("skinny (defaults)", lambda: skinny_gemm_triton(x, w))):
-                err = max_err(fn(), ref)
+            impls = [("cuBLAS F.linear", lambda: F.linear(x, w))]
+            if skinny:
+                impls.append(("skinny (defaults)", lambda: skinny_gemm_triton(x, w)))
+            for impl, fn in impls:
+                err = max_err(fn(), ref) if ref is not None else None
                 ms = timed(fn, smoke)
-                record("skinny", case, impl, ms, nbytes, err, N=n_calls)
+                record(section, case, impl, ms, nbytes, err, N=n_calls)
                 t = totals.setdefault((part, n_calls, impl), [0.0, 0.0])
                 t[0] += ms * count
                 t[1] += nbytes * count
-            if sweep and ((k, n) in sweep_shapes or smoke):
+            if skinny and sweep and ((k, n) in sweep_shapes or smoke):
                 for tiles in ((32, 128, 4, 4), (64, 64, 4, 6), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4),
                               (32, 256, 4, 4), (64, 128, 4, 6)):
                     try:
@@ -422,7 +408,7 @@ def bench_skinny(device, smoke, quick, sweep):
                         print(f"  sweep {tiles} failed: {type(exc).__name__}: {str(exc)[:200]}")
             del x, w, ref
     for (part, n_calls, impl), (ms, nbytes) in totals.items():
-        record("skinny per step", f"{part} N={n_calls}", impl, ms, nbytes, None)
+        record(f"{section} per step", f"{part} N={n_calls}", impl if skinny else "sum of its GEMMs", ms, nbytes, None)
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -457,7 +443,8 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
                 torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
     sections = {"attention": bench_decode_attention, "linear": bench_fp32_linear, "codec": bench_codec,
-                "other": bench_other_ops, "gemm": bench_gemms, "skinny": bench_skinny}
+                "other": bench_other_ops, "gemm": bench_gemms,
+                "skinny": functools.partial(bench_gemms, skinny=True)}
     for name in args.only.split(","):
         try:
             sections[name](device, args.smoke, args.quick, args.sweep)
