@@ -18,13 +18,12 @@ a barrier, and only then writes the slot's cache, so the write never overtakes a
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ops import use_triton
 from ops.layernorm import _layer_norm_row
 from ops.rmsnorm import _round_to
 
@@ -126,10 +125,6 @@ def conformer_conv_step_op(h: torch.Tensor, cache: torch.Tensor, slots: torch.Te
 @conformer_conv_step_op.register_fake
 def _(h, cache, slots, conv_weight, norm_weight, norm_bias, eps):
     return h.new_empty(h.shape[0], h.shape[1] // 2)
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def conformer_conv_step(h: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,

@@ -11,11 +11,12 @@ Why a kernel: in torch one draw is ~40 integer ops over [B, n] (four rounds of t
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ops import use_triton
 
 MASK32 = 0xFFFFFFFF
 
@@ -126,10 +127,6 @@ def counter_rng_op(seed: torch.Tensor, counter: torch.Tensor, stream: int, n: in
 @counter_rng_op.register_fake
 def _(seed, counter, stream, n, normal):
     return seed.new_empty(seed.shape[0], n, dtype=torch.float32)
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def uniform(seed: torch.Tensor, counter: torch.Tensor, stream: int, n: int) -> torch.Tensor:

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ops import use_triton
+
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -363,10 +365,6 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # ----------------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------------
-
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
 
 # An opaque custom op around the Triton path: torch.compile sees one node with a known output shape
 # instead of tracing the launcher's Python (grid and split choices, device queries), so a compiled

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ops import use_triton
+
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -188,10 +190,6 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 # ----------------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------------
-
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
 
 # Opaque to torch.compile (see ops/decode_attention.py).
 @torch.library.custom_op("nemo_duplex::fp32_linear", mutates_args=())

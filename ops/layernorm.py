@@ -14,7 +14,6 @@ bf16 roundings inside the kernel use rmsnorm's `_round_to` (bit arithmetic, see 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -22,7 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ops.rmsnorm import _round_to
+from ops import use_triton
+from ops.rmsnorm import _round_to, _rows
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -71,11 +71,6 @@ def _add_layer_norm_kernel(
         tl.store(s_ptr + row * stride_s + offs, x.to(dtype), mask=mask)
     y = _layer_norm_row(x, mask, w_ptr, b_ptr, offs, eps, D, dtype, BF16)
     tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
-
-
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    t2 = t.reshape(-1, width)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def add_layer_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, alpha: float, weight: torch.Tensor,
@@ -129,10 +124,6 @@ def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps
 @layer_norm_op.register_fake
 def _(x, weight, bias, eps):
     return torch.empty_like(x)
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def add_layer_norm(x: torch.Tensor, delta: Optional[torch.Tensor], alpha: float, weight: torch.Tensor,

@@ -13,12 +13,12 @@ blocks, then the SSM update over (row, block of heads x head_dim channels).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ops import use_triton
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -180,10 +180,6 @@ def mamba_step_triton(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch
 # ----------------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------------
-
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
 
 # Opaque to torch.compile (see ops/decode_attention.py); it writes the two state pools in place, which
 # the schema declares so that a compiled step orders it correctly (whether Inductor then updates the pools

@@ -22,13 +22,14 @@ op counts; with the other session-2 changes the step went to ~3,600, docs/perfor
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ops import use_triton
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -254,10 +255,6 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
 def _(x, weight, eps, offset, gate, group_size, residual, out_dtype):
     dtype = residual.dtype if residual is not None else (out_dtype or x.dtype)
     return x.new_empty(x.shape, dtype=dtype)
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,

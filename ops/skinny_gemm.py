@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ops import use_triton
 from ops.rmsnorm import _round_to
 
 MAX_ROWS = 64  # rows one program holds (BLOCK_M); above it the GEMM is no longer weight-streaming-bound
@@ -177,7 +178,7 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) 
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (0 < rows <= min(max_rows, MAX_ROWS) and x.dtype in (torch.bfloat16, torch.float16)
             and x.dtype == weight.dtype and weight.stride(-1) == 1
-            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+            and use_triton(x))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
