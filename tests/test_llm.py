@@ -212,7 +212,11 @@ def test_step_matches_forward_with_staggered_rows_and_sink(use_kernels):
         assert torch.equal(pool[:, 3], before)
 
 
-def test_kernel_and_reference_step_agree_on_the_same_pools():
+@pytest.mark.parametrize("interpret", [False, pytest.param(True, marks=pytest.mark.triton_interpret)])
+def test_kernel_and_reference_step_agree_on_the_same_pools(interpret, monkeypatch):
+    """The kernel step (use_kernels; with `interpret` every Triton op of it, norms and the fused residual
+    add + next norm included, runs through the interpreter on the CPU) against the torch step with the
+    references (TRITON_INTERPRET unset for it), fp32, rtol 1e-4 / atol 1e-5, outputs and pools."""
     cfg, model = tiny_model(seed=5)
     model.to(DEVICE)
     gen = torch.Generator().manual_seed(1)
@@ -220,31 +224,14 @@ def test_kernel_and_reference_step_agree_on_the_same_pools():
     slots, lengths = torch.tensor([1, 0, 3], device=DEVICE), torch.tensor([0, 0, 0], device=DEVICE)
     for t in range(3):
         x = torch.randn(3, cfg.hidden_size, generator=gen).to(DEVICE)
-        h_ref = model.step(x, caches[0], slots, lengths + t, use_kernels=False)
+        with monkeypatch.context() as m:
+            m.delenv("TRITON_INTERPRET", raising=False)
+            h_ref = model.step(x, caches[0], slots, lengths + t, use_kernels=False)
         h_fast = model.step(x, caches[1], slots, lengths + t, use_kernels=True)
         torch.testing.assert_close(h_fast, h_ref, rtol=1e-4, atol=1e-5)
     for a, b in zip((caches[0].conv, caches[0].ssm, caches[0].k, caches[0].v),
                     (caches[1].conv, caches[1].ssm, caches[1].k, caches[1].v)):
         torch.testing.assert_close(b[:, :3], a[:, :3], rtol=1e-4, atol=1e-5)  # slot 3 is the sink
-
-
-@pytest.mark.triton_interpret
-def test_step_through_the_kernels_equals_the_torch_step(monkeypatch):
-    """The step with every Triton op (norms, the fused residual add + next norm, Mamba step, decode attention;
-    the interpreter on the CPU) against the torch step (TRITON_INTERPRET unset: the references), fp32,
-    rtol 1e-4 / atol 1e-5, with a padding row on the sink."""
-    cfg, model = tiny_model(seed=7)
-    model.to(DEVICE)
-    gen = torch.Generator().manual_seed(3)
-    caches = [model.allocate_cache(4, 16, DEVICE, torch.float32) for _ in range(2)]
-    slots, lengths = torch.tensor([2, 0, 3], device=DEVICE), torch.tensor([0, 0, 0], device=DEVICE)
-    for t in range(3):
-        x = torch.randn(3, cfg.hidden_size, generator=gen).to(DEVICE)
-        h_kernels = model.step(x, caches[1], slots, lengths + t, use_kernels=True)
-        with monkeypatch.context() as m:
-            m.delenv("TRITON_INTERPRET", raising=False)
-            h_torch = model.step(x, caches[0], slots, lengths + t, use_kernels=False)
-        torch.testing.assert_close(h_kernels[:2], h_torch[:2], rtol=1e-4, atol=1e-5)
 
 
 def test_prefill_in_chunks_with_rows_at_different_lengths():
