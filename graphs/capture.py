@@ -218,8 +218,9 @@ class StepRunner:
                      for i in range(0, n, largest)]
             return StepOutput(**{fl.name: torch.cat([getattr(p, fl.name) for p in parts]) for fl in fields(StepOutput)})
         b = self.bucket_for(n)
-        if self.variant(b, sampling) in self._cuda_graphs:
-            graph, s, a, f, out = self._cuda_graphs[self.variant(b, sampling)]
+        key = self.variant(b, sampling)
+        if key in self._cuda_graphs:
+            graph, s, a, f, out = self._cuda_graphs[key]
             ns, na, nf = self._padded_inputs(b, slots, audio, forced)
             s.copy_(ns)
             a.copy_(na)
@@ -267,8 +268,9 @@ def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarra
     n = len(slots)
     if getattr(runner, "_staging", None):   # (duck-typed: tests stand doubles in for StepRunner)
         largest = runner.buckets[-1]
-        if n <= largest and runner.variant(runner.bucket_for(n), sampling) in runner._staging:
-            return _staged_step(runner, runner.variant(runner.bucket_for(n), sampling), slots, audio, forced)
+        key = runner.variant(runner.bucket_for(n), sampling) if n <= largest else None
+        if key in runner._staging:
+            return _staged_step(runner, key, slots, audio, forced)
         if n > largest:  # groups of at most the largest bucket, each its own staged step
             parts = [step_to_host(runner, slots[i: i + largest], audio[i: i + largest], forced[i: i + largest],
                                   sampling) for i in range(0, n, largest)]
