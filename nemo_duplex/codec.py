@@ -14,8 +14,8 @@ and `torch.backends.cudnn.conv.fp32_precision` to "ieee" before compiling. The p
 goes through `ops.dft` (IEEE fp32 whatever the flags). The decoder's pointwise and transposed convs are
 GEMMs (`linear`, CodecConfig.gemm / `codec.gemm`): "ieee" fp32; "tf32x3", three TF32 tensor-core
 products per fp32 product, as accurate as fp32 (ops/fp32_linear.py; "tf32x3w": the weight split
-beforehand); "bf16x3", three bf16 products,
-~1e-5 relative; "auto" (default): tf32x3 on CUDA, ieee elsewhere. Plain TF32 or bf16 never.
+beforehand); "bf16x3", three bf16 products, ~1e-5 relative; "auto" (default): tf32x3w on CUDA, ieee
+elsewhere. Plain TF32 or bf16 never.
 
 Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
 each causal ConvNeXt keeps its last 6 input frames; the overlap-add keeps the 12 samples (and their
@@ -82,8 +82,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
     "ieee": an fp32 GEMM with IEEE products (under exact_fp32: cuBLAS SGEMM, no tensor cores).
     "tf32x3": ops/fp32_linear.py, three TF32 tensor-core products per fp32 product (hi/lo split in
       registers), as accurate as "ieee" (~1e-7 relative); bias and GELU fused. Plain TF32 is never used.
-    "tf32x3w": the same products with the weight split by two small kernels first, so the GEMM kernel
-      splits only x (the weight tiles go to the tensor cores as loaded). Not measured on a GPU yet.
+    "tf32x3w": the same products with the weight split first (one kernel, split_tf32), so the GEMM
+      kernel splits only x: as accurate, ~20% faster at the decoder's shapes (docs/performance.md).
     "bf16x3": every fp32 value v is split v = hi + lo with hi = bf16(v), lo = bf16(v - hi) (16 of fp32's 24
       mantissa bits), and x w ~ x_hi w_hi + x_lo w_hi + x_hi w_lo (x_lo w_lo dropped): ONE cuBLAS bf16 GEMM
       over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.

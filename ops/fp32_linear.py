@@ -153,8 +153,8 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        weight_lo: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] fp32, weight [N, K] fp32 (K-contiguous, any row stride), bias [N] or None -> [..., N] fp32.
     `precision` is tl.dot's input precision ("tf32x3"; "ieee" for comparisons), or "tf32x3w": the same
-    products with the weight split beforehand (split_tf32, two small kernels over the weight) and only x
-    split in the kernel; with `weight_lo` given, `weight` is taken as already split (split_tf32(w) =
+    products with the weight split beforehand (split_tf32, one pass over the weight) and only x split in
+    the kernel; with `weight_lo` given, `weight` is taken as already split (split_tf32(w) =
     (weight, weight_lo)). `tiles` overrides GPU_TILES."""
     assert x.dtype == weight.dtype == torch.float32
     lead, k = x.shape[:-1], x.shape[-1]
