@@ -302,11 +302,13 @@ class Engine:
         with self._lock:
             live = [c for c in self._calls.values() if c.admitted and not c.closed and not c.input_ended]
         now = time.monotonic()
-        wait = coalesce_wait([c._pacing() for c in live], now, limit, self.frame_seconds)
+        pacing = [c._pacing() for c in live]
+        wait = coalesce_wait(pacing, now, limit, self.frame_seconds)
         if wait <= 0:
             return
         deadline = now + wait
-        awaited = [c for c in live if frame_due(c.last_ready, c.pending_frames, deadline, self.frame_seconds)]
+        awaited = [c for c, (_, last, pending) in zip(live, pacing)
+                   if frame_due(last, pending, deadline, self.frame_seconds)]
         while self._running and awaited and now < deadline:
             with self._lock:
                 self._work.wait(timeout=min(deadline - now, self.cfg.idle_wait_s))
