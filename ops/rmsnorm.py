@@ -12,7 +12,7 @@ except for the Mamba-2 gated norm, whose 10240 channels are normed in 8 groups o
     reference adds them in the compute dtype.
 `add_rms_norm` is the joint between two pre-normed blocks, one kernel instead of two or three:
 s = x + d (d = delta, or round(norm_a(delta)) for Gemma's post-norms), y = norm(s); it returns the new
-residual stream s and the next block's input y (the LLM's 52 joints and the talker's 56 per frame).
+residual stream s and the next block's input y (the LLM's 56 joints and the talker's 56 per frame).
 `rms_norm_rope` is the talker's q/k path: Gemma RMSNorm over each head, then rotary embedding
 (rotate-half layout, cos/sin given per token in the compute dtype), with the reference's roundings
 (norm, each product and the sum each rounded to the compute dtype, as bf16 torch ops do).

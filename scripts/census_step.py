@@ -42,7 +42,7 @@ STAGES = ("encoder", "llm", "heads", "talker", "talker.backbone", "talker.genera
 
 
 def full_layer_counts(cfg):
-    """The tiny model's dims with the real model's layer counts (24 encoder layers, the 52-letter LLM
+    """The tiny model's dims with the real model's layer counts (24 encoder layers, the 56-letter LLM
     pattern, 28 talker layers): the per-layer stages then count what the full model launches."""
     full = ModelConfig()
     return dataclasses.replace(
