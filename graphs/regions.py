@@ -84,22 +84,24 @@ def install_regions(model, compiler: str = "inductor") -> list[_Region]:
     return installed
 
 
-def remove_regions(model) -> None:
+def _installed(model):
+    """(owner, method name) of every region installed on `model`."""
     for path, method in REGIONS:
         owner = _owner(model, path)
         if owner is not None and isinstance(owner.__dict__.get(method), _Region):
-            del owner.__dict__[method]
+            yield owner, method
+
+
+def remove_regions(model) -> None:
+    for owner, method in list(_installed(model)):
+        del owner.__dict__[method]
 
 
 @contextlib.contextmanager
 def regions_bypassed(model):
     """The model's plain methods for the duration (the references of tests: a frame step with the regions
     installed runs them even uncaptured); the compiled regions stay built and come back afterwards."""
-    saved = []
-    for path, method in REGIONS:
-        owner = _owner(model, path)
-        if owner is not None and isinstance(owner.__dict__.get(method), _Region):
-            saved.append((owner, method, owner.__dict__.pop(method)))
+    saved = [(owner, method, owner.__dict__.pop(method)) for owner, method in list(_installed(model))]
     try:
         yield
     finally:
