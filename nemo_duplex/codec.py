@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops.dft import irdft
+from ops.dwconv_layernorm import dwconv_layer_norm
 from ops.fp32_linear import fp32_linear
 
 from .config import CodecConfig
@@ -69,15 +70,18 @@ def exact_fp32(device: torch.device):
 # ----------------------------------------------------------------------------------------------------
 
 GEMMS = ("auto", "ieee", "tf32x3", "tf32x3w", "bf16x3")
-# Below this many rows the split GEMMs lose to the IEEE SGEMM (too few tiles to fill the GPU; measured at
-# N=1: 2.6 / 2.0 ms against 1.2 ms for the whole decode_step), so "tf32x3" / "bf16x3" fall back to "ieee"
-# there. Row counts are static per batch bucket, so a captured graph keeps one path.
-SPLIT_GEMM_MIN_ROWS = 1024
+# Below this many rows the split GEMMs lose to the IEEE SGEMM (too few tiles to fill the GPU), so "tf32x3" /
+# "bf16x3" fall back to "ieee" there. Row counts are static per batch bucket, so a captured graph keeps one
+# path. Session 5's sweep of decode_step (stage 1 has 9 rows per call; docs/performance.md): 512 is as fast
+# as 1024 at N=1 / 8 / 32 / 128 and 0.5 ms faster at N=64 (576 rows: 6.75 against 7.28 ms); 256 and below
+# lose at N=1 and N=32.
+SPLIT_GEMM_MIN_ROWS = 512
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str,
-           gelu: bool = False) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias [N]), then exact GELU if `gelu`; fp32 in and out.
+           gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias [N]), then exact GELU if `gelu`, then + `residual` [..., N];
+    fp32 in and out. The split GEMMs add the bias, GELU and residual in their epilogue.
 
     "ieee": an fp32 GEMM with IEEE products (under exact_fp32: cuBLAS SGEMM, no tensor cores).
     "tf32x3": ops/fp32_linear.py, three TF32 tensor-core products per fp32 product (hi/lo split in
@@ -94,14 +98,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
     if gemm in ("tf32x3", "tf32x3w", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
         gemm = "ieee"
     if gemm in ("tf32x3", "tf32x3w"):
-        return fp32_linear(x, weight, bias, gelu, presplit=gemm == "tf32x3w")
+        return fp32_linear(x, weight, bias, gelu, presplit=gemm == "tf32x3w", residual=residual)
     if gemm == "ieee":
         y = F.linear(x, weight, bias)
     elif gemm == "bf16x3":
         y = _bf16x3_linear(x, weight, bias)
     else:
         raise ValueError(f"gemm must be one of {GEMMS}; got {gemm!r}")
-    return F.gelu(y) if gelu else y
+    y = F.gelu(y) if gelu else y
+    return y if residual is None else residual + y
 
 
 def _bf16x3_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -141,6 +146,16 @@ def upsample(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
     c_out, k = weight.shape[1], weight.shape[2]
     y = linear(x.transpose(1, 2), weight.reshape(c_in, c_out * k).t(), None, gemm)  # [B, L, C_out k]
     return y.view(batch, length, c_out, k).permute(0, 2, 1, 3).reshape(batch, c_out, length * k)
+
+
+def upsample_channels_last(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
+    """`upsample` channels-last: x [B, L, C_in] -> [B, L k, C_out]. The weight's rows are ordered (tap j,
+    output channel o), so the GEMM's output [B, L, k C_out] already is [B, L k, C_out] in memory (no
+    permute of the activations; the weight reorder is one copy of a few MB)."""
+    batch, length, c_in = x.shape
+    c_out, k = weight.shape[1], weight.shape[2]
+    w = weight.permute(2, 1, 0).reshape(k * c_out, c_in)  # row j C_out + o: tap j of output channel o
+    return linear(x, w, None, gemm).view(batch, length * k, c_out)
 
 
 def replace_control_codes(codes: torch.Tensor, silence_codes: torch.Tensor, codebook_size: int) -> torch.Tensor:
@@ -186,6 +201,21 @@ class ConvNeXtBlock(nn.Module):
         y = linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm)
         return residual + y.transpose(1, 2)
 
+    def step(self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, gemm: str) -> torch.Tensor:
+        """Streaming, channels-last: x [B, L, C] new frames, history [S, k-1, C] the last k-1 input frames of
+        each slot (rows `slots` precede x, then are moved on in place) -> [B, L, C]. The conv and the
+        LayerNorm are one kernel reading the history where it is (ops/dwconv_layernorm.py); the skip is
+        added in the second GEMM's epilogue. Same sums as `forward_padded` up to their order."""
+        y = dwconv_layer_norm(x, history, slots, self.dwconv.weight, self.dwconv.bias, self.norm.weight,
+                              self.norm.bias, self.norm.eps)
+        # after the read above: the last k-1 input frames (fewer new frames than that: some old ones stay)
+        if x.shape[1] >= self.history:
+            history.index_copy_(0, slots, x[:, x.shape[1] - self.history:])
+        else:
+            history.index_copy_(0, slots, torch.cat([history.index_select(0, slots), x], 1)[:, -self.history:])
+        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True)
+        return linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm, residual=x)
+
     def init_weights(self, generator: torch.Generator) -> None:
         channels, kernel = self.dwconv.weight.shape[0], self.dwconv.weight.shape[-1]
         _normal_(self.dwconv.weight, generator, kernel ** -0.5)
@@ -218,14 +248,13 @@ def hann_window(n: int, device: torch.device) -> torch.Tensor:
 
 
 def synthesis_frames(head: torch.Tensor, n_fft: int, by_matmul: bool) -> torch.Tensor:
-    """head [B, n_fft + 2, S] (decoder output) -> windowed time frames [B, S, n_fft].
+    """head [B, S, n_fft + 2] (decoder output, channels-last) -> windowed time frames [B, S, n_fft].
 
     Channels 0..n/2 are the log-magnitude m, the rest the phase phi. |X| = 100 exp(-softplus(-m + ln 100))
     (= 100 sigmoid(m - ln 100), NeMo's form kept for its rounding). DC and Nyquist are real (|X| cos phi):
     their imaginary parts are zeroed here and ignored by the inverse DFT anyway. Each frame is clamped to
     [-w, w] and multiplied by w (periodic Hann; `constrain_value_range`)."""
     bins = n_fft // 2 + 1
-    head = head.transpose(1, 2)  # [B, S, 2 bins]
     log_mag, phase = head[..., :bins], head[..., bins:]
     mag = 100.0 * torch.exp(-F.softplus(-log_mag + math.log(100.0)))
     re = mag * torch.cos(phase)
@@ -258,7 +287,7 @@ def window_envelope(num_frames: int, n_fft: int, hop: int, device: torch.device)
 def istft(head: torch.Tensor, n_fft: int, hop: int, by_matmul: bool = False) -> torch.Tensor:
     """One-shot iSTFT: head [B, n_fft + 2, S] -> wav [B, hop*S]. Overlap-add, trim (n-hop)/2 samples at each
     end ("same" padding), divide by the window envelope trimmed the same way."""
-    frames = synthesis_frames(head, n_fft, by_matmul)
+    frames = synthesis_frames(head.transpose(1, 2), n_fft, by_matmul)
     trim = (n_fft - hop) // 2
     signal = overlap_add(frames, hop)[:, trim:-trim]
     envelope = window_envelope(frames.shape[1], n_fft, hop, head.device)[:, trim:-trim]
@@ -336,19 +365,20 @@ class Latent2Wav(nn.Module):
 
     def step(self, latent: torch.Tensor, history: list[torch.Tensor], slots: torch.Tensor,
              gemm: str = "ieee") -> torch.Tensor:
-        """One code frame per row: latent [B, latent, 1] -> head input [B, n_fft + 2, 441]. history[i]
-        [S, C_i, k-1] holds the last k-1 input frames of ConvNeXt block i per slot; rows `slots` are read
-        and then overwritten in place."""
+        """One code frame per row, channels-last throughout (every GEMM's rows are frames, so no transpose
+        between layers): latent [B, 1, latent] -> head input [B, 441, n_fft + 2]. history[i] [S, k-1, C_i]
+        holds the last k-1 input frames of ConvNeXt block i per slot; rows `slots` are read and then
+        overwritten in place. `forward` (channels-first, one-shot) is the reference it is tested against."""
         x = latent
         block = 0
         for layer in self.layers:
             if isinstance(layer, ConvNeXtBlock):
-                padded = torch.cat([history[block].index_select(0, slots), x], dim=-1)
-                history[block].index_copy_(0, slots, padded[:, :, -layer.history:])
-                x = layer.forward_padded(padded, gemm)
+                x = layer.step(x, history[block], slots, gemm)
                 block += 1
+            elif isinstance(layer, nn.ConvTranspose1d):
+                x = upsample_channels_last(x, layer.weight, gemm)
             else:
-                x = self._linear_layer(layer, x, gemm)
+                x = linear(x, layer.weight[:, :, 0], None, gemm)
         return x
 
     def init_weights(self, generator: torch.Generator) -> None:
@@ -410,7 +440,7 @@ class ResidualVQ(nn.Module):
 @dataclass
 class CodecStreamState:
     """Per-call streaming state, one row per slot (the last row of a pool is the sink)."""
-    convnext_history: list[torch.Tensor]  # per decoder ConvNeXt block (9): [S, C_i, 6] last input frames
+    convnext_history: list[torch.Tensor]  # per decoder ConvNeXt block (9): [S, 6, C_i] last input frames
     ola_tail: torch.Tensor       # [S, n_fft - hop] overlap-add samples the next frame still adds to
     envelope_tail: torch.Tensor  # [S, n_fft - hop] their window envelope (0 after reset: a stream's start)
     frames_done: torch.Tensor    # [S] int64 code frames decoded since reset
@@ -490,7 +520,7 @@ class RVQCodec(nn.Module):
     def allocate_stream_state(self, num_slots: int, device) -> CodecStreamState:
         """Zeroed state for `num_slots` rows (callers include the sink row)."""
         tail = self.cfg.n_fft - self.cfg.hop_length
-        history = [torch.zeros(num_slots, block.dwconv.in_channels, block.history, device=device)
+        history = [torch.zeros(num_slots, block.history, block.dwconv.in_channels, device=device)
                    for block in self.decoder.convnext_blocks()]
         return CodecStreamState(
             convnext_history=history,
@@ -518,8 +548,8 @@ class RVQCodec(nn.Module):
             codes = replace_control_codes(codes, silence_codes, self.cfg.codebook_size)
         n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
         with exact_fp32(codes.device):
-            latent = self.dequantize(codes[:, None, :]).transpose(1, 2)  # [B, latent, 1]
-            head = self.decoder.step(latent, state.convnext_history, slots, self.gemm)  # [B, 18, 441]
+            latent = self.dequantize(codes[:, None, :])  # [B, 1, latent]
+            head = self.decoder.step(latent, state.convnext_history, slots, self.gemm)  # [B, 441, 18]
             frames = synthesis_frames(head, n_fft, by_matmul=True)  # [B, 441, 16]
             signal = overlap_add(frames, hop)  # [B, 1764 + 12]
             envelope = window_envelope(frames.shape[1], n_fft, hop, codes.device).expand_as(signal)

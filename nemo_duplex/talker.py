@@ -19,6 +19,7 @@ from torch import nn
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
 from ops.decode_attention import decode_attention
 from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope
+from ops.top_p_sample import gumbel, top_p_gumbel_argmax
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
 DEFAULT_BOS_ID, DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 2, 12
@@ -439,26 +440,10 @@ class MoGHead(nn.Module):
         return mu * torch.exp(logs) + self.proj_else(x), logs
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """HF TopPLogitsWarper: drop (to -inf) the ascending-sorted entries whose cumulative probability is
-    <= 1 - top_p; the most probable entry always stays."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    drop_sorted = cumulative <= 1 - top_p
-    drop_sorted[..., -1] = False
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """HF TopKLogitsWarper: drop entries below the k-th largest."""
     kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def gumbel(uniform: torch.Tensor) -> torch.Tensor:
-    """-ln(-ln(u + 1e-8) + 1e-8) (spec 4.6)."""
-    return -torch.log(-torch.log(uniform + 1e-8) + 1e-8)
 
 
 def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
@@ -620,16 +605,19 @@ class EarTTS(nn.Module):
 
     # --- MoG sampling and iterative RVQ decoding (spec 4.5, 4.6, 12.8) ---------------------------------
 
-    def guided_latent(self, x_cond: torch.Tensor, x_uncond: torch.Tensor, uniform: torch.Tensor,
+    def guided_latent(self, x_cond: torch.Tensor, x_uncond: torch.Tensor, noise: torch.Tensor,
                       normal: torch.Tensor) -> torch.Tensor:
         """One MoG pass from the trunk's inputs [B, H] -> z [B, latent]. CFG acts on the trunk output
-        (spec 4.5, pitfall 9.7); component by Gumbel-max over the top-p (or top-k) filtered logits."""
+        (spec 4.5, pitfall 9.7); component by Gumbel-max (noise [B, num_predictions] = gumbel(uniform))
+        over the top-p (or top-k) filtered logits; top-p as one kernel on the GPU (ops/top_p_sample.py)."""
         b = x_cond.shape[0]
         x = self.mog_head.mlp_stack(torch.cat([x_cond, x_uncond]))
         x = x[:b] + self.cfg.guidance_scale * (x[:b] - x[b:])
         logits = self.mog_head.proj_logits(x).float()
-        logits = top_k_filter(logits, self.cfg.top_k) if self.cfg.top_k > 0 else top_p_filter(logits, self.cfg.top_p)
-        component = (logits.log_softmax(-1) + gumbel(uniform.float())).argmax(-1)
+        if self.cfg.top_k > 0:
+            component = (top_k_filter(logits, self.cfg.top_k).log_softmax(-1) + noise).argmax(-1)
+        else:
+            component = top_p_gumbel_argmax(logits, noise, self.cfg.top_p)
         mean, logs = self.mog_head.component_mean(x, component)
         return mean + torch.exp(logs) * normal.to(mean.dtype) * self.cfg.noise_scale
 
@@ -643,10 +631,11 @@ class EarTTS(nn.Module):
         table = self.code_table()
         books = self.rvq_embs.float()
         norms = books.pow(2).sum(-1)
+        noise = gumbel(uniform.float())  # every pass's Gumbel draws at once
         start = 0
         for p, size in enumerate(self.pass_sizes):
             e = self.embed_codes(codes, table)
-            z = self.guided_latent(e + h_cond, e + h_uncond, uniform[:, p], normal[:, p])
+            z = self.guided_latent(e + h_cond, e + h_uncond, noise[:, p], normal[:, p])
             # restart from z every pass: the MoG predicts the sum of the remaining codebooks (pitfall 9.8)
             codes[:, start:start + size] = residual_quantise(z, books[start:start + size], norms[start:start + size])
             start += size

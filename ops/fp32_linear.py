@@ -1,4 +1,5 @@
-"""fp32-accurate linear layer on tensor cores: y = x @ w^T + b (optionally then exact GELU), 3xTF32.
+"""fp32-accurate linear layer on tensor cores: y = x @ w^T + b (optionally then exact GELU, then + a
+residual), 3xTF32.
 
 Why: the codec must run in fp32 (spec 9.9: bf16 collapses it; TF32 off, spec 1.6), and fp32 GEMMs without
 tensor cores (cuBLAS SGEMM, ~50 TFLOP/s on an H200) are most of its time. `tl.dot(..., "tf32x3")` splits
@@ -28,9 +29,10 @@ from ops import use_triton
 # ----------------------------------------------------------------------------------------------------
 
 def fp32_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          gelu: bool = False) -> torch.Tensor:
+                          gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     y = F.linear(x, weight, bias)
-    return F.gelu(y) if gelu else y
+    y = F.gelu(y) if gelu else y
+    return y if residual is None else residual + y
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -49,10 +51,10 @@ def _round_tf32(x):
 
 @triton.jit
 def _fp32_linear_kernel(
-    x_ptr, w_ptr, wl_ptr, b_ptr, y_ptr, M, N,
-    stride_xm, stride_wn, stride_ym,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, PRECISION: tl.constexpr,
-    PRESPLIT: tl.constexpr,
+    x_ptr, w_ptr, wl_ptr, b_ptr, r_ptr, y_ptr, M, N,
+    stride_xm, stride_wn, stride_rm, stride_ym,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of y. K is a compile-time constant (fixed per layer; Triton 3.6's
@@ -102,7 +104,10 @@ def _fp32_linear_kernel(
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if GELU:  # exact (erf) GELU, as F.gelu's default
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if HAS_RESIDUAL:  # residual + y, as the reference adds it (the ConvNeXt blocks' skip connection)
+        acc = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0) + acc
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=out_mask)
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:
@@ -150,8 +155,9 @@ PRESPLIT_TILES = (128, 128, 32, 8, 3)  # the same for tf32x3w (session 4 sweep a
 
 def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
                        precision: str = "tf32x3", tiles: tuple[int, int, int, int, int] | None = None,
-                       weight_lo: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32, weight [N, K] fp32 (K-contiguous, any row stride), bias [N] or None -> [..., N] fp32.
+                       weight_lo: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32, weight [N, K] fp32 (K-contiguous, any row stride), bias [N] or None -> [..., N] fp32;
+    `residual` [..., N] (or None) is added last, in the epilogue.
     `precision` is tl.dot's input precision ("tf32x3"; "ieee" for comparisons), or "tf32x3w": the same
     products with the weight split beforehand (split_tf32, one pass over the weight) and only x split in
     the kernel; with `weight_lo` given, `weight` is taken as already split (split_tf32(w) =
@@ -165,6 +171,12 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         weight = weight.contiguous()
     m, n = x2.shape[0], weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=torch.float32)
+    r2 = y  # unread without a residual
+    if residual is not None:
+        assert residual.dtype == torch.float32 and residual.shape == (*lead, n)
+        r2 = residual.reshape(m, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
     if m == 0:
         return y.view(*lead, n)
     if tiles is None:  # the interpreter pays per program: large tiles on the CPU
@@ -178,9 +190,10 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     else:
         w, w_lo = weight, weight  # w_lo unread
     _fp32_linear_kernel[grid](
-        x2, w, w_lo, bias if bias is not None else y, y, m, n,
-        x2.stride(0), w.stride(0), y.stride(0),
-        K=k, HAS_BIAS=bias is not None, GELU=gelu, PRECISION="tf32" if presplit else precision, PRESPLIT=presplit,
+        x2, w, w_lo, bias if bias is not None else y, r2, y, m, n,
+        x2.stride(0), w.stride(0), r2.stride(0), y.stride(0),
+        K=k, HAS_BIAS=bias is not None, GELU=gelu, HAS_RESIDUAL=residual is not None,
+        PRECISION="tf32" if presplit else precision, PRESPLIT=presplit,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -194,19 +207,21 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 # Opaque to torch.compile (see ops/decode_attention.py).
 @torch.library.custom_op("nemo_duplex::fp32_linear", mutates_args=())
 def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
-                   presplit: bool = False) -> torch.Tensor:
-    return fp32_linear_triton(x, weight, bias, gelu, precision="tf32x3w" if presplit else "tf32x3")
+                   presplit: bool = False, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return fp32_linear_triton(x, weight, bias, gelu, precision="tf32x3w" if presplit else "tf32x3",
+                              residual=residual)
 
 
 @fp32_linear_op.register_fake
-def _(x, weight, bias, gelu, presplit=False):
+def _(x, weight, bias, gelu, presplit=False, residual=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
-                presplit: bool = False) -> torch.Tensor:
-    """fp32-accurate x @ weight^T + bias (then exact GELU if `gelu`): the 3xTF32 kernel on CUDA or under
-    TRITON_INTERPRET=1 (`presplit`: the variant with the weight split beforehand), else the torch reference."""
+                presplit: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32-accurate x @ weight^T + bias (then exact GELU if `gelu`, then + `residual`): the 3xTF32 kernel
+    on CUDA or under TRITON_INTERPRET=1 (`presplit`: the variant with the weight split beforehand), else the
+    torch reference."""
     if use_triton(x):
-        return fp32_linear_op(x, weight, bias, gelu, presplit)
-    return fp32_linear_reference(x, weight, bias, gelu)
+        return fp32_linear_op(x, weight, bias, gelu, presplit, residual)
+    return fp32_linear_reference(x, weight, bias, gelu, residual)

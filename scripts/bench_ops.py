@@ -232,18 +232,21 @@ def bench_codec(device, smoke, quick, sweep):
         parts.append(codec.flush_step(state, slots))
         return torch.cat(parts, dim=1)[:, codec.stream_delay:]
 
-    batches = [1, 32, 128] if not (quick or smoke) else ([128] if quick else [2])
-    # (label, gemm, mode): mode "before" = the previous code (ConvTranspose1d / Conv1d modules via cuDNN)
-    variants = [("ieee + cuDNN ConvTranspose (before)", "ieee", "before"), ("ieee", "ieee", None),
-                ("tf32x3", "tf32x3", None), ("tf32x3w", "tf32x3w", None), ("bf16x3", "bf16x3", None)]
+    batches = [1, 8, 32, 64, 128] if not (quick or smoke) else ([128] if quick else [2])
+    # (label, gemm, SPLIT_GEMM_MIN_ROWS): below that many rows a split GEMM falls back to the IEEE SGEMM;
+    # the "min_rows" variants measure where the fallback should start (stage 1 has 9 rows per call)
+    default_min_rows = codec_module.SPLIT_GEMM_MIN_ROWS
+    variants = [("ieee", "ieee", default_min_rows), ("tf32x3", "tf32x3", default_min_rows),
+                ("tf32x3w", "tf32x3w", default_min_rows), ("bf16x3", "bf16x3", default_min_rows)]
+    if not smoke:
+        variants += [(f"tf32x3w min_rows={r}", "tf32x3w", r) for r in (0, 64, 256, 512) if r != default_min_rows]
     if sweep and not smoke:
-        variants.append(("tf32x3 + cudnn.benchmark", "tf32x3", "benchmark"))
-    for label, gemm, mode in variants:
+        variants.append(("tf32x3 + cudnn.benchmark", "tf32x3", -1))
+    for label, gemm, min_rows in variants:
         codec.gemm = gemm
-        saved_layer, saved_bench = codec_module.Latent2Wav.__dict__["_linear_layer"], torch.backends.cudnn.benchmark
-        if mode == "before":
-            codec_module.Latent2Wav._linear_layer = staticmethod(lambda layer, x, gemm: layer(x))
-        if mode == "benchmark":
+        saved_bench = torch.backends.cudnn.benchmark
+        codec_module.SPLIT_GEMM_MIN_ROWS = default_min_rows if min_rows < 0 else min_rows
+        if min_rows < 0:
             torch.backends.cudnn.benchmark = True
         try:
             error = max_err(stream(), ref64)
@@ -255,7 +258,7 @@ def bench_codec(device, smoke, quick, sweep):
                 fn()
                 record("codec decode_step", f"N={n}", label, timed(fn, smoke), 0.0, error)
         finally:
-            codec_module.Latent2Wav._linear_layer = saved_layer
+            codec_module.SPLIT_GEMM_MIN_ROWS = default_min_rows
             torch.backends.cudnn.benchmark = saved_bench
     codec.gemm = "ieee"
 

@@ -232,12 +232,17 @@ def test_gemm_choice_comes_from_the_config():
 
 # ---- streaming ---------------------------------------------------------------------------------------
 
-def test_streaming_equals_one_shot_delayed():
-    """Three calls starting at different steps in one batch (plus a padding row on the sink, rows in a
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.triton_interpret)])
+def test_streaming_equals_one_shot_delayed(kernels, monkeypatch):
+    """With `kernels`, decode_step runs the Triton kernels the GPU runs (the fused depthwise conv +
+    LayerNorm, the 3xTF32 GEMMs with their epilogues) through the interpreter. Three calls starting at different steps in one batch (plus a padding row on the sink, rows in a
     shuffled order each step), then a fourth call re-using the first call's slot after a reset. The state
     starts full of garbage: admission's reset must be enough. Each call's stream + flush must equal
     6 zeros followed by its one-shot decode."""
     codec = _codec()
+    if kernels:
+        monkeypatch.setattr(codec_module, "SPLIT_GEMM_MIN_ROWS", 0)
+        codec.gemm = "tf32x3w"
     gen = torch.Generator().manual_seed(6)
     num_slots = 4
     sink = num_slots - 1

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from nemo_duplex.config import TalkerConfig, tiny_config
-from nemo_duplex.talker import EarTTS, GemmaRMSNorm, residual_quantise, top_k_filter, top_p_filter
+from nemo_duplex.talker import EarTTS, GemmaRMSNorm, residual_quantise, top_k_filter
+from ops.top_p_sample import top_p_filter
 
 VOCAB = tiny_config().llm.vocab_size  # 384
 BOS, EOS, PAD = 1, 2, 12
@@ -447,7 +448,10 @@ def gen_case():
     return model, h_c, h_u, draws(B, model, 5)
 
 
-def test_generate_step_matches_spec_transcription(gen_case):
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.triton_interpret)])
+def test_generate_step_matches_spec_transcription(gen_case, kernels):
+    """kernels: the GPU's path through the interpreter (the top-p + Gumbel-max draw as one kernel,
+    ops/top_p_sample.py, and the talker's norm kernels); the codes must still equal the transcription's."""
     model, h_c, h_u, (uniform, normal) = gen_case
     assert model.num_passes == 5 and model.pass_sizes == [1, 1, 3, 4, 22]
     with torch.no_grad():

@@ -45,7 +45,10 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(0)
     mamba, decode, bounded, linear, dft = _inputs(gen)
     for op, kwargs in ((mamba_step_op, mamba), (decode_attention_op, decode), (bounded_attention_op, bounded),
-                       (fp32_linear_op, linear), (fp32_linear_op, dict(linear, presplit=True)), (basis_matmul_op, dft)):
+                       (fp32_linear_op, linear), (fp32_linear_op, dict(linear, presplit=True)),
+                       (fp32_linear_op, dict(linear, gelu=False, presplit=True,
+                                             residual=torch.randn(2, 5, 16, generator=gen).to(DEVICE))),
+                       (basis_matmul_op, dft)):
         args = tuple(v.clone() if torch.is_tensor(v) else v for v in kwargs.values())
         torch.library.opcheck(op, args, test_utils=CHECKS)
 

@@ -36,6 +36,24 @@ def test_kernel_matches_float64(gelu, with_bias, precision):
     torch.testing.assert_close(out, fp32_linear_reference(x, w, b, gelu), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32x3w"])
+def test_residual_epilogue(precision):
+    """residual + (x w^T + b), the ConvNeXt skip added in the epilogue: the float64 sum within the GEMM's
+    bound plus one fp32 rounding of the add, and a row-strided residual (a slice) read as given."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(37, 40, generator=gen).to(DEVICE)
+    w = (torch.randn(27, 40, generator=gen) / 6).to(DEVICE)
+    b = torch.randn(27, generator=gen).to(DEVICE)
+    wide = (10 * torch.randn(37, 35, generator=gen)).to(DEVICE)
+    residual = wide[:, 4:31]
+    out = fp32_linear_triton(x, w, b, precision=precision, tiles=(32, 16, 16, 4, 1), residual=residual)
+    ref = F.linear(x.double(), w.double(), b.double()) + residual.double()
+    scale = x.double().abs() @ w.double().abs().T + b.double().abs() + residual.double().abs()
+    assert ((out.double() - ref).abs() / scale).max().item() <= 1e-6
+    torch.testing.assert_close(out, fp32_linear_reference(x, w, b, residual=residual), rtol=1e-5, atol=1e-5)
+    assert (out - fp32_linear_triton(x, w, b, precision=precision, tiles=(32, 16, 16, 4, 1))).abs().min() > 0
+
+
 def test_split_tf32_rounds_to_nearest():
     """w_hi and w_lo are TF32 values (low 13 of 23 mantissa bits clear), w_hi the NEAREST one: |w_lo| <=
     2^-11 |w| and the tails of positive weights take both signs (truncated heads leave tails with the
