@@ -180,6 +180,36 @@ def test_buckets_sharing_one_graph_pool_match_eager(tiny):
 
 
 @torch.no_grad()
+@torch.no_grad()
+@pytest.mark.gpu
+def test_capture_replays_each_graph_once_on_the_sink_only():
+    """capture() replays every graph once after recording it (the first launch uploads the graph, so the
+    first calls in a bucket do not pay for it): those replays run on sink rows, so every real slot's state
+    is bit-identical before and after capture, and each (bucket, variant) has its replay times."""
+    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.config import tiny_config
+
+    dev = torch.device("cuda")
+    model, _, _ = random_model(tiny_config(), dev, seed=0)
+    model.cast_for_inference().eval()
+    n_calls = 10  # 11 slots with the sink: no other pool dimension has that size
+    st = _admitted_state(model, n_calls, device=dev)
+    assert st.sink == n_calls
+    before = _snapshot(st)
+    runner = StepRunner(model, st, special_ids(model, dev), [2, 4], graphs=True, backend="cudagraph-eager",
+                        greedy_graphs=True)
+    runner.capture()
+    assert set(runner.replay_ms) == {(2, True), (2, False), (4, True), (4, False)}
+    assert all(first > 0 and second > 0 for first, second in runner.replay_ms.values())
+    real = torch.arange(n_calls, device=dev)
+    compared = 0
+    for name, v in state_tensors(st):
+        for d in [d for d, size in enumerate(v.shape) if size == n_calls + 1]:
+            assert torch.equal(v.index_select(d, real), before[name].index_select(d, real)), name
+            compared += 1
+    assert compared >= 10
+
+
 def test_padding_rows_never_advance_the_sink(tiny):
     """Every padded step points its padding rows at the sink. Its positions must stay put: after more
     padded steps than the pools hold frames, an advancing sink would write past the KV pools (on the GPU
