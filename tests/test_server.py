@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import struct
 import time
@@ -575,16 +576,18 @@ async def _status(url):
 def test_not_ready_until_warm(monkeypatch, tok):
     model = ScriptedModel()
     model.capture_s = 1.5                       # graph capture takes a while
+    gc.unfreeze()
     srv, _ = make(monkeypatch, tok, model=model, wait_ready=False)
     try:
         status, body = asyncio.run(_status(f"{srv.url}/health"))
-        assert status == 503 and body["status"] == "starting"
+        assert status == 503 and body["status"] == "starting" and gc.get_freeze_count() == 0
         events, code = asyncio.run(realtime(srv.ws_url, tone(0.2)))
         assert errors(events) == ["not_ready"] and code == 1008
         t0 = time.monotonic()
         while asyncio.run(_status(f"{srv.url}/health"))[0] != 200:
             assert time.monotonic() - t0 < 20
             time.sleep(0.05)
+        assert gc.get_freeze_count() > 0  # the warm-up froze the start-up objects (out of the cyclic GC's scans)
         events, code = asyncio.run(realtime(srv.ws_url, tone(0.2)))
         assert code == 1000 and not errors(events)
         srv.wait_idle()
