@@ -202,10 +202,12 @@ class StepRunner:
             offset += nbytes
         self._cuda_graphs[(b, sampling)] = (graph, s, a, f, out)
         self._staging[(b, sampling)] = staging + (packed, host_out, views)
-        # Replay once now, on the sink rows the static inputs still hold: a graph's first launch uploads it
-        # to the device, which for a step of ~2,600 kernels took most of a 221 ms step the first time a
-        # bucket served calls (session 5 load run, lockstep 128: 194 ms of device time for 13 rows). Paid
-        # here, at start-up, instead of by the first calls that land in each bucket.
+        # Replay once now, on the sink rows the static inputs still hold, so that whatever a graph's first
+        # launch costs (its upload to the device) is paid at start-up, not by the first calls in a bucket.
+        # Measured (session 5): the first replay here takes 0.2-1.2 ms more than the second, so this is not
+        # what made one step of a load run take 221 ms (194 ms of device time for 13 rows, the first step
+        # of 128 lockstep calls; still unexplained); the run after this change had no such step (first
+        # audio p50 67 ms against 498 ms), one run each (docs/performance.md).
         times = []
         for _ in range(2):  # the second replay, for comparison in the log
             torch.cuda.synchronize()
