@@ -81,6 +81,15 @@ class EngineConfig:
     # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
     # together instead of split over two steps. 0 = step whatever is pending at once.
     coalesce_ms: float = 15.0
+    # Under load, keep the engine's duty cycle at most this: after a step that took T, the next one starts
+    # no sooner than T / max_duty after the last one started, unless every live call has a frame pending
+    # (nothing more is coming), and no paced frame is held past duty_hold_cap_ms. Why: a step reads every
+    # weight once whatever its batch, so with staggered callers stepping whatever has arrived settles at
+    # back-to-back steps of a third of the calls each (session 5, 128 staggered calls: 26-29 ms steps of
+    # 39-50 rows, the GPU never idle) and any stall makes packets late; fewer, larger steps leave slack.
+    # 0 = off (step whatever is pending, after coalescing).
+    max_duty: float = 0.0
+    duty_hold_cap_ms: float = 40.0
 
 
 @dataclass
@@ -236,6 +245,7 @@ class Engine:
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)
         self.stats = EngineStats()
         self.prefix_cache = PrefixCache(self.cfg.prefix_cache_entries)
+        self._last_step: tuple[float, float] | None = None  # (monotonic start, seconds) of the last step
 
     # ---- client API --------------------------------------------------------------------------------
     def open_call(self, options: CallOptions | None = None, on_event: Callable | None = None,
@@ -292,27 +302,41 @@ class Engine:
             self._end(call, "shutdown", "the engine stopped")
 
     def _coalesce(self) -> None:
-        """Hold the step while `coalesce_wait` says a live call's frame is due soon (engine.coalesce_ms).
-        One scan of the calls decides how long and for whom; each wake-up (every append notifies) then
+        """Hold the step while `coalesce_wait` says a live call's frame is due soon (engine.coalesce_ms),
+        and while `duty_wait` says the engine would exceed engine.max_duty and some live call has no frame
+        yet. One scan of the calls decides how long and for whom; each wake-up (every append notifies) then
         only looks at the calls still awaited, so a burst of N appends costs O(N^2) cheap checks, not N
         scans with a lock per call (the event loop needs the GIL meanwhile)."""
         limit = self.cfg.coalesce_ms / 1e3
-        if limit <= 0:
+        if limit <= 0 and self.cfg.max_duty <= 0:
             return
         with self._lock:
             live = [c for c in self._calls.values() if c.admitted and not c.closed and not c.input_ended]
         now = time.monotonic()
         pacing = [c._pacing() for c in live]
-        wait = coalesce_wait(pacing, now, limit, self.frame_seconds)
-        if wait <= 0:
+        wait = coalesce_wait(pacing, now, limit, self.frame_seconds) if limit > 0 else 0.0
+        # the duty hold: calls without a frame are what a held step would gain
+        idle = [c for c, (_, _, pending) in zip(live, pacing) if pending == 0]
+        held = duty_wait(pacing, now, self._last_step, self.cfg.max_duty, self.cfg.duty_hold_cap_ms / 1e3) \
+            if idle else 0.0
+        if wait <= 0 and held <= 0:
             return
-        deadline = now + wait
+        coalesce_end, duty_end = now + wait, now + held
         awaited = [c for c, (_, last, pending) in zip(live, pacing)
-                   if frame_due(last, pending, deadline, self.frame_seconds)]
-        while self._running and awaited and now < deadline:
+                   if frame_due(last, pending, coalesce_end, self.frame_seconds)]
+
+        def arrived(c: Call) -> bool:  # len() needs no lock
+            return bool(c._frames) or c.closed or c.input_ended
+
+        while self._running:
+            coalescing = awaited and now < coalesce_end
+            holding = idle and now < duty_end
+            if not (coalescing or holding):
+                break
             with self._lock:
-                self._work.wait(timeout=min(deadline - now, self.cfg.idle_wait_s))
-            awaited = [c for c in awaited if not (c._frames or c.closed or c.input_ended)]  # len() needs no lock
+                self._work.wait(timeout=min(max(coalesce_end, duty_end) - now, self.cfg.idle_wait_s))
+            awaited = [c for c in awaited if not arrived(c)]
+            idle = [c for c in idle if not arrived(c)]
             now = time.monotonic()
 
     def _run(self) -> None:
@@ -382,6 +406,7 @@ class Engine:
             self._end(call, "error", str(e))
 
     def _step(self, batch, gathered: float) -> None:
+        started = time.monotonic()
         t0 = time.perf_counter()
         n = len(batch)
         slots = np.array([c.slot for c, *_ in batch], dtype=np.int64)
@@ -403,6 +428,7 @@ class Engine:
             call.frames_out += 1
             call.on_event(ev)
         done = time.perf_counter()
+        self._last_step = (started, done - t0)
         self.stats.record_step(n, done - t0, gather=t0 - gathered, prep=launched - t0, device=waited - launched,
                                dispatch=done - waited, padded=host.padded_rows)
 
@@ -488,6 +514,24 @@ def coalesce_wait(calls: list[tuple[float | None, float | None, int]], now: floa
         return 0.0
     due = any(frame_due(last, pending, deadline, frame_s) for _, last, pending in calls)
     return deadline - now if due else 0.0
+
+
+def duty_wait(calls: list[tuple[float | None, float | None, int]], now: float,
+              last_step: tuple[float, float] | None, max_duty: float, cap: float) -> float:
+    """How long to hold a step so that the engine's duty stays <= max_duty; 0 = step now (engine.max_duty).
+
+    calls: per live call as for coalesce_wait; the caller asks only while some live call has no frame
+    pending. last_step: (start, seconds) of the previous step. The next step may start at
+    start + seconds / max_duty, but no paced frame (the oldest of a call with exactly one pending) waits
+    past its arrival + cap; with no paced frame pending (only backlogs, or nothing) there is no hold."""
+    if max_duty <= 0 or last_step is None:
+        return 0.0
+    paced = [oldest for oldest, _, pending in calls if pending == 1 and oldest is not None]
+    if not paced:
+        return 0.0
+    start, seconds = last_step
+    until = min(start + seconds / max_duty, min(paced) + cap)
+    return max(0.0, until - now)
 
 
 def frame_due(last: float | None, pending: int, deadline: float, frame_s: float) -> bool:

@@ -270,6 +270,52 @@ def test_coalesce_wait_rule():
     assert coalesce_wait([(None, 10.0, 1), (10.000, 10.000, 1), (None, 9.921, 0)], 10.003, L, F) == pytest.approx(0.017)
 
 
+def test_duty_wait_rule():
+    """duty_wait on made-up times (seconds): the last step started at 10.000 and took 0.030; max_duty 0.75
+    allows the next at 10.040, but a paced frame (one pending) never waits past its arrival + cap (0.020
+    here); backlogs (more than one pending) neither set the cap nor are a reason to hold."""
+    from nemo_duplex.engine import duty_wait
+
+    last, cap = (10.000, 0.030), 0.020
+    assert duty_wait([(10.031, 10.031, 1), (None, 9.99, 0)], 10.032, last, 0.75, cap) == pytest.approx(0.008)
+    assert duty_wait([(10.015, 10.015, 1), (None, 9.99, 0)], 10.032, last, 0.75, cap) == pytest.approx(0.003)
+    assert duty_wait([(10.031, 10.031, 1)], 10.045, last, 0.75, cap) == 0.0          # past start + T / duty
+    assert duty_wait([(10.031, 10.031, 1)], 10.032, last, 0.0, cap) == 0.0           # off
+    assert duty_wait([(10.031, 10.031, 1)], 10.032, None, 0.75, cap) == 0.0          # no step yet
+    assert duty_wait([(9.5, 10.031, 40), (None, 9.99, 0)], 10.032, last, 0.75, cap) == 0.0  # only a backlog
+    assert duty_wait([(9.5, 10.031, 40), (10.031, 10.031, 1)], 10.032, last, 0.75, cap) == pytest.approx(0.008)
+
+
+def test_duty_hold_waits_for_idle_calls_within_its_bounds(tiny, example_clip):
+    """engine.max_duty in the engine's wait: the last step began now and took 60 ms, max_duty 0.3, so the
+    next may start 200 ms after it; call a has a frame, call b has none. The wait lasts ~200 ms; it ends
+    as soon as b's frame arrives (every live call has one: nothing more to wait for); the cap bounds it
+    by a's frame's age; with max_duty 0 there is no wait."""
+    import threading
+    import time
+
+    frame = example_clip[:1280].numpy()
+
+    def held_for(duty, cap_ms, b_after=None):
+        eng = _engine(tiny, max_calls=2, coalesce_ms=0.0, max_duty=duty, duty_hold_cap_ms=cap_ms)
+        eng._running = True  # _coalesce's loop runs while the engine does
+        a, b = eng.open_call(), eng.open_call()
+        eng.tick()  # admits both
+        assert a.admitted and b.admitted
+        a.append(frame)
+        eng._last_step = (time.monotonic(), 0.06)
+        if b_after is not None:
+            threading.Timer(b_after, lambda: b.append(frame)).start()
+        t0 = time.monotonic()
+        eng._coalesce()
+        return time.monotonic() - t0
+
+    assert 0.17 < held_for(0.3, 1000.0) < 1.0
+    assert 0.04 < held_for(0.3, 1000.0, b_after=0.05) < 0.15
+    assert 0.07 < held_for(0.3, 100.0) < 0.15
+    assert held_for(0.0, 1000.0) < 0.02
+
+
 def test_engine_survives_a_failing_coalesce(tiny, example_clip, monkeypatch):
     """A bug in the coalescing rule costs that step its wait, not the engine thread: the call is still
     stepped and completes."""
