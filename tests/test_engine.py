@@ -241,6 +241,36 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
     eng.stop()
 
 
+@pytest.mark.parametrize("per_call_ms", [0.0, 200.0])
+def test_coalescing_bound_grows_with_live_calls(tiny, example_clip, per_call_ms):
+    """engine.coalesce_per_call_ms: the bound is coalesce_ms + per call x live calls. Two calls, frames
+    150 ms apart: with a 10 ms bound they are stepped apart; with 10 + 2 x 200 ms they share a step."""
+    import time
+
+    frame = example_clip[:1280].numpy()
+    eng = _engine(tiny, max_calls=2, coalesce_ms=10.0, coalesce_per_call_ms=per_call_ms)
+    eng.start()
+    a, b = eng.open_call(), eng.open_call()
+    while not (a.admitted and b.admitted):
+        time.sleep(0.01)
+    deadline = time.monotonic() + 60
+
+    def stepped(frames):
+        while eng.stats.frames < frames and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    a.append(frame)
+    b.append(frame)
+    stepped(2)
+    first_steps = len(eng.stats.batch_sizes)
+    a.append(frame)
+    time.sleep(0.15)
+    b.append(frame)
+    stepped(4)
+    assert list(eng.stats.batch_sizes)[first_steps:] == ([2] if per_call_ms else [1, 1])
+    eng.stop()
+
+
 def test_coalesce_wait_rule():
     """coalesce_wait on made-up arrival times (seconds; frames every 0.08 s, bound 0.02 s); per call
     (oldest pending frame's arrival, last frame's arrival, frames pending)."""
