@@ -206,6 +206,33 @@ def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip)
         eng.stop()
 
 
+def _two_paced_calls(eng, frame, gap_s):
+    """Start eng with two calls a and b; after a first frame each (no rhythm yet: stepped as they come),
+    a's second frame, then b's gap_s later. Returns (a, b, stepped, batch sizes from the second frames on
+    as a callable): stepped(n) waits until n frames have been stepped."""
+    import time
+
+    eng.start()
+    a, b = eng.open_call(), eng.open_call()
+    while not (a.admitted and b.admitted):
+        time.sleep(0.01)
+    deadline = time.monotonic() + 60
+
+    def stepped(frames):
+        while eng.stats.frames < frames and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    a.append(frame)
+    b.append(frame)
+    stepped(2)
+    first_steps = len(eng.stats.batch_sizes)
+    a.append(frame)
+    time.sleep(gap_s)
+    b.append(frame)
+    stepped(4)
+    return a, b, stepped, lambda: list(eng.stats.batch_sizes)[first_steps:]
+
+
 def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
     """engine.coalesce_ms: a frame waits (bounded) for the frames of live calls that are due, so two
     calls whose frames arrive 50 ms apart share one step; a call whose partner sends nothing more is
@@ -214,30 +241,13 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
 
     frame = example_clip[:1280].numpy()
     eng = _engine(tiny, max_calls=2, coalesce_ms=400.0)
-    eng.start()
-    a, b = eng.open_call(), eng.open_call()
-    while not (a.admitted and b.admitted):
-        time.sleep(0.01)
-    deadline = time.monotonic() + 60
-
-    def stepped(frames):
-        while eng.stats.frames < frames and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    a.append(frame)   # first frames: no rhythm yet, stepped as they come (one step or two)
-    b.append(frame)
-    stepped(2)
-    first_steps = len(eng.stats.batch_sizes)
-    a.append(frame)
-    time.sleep(0.05)
-    b.append(frame)
-    stepped(4)
-    assert list(eng.stats.batch_sizes)[first_steps:] == [2]
+    a, b, stepped, batches = _two_paced_calls(eng, frame, 0.05)
+    assert batches() == [2]
     t0 = time.monotonic()
     a.append(frame)  # b sends nothing more: a is stepped alone once its frame is 400 ms old
     stepped(5)
     waited = time.monotonic() - t0
-    assert list(eng.stats.batch_sizes)[first_steps:] == [2, 1] and 0.35 < waited < 10
+    assert batches() == [2, 1] and 0.35 < waited < 10
     eng.stop()
 
 
@@ -245,29 +255,10 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
 def test_coalescing_bound_grows_with_live_calls(tiny, example_clip, per_call_ms):
     """engine.coalesce_per_call_ms: the bound is coalesce_ms + per call x live calls. Two calls, frames
     150 ms apart: with a 10 ms bound they are stepped apart; with 10 + 2 x 200 ms they share a step."""
-    import time
-
     frame = example_clip[:1280].numpy()
     eng = _engine(tiny, max_calls=2, coalesce_ms=10.0, coalesce_per_call_ms=per_call_ms)
-    eng.start()
-    a, b = eng.open_call(), eng.open_call()
-    while not (a.admitted and b.admitted):
-        time.sleep(0.01)
-    deadline = time.monotonic() + 60
-
-    def stepped(frames):
-        while eng.stats.frames < frames and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    a.append(frame)
-    b.append(frame)
-    stepped(2)
-    first_steps = len(eng.stats.batch_sizes)
-    a.append(frame)
-    time.sleep(0.15)
-    b.append(frame)
-    stepped(4)
-    assert list(eng.stats.batch_sizes)[first_steps:] == ([2] if per_call_ms else [1, 1])
+    _, _, _, batches = _two_paced_calls(eng, frame, 0.15)
+    assert batches() == ([2] if per_call_ms else [1, 1])
     eng.stop()
 
 
