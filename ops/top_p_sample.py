@@ -110,5 +110,8 @@ def _(logits, noise, top_p):
 def top_p_gumbel_argmax(logits: torch.Tensor, noise: torch.Tensor, top_p: float) -> torch.Tensor:
     """logits [B, n] fp32, noise [B, n] fp32 Gumbel draws -> the drawn index per row [B] int64."""
     if use_triton(logits):
-        return top_p_gumbel_argmax_op(logits.contiguous(), noise.contiguous(), float(top_p))
+        # rows may be strided (the talker passes one pass's slice of every pass's noise); entries contiguous
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        noise = noise if noise.stride(-1) == 1 else noise.contiguous()
+        return top_p_gumbel_argmax_op(logits, noise, float(top_p))
     return top_p_gumbel_argmax_reference(logits, noise, top_p)

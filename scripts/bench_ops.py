@@ -240,14 +240,9 @@ def bench_codec(device, smoke, quick, sweep):
                 ("tf32x3w", "tf32x3w", default_min_rows), ("bf16x3", "bf16x3", default_min_rows)]
     if not smoke:
         variants += [(f"tf32x3w min_rows={r}", "tf32x3w", r) for r in (0, 64, 256, 512) if r != default_min_rows]
-    if sweep and not smoke:
-        variants.append(("tf32x3 + cudnn.benchmark", "tf32x3", -1))
     for label, gemm, min_rows in variants:
         codec.gemm = gemm
-        saved_bench = torch.backends.cudnn.benchmark
-        codec_module.SPLIT_GEMM_MIN_ROWS = default_min_rows if min_rows < 0 else min_rows
-        if min_rows < 0:
-            torch.backends.cudnn.benchmark = True
+        codec_module.SPLIT_GEMM_MIN_ROWS = min_rows
         try:
             error = max_err(stream(), ref64)
             for n in batches:
@@ -259,7 +254,6 @@ def bench_codec(device, smoke, quick, sweep):
                 record("codec decode_step", f"N={n}", label, timed(fn, smoke), 0.0, error)
         finally:
             codec_module.SPLIT_GEMM_MIN_ROWS = default_min_rows
-            torch.backends.cudnn.benchmark = saved_bench
     codec.gemm = "ieee"
 
 

@@ -234,11 +234,12 @@ def test_gemm_choice_comes_from_the_config():
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.triton_interpret)])
 def test_streaming_equals_one_shot_delayed(kernels, monkeypatch):
-    """With `kernels`, decode_step runs the Triton kernels the GPU runs (the fused depthwise conv +
-    LayerNorm, the 3xTF32 GEMMs with their epilogues) through the interpreter. Three calls starting at different steps in one batch (plus a padding row on the sink, rows in a
+    """Three calls starting at different steps in one batch (plus a padding row on the sink, rows in a
     shuffled order each step), then a fourth call re-using the first call's slot after a reset. The state
     starts full of garbage: admission's reset must be enough. Each call's stream + flush must equal
-    6 zeros followed by its one-shot decode."""
+    6 zeros followed by its one-shot decode. With `kernels`, decode_step runs the Triton kernels the GPU
+    runs (the fused depthwise conv + LayerNorm, the 3xTF32 GEMMs with their epilogues) through the
+    interpreter."""
     codec = _codec()
     if kernels:
         monkeypatch.setattr(codec_module, "SPLIT_GEMM_MIN_ROWS", 0)

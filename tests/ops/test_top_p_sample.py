@@ -60,6 +60,17 @@ def test_tie_group_at_the_threshold_is_kept_whole():
         assert picked == (i != 8)
 
 
+def test_row_strided_noise():
+    """One pass's slice of every pass's noise [B, passes, n][:, p] (row stride passes x n), as the talker
+    passes it, read in place."""
+    gen = torch.Generator().manual_seed(4)
+    logits, _ = _draws(gen, 6, 16, 2.0)
+    noise_all = gumbel(torch.rand(6, 5, 16, generator=gen)).to(DEVICE)
+    for p in range(5):
+        out = top_p_gumbel_argmax(logits, noise_all[:, p], 0.95)
+        assert torch.equal(out, top_p_gumbel_argmax_reference(logits, noise_all[:, p].contiguous(), 0.95))
+
+
 def test_opcheck():
     gen = torch.Generator().manual_seed(3)
     logits, noise = _draws(gen, 5, 64, 2.0)
