@@ -325,6 +325,37 @@ def bench_other_ops(device, smoke, quick, sweep):
         record("dft", f"{name} rows={rows}", "triton", timed(lambda: basis_matmul_triton(x, basis), smoke), nbytes,
                max_err(out, ref64))
 
+    # codec decoder: causal depthwise conv (k 7) + LayerNorm per ConvNeXt stage, fp32, one code frame per call
+    from ops.dwconv_layernorm import dwconv_layer_norm_reference, dwconv_layer_norm_triton
+    for channels, length in ((48, 9), (24, 63)) if smoke else ((1536, 9), (768, 63), (384, 441)):
+        x = torch.randn(n, length, channels, generator=gen).to(device)
+        hist = torch.randn(n + 1, 6, channels, generator=gen).to(device)
+        cw = (torch.randn(channels, 1, 7, generator=gen) / 7 ** 0.5).to(device)
+        cb, nw, nb = (torch.randn(channels, generator=gen).to(device) for _ in range(3))
+        dargs = (x, hist, slots, cw, cb, nw, nb, 1e-6)
+        ref64 = dwconv_layer_norm_reference(*(t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+                                              for t in dargs))
+        nbytes = (2 * x.numel() + n * 6 * channels) * 4
+        case = f"codec C={channels} L={length} N={n}"
+        record("dwconv_layer_norm", case, "torch reference", timed(lambda: dwconv_layer_norm_reference(*dargs), smoke),
+               nbytes, max_err(dwconv_layer_norm_reference(*dargs), ref64))
+        record("dwconv_layer_norm", case, "triton", timed(lambda: dwconv_layer_norm_triton(*dargs), smoke), nbytes,
+               max_err(dwconv_layer_norm_triton(*dargs), ref64))
+
+    # talker: the MoG component draw (top-p 0.95 + Gumbel-max) over 1024 components, one of a frame's five;
+    # its max_err column is the number of rows whose draw differs from the reference
+    from ops.top_p_sample import gumbel, top_p_gumbel_argmax_reference, top_p_gumbel_argmax_triton
+    comps = 16 if smoke else 1024
+    logits = torch.randn(n, comps, generator=gen).to(device)
+    noise = gumbel(torch.rand(n, comps, generator=gen)).to(device)
+    ref = top_p_gumbel_argmax_reference(logits, noise, 0.95)
+    differ = float((top_p_gumbel_argmax_triton(logits, noise, 0.95) != ref).sum())
+    case = f"mog {comps} components N={n}"
+    record("top_p_gumbel_argmax", case, "torch reference", timed(
+        lambda: top_p_gumbel_argmax_reference(logits, noise, 0.95), smoke), logits.numel() * 8, 0.0)
+    record("top_p_gumbel_argmax", case, "triton", timed(
+        lambda: top_p_gumbel_argmax_triton(logits, noise, 0.95), smoke), logits.numel() * 8, differ)
+
 
 # ---------------------------------------------------------------------------------------- bf16 GEMMs of a step
 
