@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from nemo_duplex.config import EncoderConfig, FrontendConfig
 from nemo_duplex.frontend import MelFrontend
-from ops.bounded_attention import bounded_attention, write_window
+from ops.bounded_attention import bounded_attention_and_store
 from ops.conformer_conv import conformer_conv_step
 from ops.layernorm import add_layer_norm
 
@@ -204,8 +204,8 @@ class RelPositionMultiHeadAttention(nn.Module):
         b = x.shape[0]
         # q, k, v from one GEMM over the stacked weight (prepare_stream); strided views, no copies
         q, k, v = F.linear(x, self.qkv_weight).view(b, 3, self.n_heads, self.head_dim).unbind(1)
-        out = bounded_attention(q, k, v, keys, values, self.pos_by_distance, self.pos_bias_u, self.pos_bias_v, slots, t)
-        write_window(keys, values, slots, t, k, v, ring)
+        out = bounded_attention_and_store(q, k, v, keys, values, self.pos_by_distance, self.pos_bias_u,
+                                          self.pos_bias_v, slots, t, ring)
         return self.linear_out(out.reshape(b, -1))
 
 

@@ -10,7 +10,8 @@ d = t - j of key j, so with P[d] = linear_pos(pe(d)) precomputed for d = 0..W:
 Window layout: a ring buffer per slot, `keys[s, j % W]` holds frame j of the call in slot s. At step t
 the ring still holds frames t-W .. t-1 (slot t % W holds frame t-W, which the query must see), so the
 current frame's k/v come in as separate inputs and `write_window` stores them at t % W only after the
-attention has read the window. Ring position w holds the frame at distance d(w) = ((t - 1 - w) mod W) + 1;
+attention has read the window (`bounded_attention_and_store`: the kernel's own programs store them, each
+after reading its (slot, head) window, so the step needs no separate writes). Ring position w holds the frame at distance d(w) = ((t - 1 - w) mod W) + 1;
 it exists iff d(w) <= t (the call has had that many frames).
 """
 from __future__ import annotations
@@ -70,6 +71,7 @@ def _bounded_attention_kernel(
     stride_pd, stride_ph, stride_uh, stride_vbh, stride_ob, stride_oh,
     scale,
     WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     # One program per (row, head): the whole window (W <= BLOCK_W) is one tile, so no online softmax.
     row = tl.program_id(0)
@@ -97,7 +99,8 @@ def _bounded_attention_kernel(
     scores = (tl.sum(q_u[None, :] * k, axis=1) + tl.sum(q_v[None, :] * p, axis=1)) * scale
     scores = tl.where(exists, scores, float("-inf"))
 
-    k_cur = tl.load(k_new_ptr + row * stride_knb + head * stride_knh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    k_raw = tl.load(k_new_ptr + row * stride_knb + head * stride_knh + offs_d, mask=d_mask, other=0.0)
+    k_cur = k_raw.to(tl.float32)
     p_cur = tl.load(pos_ptr + head * stride_ph + offs_d, mask=d_mask, other=0.0).to(tl.float32)  # P[0]
     score_cur = (tl.sum(q_u * k_cur, axis=0) + tl.sum(q_v * p_cur, axis=0)) * scale
 
@@ -108,12 +111,23 @@ def _bounded_attention_kernel(
 
     v = tl.load(values_ptr + slot * stride_vs + offs_w[:, None] * stride_vw + head * stride_vh + offs_d[None, :],
                 mask=tile_mask, other=0.0).to(tl.float32)
-    v_cur = tl.load(v_new_ptr + row * stride_vnb + head * stride_vnh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    out = (tl.sum(e[:, None] * v, axis=0) + e_cur * v_cur) / denom
+    v_raw = tl.load(v_new_ptr + row * stride_vnb + head * stride_vnh + offs_d, mask=d_mask, other=0.0)
+    out = (tl.sum(e[:, None] * v, axis=0) + e_cur * v_raw.to(tl.float32)) / denom
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    if STORE:
+        # Frame t goes to ring position t % W, which held frame t - W: only this program reads this (slot,
+        # head), and every thread's window loads precede the barrier. (Padding rows share the sink slot:
+        # their stores race there, which nothing reads as a real call's state.)
+        tl.debug_barrier()
+        ring = t % WINDOW
+        tl.store(keys_ptr + slot * stride_ks + ring * stride_kw + head * stride_kh + offs_d,
+                 k_raw.to(keys_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(values_ptr + slot * stride_vs + ring * stride_vw + head * stride_vh + offs_d,
+                 v_raw.to(values_ptr.dtype.element_ty), mask=d_mask)
 
 
-def bounded_attention_triton(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t):
+def bounded_attention_triton(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t, store=False):
+    """`store`: also write k_new / v_new into the ring at t % W (bounded_attention_and_store)."""
     batch, num_heads, head_dim = q.shape
     window = keys.shape[1]
     assert pos.shape[0] == window + 1, "pos must hold P[d] for d = 0..W"
@@ -129,7 +143,7 @@ def bounded_attention_triton(q, k_new, v_new, keys, values, pos, pos_bias_u, pos
         pos.stride(0), pos.stride(1), pos_bias_u.stride(0), pos_bias_v.stride(0), out.stride(0), out.stride(1),
         1.0 / math.sqrt(head_dim),
         WINDOW=window, HEAD_DIM=head_dim,
-        BLOCK_W=triton.next_power_of_2(window), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_W=triton.next_power_of_2(window), BLOCK_D=triton.next_power_of_2(head_dim), STORE=store,
         num_warps=4 if head_dim <= 64 else 8,
     )
     return out
@@ -152,6 +166,18 @@ def _(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("nemo_duplex::bounded_attention_store", mutates_args=("keys", "values"))
+def bounded_attention_store_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor,
+                               values: torch.Tensor, pos: torch.Tensor, pos_bias_u: torch.Tensor,
+                               pos_bias_v: torch.Tensor, slots: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return bounded_attention_triton(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t, store=True)
+
+
+@bounded_attention_store_op.register_fake
+def _(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t):
+    return torch.empty_like(q)
+
+
 def bounded_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
                       pos_bias_u: torch.Tensor, pos_bias_v: torch.Tensor,
@@ -161,6 +187,19 @@ def bounded_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return bounded_attention_op(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
     return bounded_attention_reference(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
+
+
+def bounded_attention_and_store(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                                keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                                pos_bias_u: torch.Tensor, pos_bias_v: torch.Tensor, slots: torch.Tensor,
+                                t: torch.Tensor, position: torch.Tensor | None = None) -> torch.Tensor:
+    """`bounded_attention` then `write_window`: with Triton in one kernel (two launches fewer per encoder
+    layer), else the two torch statements. `position`: t % W if the caller has it (the torch path)."""
+    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return bounded_attention_store_op(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
+    out = bounded_attention_reference(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
+    write_window(keys, values, slots, t, k_new, v_new, position)
+    return out
 
 
 def write_window(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,

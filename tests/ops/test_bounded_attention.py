@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from ops.bounded_attention import (bounded_attention, bounded_attention_reference, bounded_attention_triton,
-                                   write_window)
+from ops.bounded_attention import (bounded_attention, bounded_attention_and_store, bounded_attention_reference,
+                                   bounded_attention_store_op, bounded_attention_triton, write_window)
 
 W = 70
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
@@ -46,6 +46,31 @@ def test_kernel_padding_rows_share_the_sink():
     got = bounded_attention_triton(q, k_new, v_new, keys, values, pos, u, v, slots, t)
     alone = bounded_attention_reference(q[:2], k_new[:2], v_new[:2], keys, values, pos, u, v, slots[:2], t[:2])
     torch.testing.assert_close(got[:2], alone, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_variant_equals_attention_then_write_window(dtype):
+    """bounded_attention_and_store (the kernel storing each row's new k/v at t % W after reading its
+    window) = bounded_attention + write_window: the same output (the window read before the store: at
+    t >= W the overwritten position held frame t - W, which the query must see) and the same pools,
+    bit for bit, other slots and positions untouched. Two padding rows share the sink slot."""
+    t_values = [0, 5, 69, 70, 71, 140, 3, 3]
+    inputs = list(random_inputs(t_values, num_heads=2, head_dim=12, num_slots=9, dtype=dtype, device=DEVICE, seed=3))
+    inputs[8] = torch.tensor([4, 0, 2, 6, 1, 5, 8, 8], device=DEVICE)  # rows 6, 7: the sink (slot 8)
+    keys, values = inputs[3], inputs[4]
+    want_keys, want_values = keys.clone(), values.clone()
+    want = bounded_attention_triton(*inputs[:3], want_keys, want_values, *inputs[5:])
+    write_window(want_keys, want_values, inputs[8], inputs[9], inputs[1], inputs[2])
+    got = bounded_attention_and_store(*inputs)
+    assert torch.equal(got[:6], want[:6])
+    assert torch.equal(keys[:8], want_keys[:8]) and torch.equal(values[:8], want_values[:8])
+    assert not torch.equal(keys[:8], inputs[3].new_zeros(keys[:8].shape))  # sanity: pools are real data
+
+
+def test_store_op_opcheck():
+    inputs = random_inputs([0, 70, 71], num_heads=2, head_dim=8, device=DEVICE, seed=4)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    torch.library.opcheck(bounded_attention_store_op, tuple(x.clone() for x in inputs), test_utils=checks)
 
 
 def plain_attention(q, u, v, seq_k, seq_v, pos, t):
@@ -97,6 +122,22 @@ def test_write_window_touches_only_its_slots():
     for row, (s, tt) in enumerate(zip(slots.tolist(), t.tolist())):
         expected_k[s, tt % W], expected_v[s, tt % W] = k_new[row], v_new[row]
     assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
+
+
+@pytest.mark.gpu
+def test_store_variant_full_shapes_gpu():
+    """The fused store at the encoder's full shape (H=8, Dh=128, bf16, 128 calls at every window fill):
+    output and pools equal bounded_attention + write_window bit for bit on the real rows."""
+    t_values = [(i * 7) % 160 for i in range(126)] + [0, 0]
+    inputs = list(random_inputs(t_values, num_heads=8, head_dim=128, num_slots=257, dtype=torch.bfloat16,
+                                device="cuda", seed=5))
+    inputs[8][-2:] = 256
+    want_keys, want_values = inputs[3].clone(), inputs[4].clone()
+    want = bounded_attention(*inputs[:3], want_keys, want_values, *inputs[5:])
+    write_window(want_keys, want_values, inputs[8], inputs[9], inputs[1], inputs[2])
+    got = bounded_attention_and_store(*inputs)
+    assert torch.equal(got[:-2], want[:-2])
+    assert torch.equal(inputs[3][:256], want_keys[:256]) and torch.equal(inputs[4][:256], want_values[:256])
 
 
 @pytest.mark.gpu
