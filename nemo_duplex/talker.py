@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
 from ops.decode_attention import decode_attention
-from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope
+from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope, rms_norm_rope_store
 from ops.top_p_sample import gumbel, top_p_gumbel_argmax
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
@@ -156,9 +156,14 @@ class Gemma3Attention(nn.Module):
         """One token per row: x [N, H], positions [N]; writes k/v at (rows, positions) of the pools
         [R, kv_heads, L, D] in place, then attends over the row's cache. -> [N, H]. `lengths` =
         positions + 1 if the caller has it (the backbone computes it once for all layers)."""
-        q, k, v = self.project(x[:, None], positions[:, None], rope)
-        pool_k[rows, :, positions] = k[:, :, 0]
-        pool_v[rows, :, positions] = v[:, :, 0]
+        n = x.shape[0]
+        cos, sin = rope if rope is not None else rotary_cos_sin(positions[:, None], self.head_dim, self.rope_theta)
+        q = rms_norm_rope(self.q_proj(x).view(n, 1, self.num_heads, self.head_dim), self.q_norm.weight,
+                          self.q_norm.eps, cos, sin).transpose(1, 2)
+        # k normed and rotated, and v, straight into the pools (one kernel on the GPU: ops/rmsnorm.py)
+        rms_norm_rope_store(self.k_proj(x).view(n, 1, self.num_kv_heads, self.head_dim), self.k_norm.weight,
+                            self.k_norm.eps, cos, sin, self.v_proj(x).view(n, 1, self.num_kv_heads, self.head_dim),
+                            pool_k, pool_v, rows, positions)
         lengths = positions + 1 if lengths is None else lengths
         out = _decode_attention(q[:, :, 0], pool_k, pool_v, rows, lengths, self.window, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -73,6 +73,16 @@ def rms_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, c
     return y * cos + rotated * sin
 
 
+def rms_norm_rope_store_reference(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                                  sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                                  rows: torch.Tensor, positions: torch.Tensor, offset: float = 1.0) -> None:
+    """A decode step's k/v into its KV pools: k [B, 1, heads, D] normed and rotated (rms_norm_rope), v
+    [B, 1, heads, D] as it is, written at pool[rows[b], :, positions[b]] of pool_k / pool_v [R, heads, L, D]."""
+    k = rms_norm_rope_reference(k, weight, eps, cos, sin, offset)
+    pool_k[rows, :, positions] = k[:, 0].to(pool_k.dtype)
+    pool_v[rows, :, positions] = v[:, 0].to(pool_v.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Triton
 # ----------------------------------------------------------------------------------------------------
@@ -164,10 +174,15 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 @triton.jit
 def _rms_norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_x, stride_cs, stride_o, eps, offset,
+    v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_v, stride_ps, stride_ph, stride_pl,
     D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """Program = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row. The
-    rotated half is the same normalised row read at the partner columns (c +- D/2), so no shuffle."""
+    rotated half is the same normalised row read at the partner columns (c +- D/2), so no shuffle.
+    STORE (one token per batch row): the result goes to out_ptr[rows[token], head, pos[token]] of a KV
+    pool [R, heads, L, D] (strides stride_ps / ph / pl) instead of out_ptr[row], and v's row (stride_v)
+    is copied to the same place of the v pool (v_out_ptr)."""
     HALF: tl.constexpr = D // 2
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_D)
@@ -187,7 +202,15 @@ def _rms_norm_rope_kernel(
     cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
     out = _round_to(_round_to(y * cos, dtype, BF16) + _round_to(rot * sin, dtype, BF16), dtype, BF16).to(dtype)
-    tl.store(out_ptr + r[:, None] * stride_o + c[None, :], out, mask=mask)
+    if STORE:
+        slot = tl.load(rows_ptr + tok, mask=r < R, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + tok, mask=r < R, other=0).to(tl.int64)
+        dst = slot[:, None] * stride_ps + (r % HEADS)[:, None].to(tl.int64) * stride_ph + pos[:, None] * stride_pl
+        tl.store(out_ptr + dst + c[None, :], out, mask=mask)
+        v = tl.load(v_ptr + r[:, None] * stride_v + c[None, :], mask=mask, other=0.0)
+        tl.store(v_out_ptr + dst + c[None, :], v.to(v_out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + r[:, None] * stride_o + c[None, :], out, mask=mask)
 
 
 def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -203,9 +226,30 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
         block_r = max(1, min(16, 2048 // block_d))
         _rms_norm_rope_kernel[(triton.cdiv(rows, block_r),)](
             x2, weight, cos2, sin2, out, rows, x2.stride(0), cos2.stride(0), out.stride(0), float(eps), float(offset),
-            D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=x.dtype == torch.bfloat16,
+            out, out, cos2, cos2, 0, 0, 0, 0,  # no store
+            D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=x.dtype == torch.bfloat16, STORE=False,
         )
     return out.view(b, t, heads, d)
+
+
+def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                               sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                               rows: torch.Tensor, positions: torch.Tensor, offset: float = 1.0) -> None:
+    b, t, heads, d = k.shape
+    assert t == 1 and v.shape == k.shape and cos.shape == sin.shape == (b, 1, d) and weight.numel() == d
+    assert pool_k.dtype == k.dtype and pool_k.shape == pool_v.shape and pool_k.stride() == pool_v.stride()
+    assert pool_k.shape[1] == heads and pool_k.shape[3] == d and pool_k.stride(-1) == 1
+    k2, v2 = _rows(k, d), _rows(v, d)
+    cos2, sin2 = _rows(cos.to(k.dtype), d), _rows(sin.to(k.dtype), d)
+    n = k2.shape[0]
+    if n:
+        block_d = triton.next_power_of_2(d)
+        block_r = max(1, min(16, 2048 // block_d))
+        _rms_norm_rope_kernel[(triton.cdiv(n, block_r),)](
+            k2, weight, cos2, sin2, pool_k, n, k2.stride(0), cos2.stride(0), 0, float(eps), float(offset),
+            v2, pool_v, rows, positions, v2.stride(0), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
+            D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=k.dtype == torch.bfloat16, STORE=True,
+        )
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -277,6 +321,30 @@ def rms_norm_rope_op(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
 @rms_norm_rope_op.register_fake
 def _(x, weight, eps, cos, sin, offset):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("nemo_duplex::rms_norm_rope_store", mutates_args=("pool_k", "pool_v"))
+def rms_norm_rope_store_op(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                           v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
+                           positions: torch.Tensor, offset: float) -> None:
+    rms_norm_rope_store_triton(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset)
+
+
+@rms_norm_rope_store_op.register_fake
+def _(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset):
+    return None
+
+
+def rms_norm_rope_store(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                        v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
+                        positions: torch.Tensor, offset: float = 1.0) -> None:
+    """k, v [B, 1, heads, D] (one decode token per row) -> rms_norm_rope(k) and v written in place at
+    pool[rows[b], :, positions[b]] of pool_k / pool_v [R, heads, L, D]: one kernel on CUDA or under
+    TRITON_INTERPRET=1 (no k output and no two index_put launches), else the torch statements."""
+    if use_triton(k):
+        rms_norm_rope_store_op(k, weight, float(eps), cos, sin, v, pool_k, pool_v, rows, positions, float(offset))
+    else:
+        rms_norm_rope_store_reference(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -119,6 +119,60 @@ def test_norm_rope_kernel(dtype):
         torch.testing.assert_close(out.double(), exact, rtol=0, atol=0.1)
 
 
+def _kv_store_inputs(gen, b, heads, d, num_rows, max_len, dtype, device):
+    k = (2 * torch.randn(b, 1, heads, d, generator=gen)).to(device, dtype)
+    v = torch.randn(b, 1, heads, d, generator=gen).to(device, dtype)
+    w = (0.2 * torch.randn(d, generator=gen)).to(device, dtype)
+    angles = torch.rand(b, 1, d // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    pool_k = torch.randn(num_rows, heads, max_len, d, generator=gen).to(device, dtype)
+    pool_v = torch.randn(num_rows, heads, max_len, d, generator=gen).to(device, dtype)
+    rows = torch.randperm(num_rows - 1, generator=gen)[:b].to(device)
+    positions = torch.randint(0, max_len, (b,), generator=gen).to(device)
+    return k, w, cos, sin, v, pool_k, pool_v, rows, positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_store_writes_the_pools(dtype):
+    """rms_norm_rope_store (the talker's decode-step k/v into its pools in one kernel): the pools equal
+    rms_norm_rope_triton's k (the same arithmetic) and v written at (rows, :, positions) bit for bit,
+    everything else untouched; and the torch statements (the CPU path) within rms_norm_rope's tolerance."""
+    from ops.rmsnorm import (rms_norm_rope_store, rms_norm_rope_store_op, rms_norm_rope_store_reference,
+                             rms_norm_rope_triton)
+    gen = torch.Generator().manual_seed(8)
+    k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 4, 3, 18, 7, 11, dtype, DEVICE)
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    want_k[rows, :, positions] = rms_norm_rope_triton(k, w, 1e-6, cos, sin)[:, 0]
+    want_v[rows, :, positions] = v[:, 0]
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    rms_norm_rope_store_reference(k, w, 1e-6, cos, sin, v, ref_k, ref_v, rows, positions)
+    rms_norm_rope_store(k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+    assert torch.equal(pool_v, ref_v)
+    torch.testing.assert_close(pool_k.float(), ref_k.float(), rtol=0, atol=4 * 2 ** -8 * 8 if dtype == torch.bfloat16
+                               else 2e-6)
+    k2, w2, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2 = _kv_store_inputs(
+        torch.Generator().manual_seed(9), 2, 2, 8, 4, 5, torch.float32, DEVICE)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    torch.library.opcheck(rms_norm_rope_store_op, (k2, w2, 1e-6, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2,
+                                                   1.0), test_utils=checks)
+
+
+@pytest.mark.gpu
+def test_gpu_norm_rope_store_talker_shape():
+    """The talker's shape (256 pool rows of 16 heads x 72 at 1037 positions, bf16): bit for bit as above."""
+    from ops.rmsnorm import rms_norm_rope_store, rms_norm_rope_triton
+    gen = torch.Generator().manual_seed(10)
+    k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 256, 16, 72, 321, 1037,
+                                                                          torch.bfloat16, "cuda")
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    want_k[rows, :, positions] = rms_norm_rope_triton(k, w, 1e-6, cos, sin)[:, 0]
+    want_v[rows, :, positions] = v[:, 0]
+    rms_norm_rope_store(k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+
+
 @pytest.mark.gpu
 def test_gpu_norm_rope_talker_shape():
     from ops.rmsnorm import rms_norm_reference, rms_norm_rope, rms_norm_rope_reference
