@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
+from ops.argmin_residual import argmin_residual
 from ops.decode_attention import decode_attention
 from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope, rms_norm_rope_store
 from ops.top_p_sample import gumbel, top_p_gumbel_argmax
@@ -460,8 +461,8 @@ def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor, norms: torch.Ten
     norms = books.pow(2).sum(-1) if norms is None else norms
     codes = []
     for book, norm in zip(books, norms):
-        idx = torch.addmm(norm[None, :], r, book.T, alpha=-2).argmin(-1)  # one kernel for the distances
-        r = r - book[idx]
+        distances = torch.addmm(norm[None, :], r, book.T, alpha=-2)  # one kernel for the distances
+        idx, r = argmin_residual(distances, r, book)  # argmin, gather, subtract: one kernel on the GPU
         codes.append(idx)
     return torch.stack(codes, dim=-1)
 
