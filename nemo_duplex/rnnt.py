@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from nemo_duplex.config import RNNTConfig
+from ops.rnnt_commit import rnnt_commit
 
 
 def _fill_normal_(tensor: torch.Tensor, std: float, generator: torch.Generator, mean: float = 0.0) -> None:
@@ -141,15 +142,12 @@ class RNNTDecoder(nn.Module):
         f = joint.enc(enc.to(joint.enc.weight.dtype))
         tokens = torch.full((batch, self.cfg.max_symbols_per_step), -1, dtype=torch.int64, device=enc.device)
         active = torch.ones(batch, dtype=torch.bool, device=enc.device)
+        h, c, last = h.clone(), c.clone(), last.clone()  # committed in place below; the caller's stay as they were
         for i in range(self.cfg.max_symbols_per_step):
             g, h_next, c_next = self.prediction(last, h, c)
-            k = joint.joint_logits(f, g).argmax(-1)
-            emit = active & (k != self.blank)
-            tokens[:, i] = torch.where(emit, k, -1)
-            h = torch.where(emit[None, :, None], h_next, h)
-            c = torch.where(emit[None, :, None], c_next, c)
-            last = torch.where(emit, k, last)
-            active = emit
+            # argmax, emit = active & not blank, then tokens[:, i], h, c, last and active where emitted:
+            # one kernel on the GPU (ops/rnnt_commit.py)
+            rnnt_commit(joint.joint_logits(f, g), self.blank, active, h_next, h, c_next, c, last, tokens, i)
         return tokens, h, c, last
 
 
