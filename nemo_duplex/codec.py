@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ops.codebook_sum import codebook_sum
 from ops.dft import irdft
 from ops.dwconv_layernorm import dwconv_layer_norm
 from ops.fp32_linear import fp32_linear
@@ -402,13 +403,25 @@ class ResidualVQ(nn.Module):
         self.mus_list = nn.ParameterList(
             [nn.Parameter(torch.empty(cfg.codebook_size, cfg.latent_size)) for _ in range(cfg.num_quantizers)])
         self._variance_list = nn.ModuleList([CodebookVariance() for _ in range(cfg.num_quantizers)])
+        # The codebooks stacked [Q, codebook, latent], derived from mus_list, so not in the state_dict: built
+        # on first use (`stacked`), emptied when a state_dict loads or the weights are drawn (64 MiB at full
+        # size). It lets dequantize run as one kernel (ops/codebook_sum.py).
+        self.register_buffer("mus_stacked", torch.empty(0), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module.clear_stacked())
+
+    def clear_stacked(self) -> None:
+        self.mus_stacked = torch.empty(0, device=self.mus_list[0].device)
+
+    def stacked(self) -> torch.Tensor:
+        if self.mus_stacked.numel() == 0 or self.mus_stacked.device != self.mus_list[0].device \
+                or self.mus_stacked.dtype != self.mus_list[0].dtype:
+            with torch.no_grad():
+                self.mus_stacked = torch.stack(list(self.mus_list))
+        return self.mus_stacked
 
     def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [..., Q] -> sum_i mus_list[i][codes[..., i]], [..., latent]."""
-        latent = F.embedding(codes[..., 0], self.mus_list[0])
-        for i in range(1, len(self.mus_list)):
-            latent = latent + F.embedding(codes[..., i], self.mus_list[i])
-        return latent
+        """codes [..., Q] -> sum_i mus_list[i][codes[..., i]], [..., latent], added in order i = 0..Q-1."""
+        return codebook_sum(codes, self.stacked())
 
     def quantize(self, latent: torch.Tensor) -> torch.Tensor:
         """Greedy residual quantisation: latent [..., latent] -> codes [..., Q] int64; code i is the nearest
@@ -425,6 +438,7 @@ class ResidualVQ(nn.Module):
 
     def init_weights(self, generator: torch.Generator) -> None:
         # Codebook i has std sqrt((1 - r) r^i): the sum of all 31 has unit variance, later codebooks refine.
+        self.clear_stacked()
         ratio = 0.7
         for i, mus in enumerate(self.mus_list):
             _normal_(mus, generator, math.sqrt((1 - ratio) * ratio ** i))
@@ -518,7 +532,9 @@ class RVQCodec(nn.Module):
 
     # ---- streaming -----------------------------------------------------------------------------------
     def allocate_stream_state(self, num_slots: int, device) -> CodecStreamState:
-        """Zeroed state for `num_slots` rows (callers include the sink row)."""
+        """Zeroed state for `num_slots` rows (callers include the sink row). Also builds the stacked
+        codebooks here, before any step is captured or compiled, so a traced step only reads them."""
+        self.prvq.stacked()
         tail = self.cfg.n_fft - self.cfg.hop_length
         history = [torch.zeros(num_slots, block.history, block.dwconv.in_channels, device=device)
                    for block in self.decoder.convnext_blocks()]
