@@ -52,3 +52,13 @@ def test_reference_statistics():
     assert not torch.equal(bits, random_bits_reference(seed[:2], counter[:2], 2, 64))
     assert not torch.equal(bits, random_bits_reference(seed[:2], counter[:2] + 1, 1, 64))
     assert not torch.equal(bits[0], bits[1])
+
+
+@pytest.mark.parametrize("normal", [False, True])
+def test_opcheck(normal):
+    from ops.counter_rng import counter_rng_op
+
+    seed = torch.tensor([3, 5, 7], device=DEVICE)
+    counter = torch.tensor([0, 11, 2], device=DEVICE)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    torch.library.opcheck(counter_rng_op, (seed, counter, 1, 24, normal), test_utils=checks)
