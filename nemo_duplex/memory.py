@@ -114,6 +114,7 @@ def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1) -> int:
     with torch.device("meta"):
         model = VoiceChat(cfg).cast_for_inference()
         model.perception.prepare_stream()  # the streaming encoder's per-layer tables (relative positions, stacked q/k/v)
+        model.codec.prvq.stacked()  # the codec's stacked codebooks (ops/codebook_sum.py)
     built = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return built + cfg.llm.vocab_size * (max_token_chars - model.talker.embed_subword.char_ids.shape[1]) * INT64
 

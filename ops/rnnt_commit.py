@@ -58,7 +58,9 @@ def _rnnt_commit_kernel(logits_ptr, active_ptr, hn_ptr, h_ptr, cn_ptr, c_ptr, la
     tl.store(last_ptr + row, tl.where(emit, k, tl.load(last_ptr + row)))
     tl.store(active_ptr + row, emit.to(active_ptr.dtype.element_ty))
     hs = tl.arange(0, BLOCK_H)
-    h_mask = (hs < H) & emit
+    # the row's emit as a per-lane comparison, so the mask is boolean (Triton 3.9's interpreter takes a
+    # scalar-and-vector & as int32, which a load mask cannot be)
+    h_mask = (hs < H) & ((hs * 0 + emit.to(tl.int32)) != 0)
     for layer in tl.static_range(LAYERS):
         hn = tl.load(hn_ptr + layer * stride_hnl + row * stride_hnb + hs, mask=h_mask)
         tl.store(h_ptr + layer * stride_hl + row * stride_hb + hs, hn, mask=h_mask)
