@@ -1,0 +1,68 @@
+"""Compile Triton kernels for the H200 (sm_90) on a machine without a GPU: Triton ships ptxas, so a
+kernel's whole GPU build (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs here. CPU tests run the kernels
+through the interpreter, which accepts some code the GPU build rejects (and the reverse); this catches the
+build errors before a device is lent. Covered: the kernels added in session 5 and the variants they added
+to older ones, at the full model's shapes. Run without TRITON_INTERPRET (tests/test_compile_kernels.py
+runs it in a subprocess).
+
+    python scripts/compile_kernels.py
+"""
+import os
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels it compiles")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ops.argmin_residual import _argmin_residual_kernel  # noqa: E402
+from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
+from ops.codebook_sum import _codebook_sum_kernel  # noqa: E402
+from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
+from ops.fp32_linear import _fp32_linear_kernel  # noqa: E402
+from ops.rmsnorm import _rms_norm_rope_kernel  # noqa: E402
+from ops.rnnt_commit import _rnnt_commit_kernel  # noqa: E402
+from ops.top_p_sample import _top_p_gumbel_argmax_kernel  # noqa: E402
+
+target = GPUTarget("cuda", 90, 32)
+
+
+def compile_(kernel, sig, constexprs, **options):
+    names = kernel.arg_names
+    full = {n: sig.get(n, "i32") if n not in constexprs else "constexpr" for n in names}
+    src = ASTSource(fn=kernel, signature=full, constexprs=constexprs)
+    k = triton.compile(src, target=target, options=options)
+    print(f"{kernel.__name__:34s} ok ({len(k.asm['ptx'])} ptx chars)", flush=True)
+
+
+f32, bf16 = "*fp32", "*bf16"
+compile_(_argmin_residual_kernel, {"dist_ptr": f32, "res_ptr": f32, "book_ptr": f32, "idx_ptr": "*i64", "out_ptr": f32},
+         {"BLOCK_C": 1024, "BLOCK_D": 512}, num_warps=4)
+for store in (False, True):
+    compile_(_bounded_attention_kernel, {n: bf16 for n in ("q_ptr", "k_new_ptr", "v_new_ptr", "keys_ptr", "values_ptr",
+                                                            "pos_ptr", "u_ptr", "vb_ptr", "out_ptr")}
+             | {"slots_ptr": "*i64", "t_ptr": "*i64", "scale": "fp32"},
+             {"WINDOW": 70, "HEAD_DIM": 128, "BLOCK_W": 128, "BLOCK_D": 128, "STORE": store}, num_warps=8)
+compile_(_codebook_sum_kernel, {"codes_ptr": "*i64", "tables_ptr": f32, "out_ptr": f32}, {"Q": 31, "BLOCK_D": 512},
+         num_warps=4)
+for c in (384, 768, 1536):
+    bc = triton.next_power_of_2(c)
+    compile_(_dwconv_layer_norm_kernel, {"x_ptr": f32, "hist_ptr": f32, "slots_ptr": "*i64", "w_ptr": f32, "b_ptr": f32,
+                                         "nw_ptr": f32, "nb_ptr": f32, "y_ptr": f32, "eps": "fp32"},
+             {"C": c, "KSIZE": 7, "BLOCK_L": max(1, 4096 // bc), "BLOCK_C": bc}, num_warps=4)
+compile_(_fp32_linear_kernel, {"x_ptr": f32, "w_ptr": f32, "wl_ptr": f32, "b_ptr": f32, "r_ptr": f32, "y_ptr": f32},
+         {"K": 1536, "HAS_BIAS": True, "GELU": False, "HAS_RESIDUAL": True, "PRECISION": "tf32", "PRESPLIT": True,
+          "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3)
+for store in (False, True):
+    compile_(_rms_norm_rope_kernel, {"x_ptr": bf16, "w_ptr": bf16, "cos_ptr": bf16, "sin_ptr": bf16, "out_ptr": bf16,
+                                     "eps": "fp32", "offset": "fp32", "v_ptr": bf16, "v_out_ptr": bf16,
+                                     "rows_ptr": "*i64", "pos_ptr": "*i64"},
+             {"D": 72, "HEADS": 16, "BLOCK_R": 16, "BLOCK_D": 128, "BF16": True, "STORE": store}, num_warps=4)
+compile_(_rnnt_commit_kernel, {"logits_ptr": bf16, "active_ptr": "*i1", "hn_ptr": bf16, "h_ptr": bf16, "cn_ptr": bf16,
+                               "c_ptr": bf16, "last_ptr": "*i64", "tokens_ptr": "*i64"},
+         {"LAYERS": 2, "BLOCK_V": 2048, "BLOCK_H": 1024}, num_warps=4)
+compile_(_top_p_gumbel_argmax_kernel, {"logits_ptr": f32, "noise_ptr": f32, "out_ptr": "*i64", "drop_mass": "fp32"},
+         {"BLOCK": 1024}, num_warps=4)
