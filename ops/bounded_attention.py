@@ -17,11 +17,12 @@ it exists iff d(w) <= t (the call has had that many frames).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ops import use_triton
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ def bounded_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       slots: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """Attention of each row's new frame over its slot's ring window (see the module docstring).
     Reads only; call `write_window` afterwards to store the new k/v. Shapes as in the reference."""
-    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if use_triton(q):
         return bounded_attention_op(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
     return bounded_attention_reference(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
 
@@ -195,7 +196,7 @@ def bounded_attention_and_store(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 t: torch.Tensor, position: torch.Tensor | None = None) -> torch.Tensor:
     """`bounded_attention` then `write_window`: with Triton in one kernel (two launches fewer per encoder
     layer), else the two torch statements. `position`: t % W if the caller has it (the torch path)."""
-    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if use_triton(q):
         return bounded_attention_store_op(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
     out = bounded_attention_reference(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
     write_window(keys, values, slots, t, k_new, v_new, position)
