@@ -126,14 +126,23 @@ class Gemma3Attention(nn.Module):
         self.window = None if full else cfg.sliding_window
         self.scale = cfg.query_pre_attn_scalar ** -0.5
 
+    def rotary(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+        """(cos, sin) [B, T, D] for positions [B, T]: `rope` if the caller computed them once for all layers."""
+        return rope if rope is not None else rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> q [B, heads, T, D], normed and rotated (one kernel on CUDA, ops/rmsnorm.py, with
+        the roundings of norm-then-rotate)."""
+        b, t, _ = x.shape
+        return rms_norm_rope(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), self.q_norm.weight,
+                             self.q_norm.eps, cos, sin).transpose(1, 2)
+
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [B, T, H], positions [B, T] -> q [B, heads, T, D], k, v [B, kv_heads, T, D] (normed, rotated).
         rope: this layer's (cos, sin) [B, T, D] if the caller computed them once for all layers."""
         b, t, _ = x.shape
-        cos, sin = rope if rope is not None else rotary_cos_sin(positions, self.head_dim, self.rope_theta)
-        # q/k norm and rotary in one kernel on CUDA (ops/rmsnorm.py), same roundings as norm-then-rotate
-        q = rms_norm_rope(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), self.q_norm.weight,
-                          self.q_norm.eps, cos, sin).transpose(1, 2)
+        cos, sin = self.rotary(positions, rope)
+        q = self.query(x, cos, sin)
         k = rms_norm_rope(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim), self.k_norm.weight,
                           self.k_norm.eps, cos, sin).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -158,9 +167,8 @@ class Gemma3Attention(nn.Module):
         [R, kv_heads, L, D] in place, then attends over the row's cache. -> [N, H]. `lengths` =
         positions + 1 if the caller has it (the backbone computes it once for all layers)."""
         n = x.shape[0]
-        cos, sin = rope if rope is not None else rotary_cos_sin(positions[:, None], self.head_dim, self.rope_theta)
-        q = rms_norm_rope(self.q_proj(x).view(n, 1, self.num_heads, self.head_dim), self.q_norm.weight,
-                          self.q_norm.eps, cos, sin).transpose(1, 2)
+        cos, sin = self.rotary(positions[:, None], rope)
+        q = self.query(x[:, None], cos, sin)
         # k normed and rotated, and v, straight into the pools (one kernel on the GPU: ops/rmsnorm.py)
         rms_norm_rope_store(self.k_proj(x).view(n, 1, self.num_kv_heads, self.head_dim), self.k_norm.weight,
                             self.k_norm.eps, cos, sin, self.v_proj(x).view(n, 1, self.num_kv_heads, self.head_dim),
