@@ -5,6 +5,7 @@ import torch
 
 from ops.argmin_residual import (argmin_residual, argmin_residual_op, argmin_residual_reference,
                                  argmin_residual_triton)
+from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,8 +36,7 @@ def test_ties_take_the_first_index_and_strided_rows():
     idx, out = argmin_residual(wide[:, 2:18], residual, book)
     assert (idx == 3).all()
     assert torch.equal(out, residual - book[3][None, :])
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(argmin_residual_op, (distances, residual, book), test_utils=checks)
+    torch.library.opcheck(argmin_residual_op, (distances, residual, book), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.gpu

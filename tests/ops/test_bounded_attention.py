@@ -7,6 +7,7 @@ import torch
 
 from ops.bounded_attention import (bounded_attention, bounded_attention_and_store, bounded_attention_reference,
                                    bounded_attention_store_op, bounded_attention_triton, write_window)
+from tests.ops.support import OPCHECK_TESTS
 
 W = 70
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
@@ -69,8 +70,7 @@ def test_store_variant_equals_attention_then_write_window(dtype):
 
 def test_store_op_opcheck():
     inputs = random_inputs([0, 70, 71], num_heads=2, head_dim=8, device=DEVICE, seed=4)
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(bounded_attention_store_op, tuple(x.clone() for x in inputs), test_utils=checks)
+    torch.library.opcheck(bounded_attention_store_op, tuple(x.clone() for x in inputs), test_utils=OPCHECK_TESTS)
 
 
 def plain_attention(q, u, v, seq_k, seq_v, pos, t):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ops.conformer_conv import (conformer_conv_step, conformer_conv_step_op, conformer_conv_step_reference,
                                 conformer_conv_step_triton)
+from tests.ops.support import OPCHECK_TESTS, assert_norm_output
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -38,17 +39,6 @@ def _float64(h, cache, slots, conv_w, norm_w, norm_b, eps):
     y = (centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + eps) * norm_w.double()
          + norm_b.double()).to(dtype).double()
     return y * torch.sigmoid(y), window[:, :, 1:]
-
-
-def _check_output(out, ref, exact, dtype):
-    assert out.dtype == dtype and out.shape == ref.shape
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-5)
-        assert (out == ref).float().mean().item() >= 0.99
-        torch.testing.assert_close(out.double(), exact, rtol=2 ** -6, atol=1e-5)  # its two last roundings
 
 
 def _close_to_float64_cache(got, want, dtype):
@@ -88,7 +78,7 @@ def test_kernel_matches_reference_with_padding_rows_on_the_sink(d, kernel, dtype
     ref = conformer_conv_step_reference(h, want_cache, slots, conv_w, norm_w, norm_b, EPS)
     n = len(real)  # padding rows' outputs are garbage (the sink races): only real rows compared
     exact, new_cache = _float64(h[:n], cache, slots[:n], conv_w, norm_w, norm_b, EPS)
-    _check_output(out[:n], ref[:n], exact, dtype)
+    assert_norm_output(out[:n], ref[:n], exact, dtype, bf16_exact_rtol=2 ** -6)  # its two last roundings
     _check_cache(got_cache, want_cache, cache, real, dtype)
     # and the cache against the float64 statement: shift, GLU enters last
     _close_to_float64_cache(got_cache[real], new_cache, dtype)
@@ -123,7 +113,7 @@ def test_opcheck():
     h, cache, conv_w, norm_w, norm_b = _inputs(gen, 3, 24, 9, 5, torch.float32)
     torch.library.opcheck(conformer_conv_step_op, (h, cache, torch.tensor([4, 0, 2], device=DEVICE), conv_w,
                                                    norm_w, norm_b, EPS),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+                          test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.gpu
@@ -145,6 +135,6 @@ def test_gpu_full_shapes(dtype):
     same = (out[:n] == ref[:n]).float().mean().item()
     print(f"conformer conv step {dtype}: max |kernel - torch| {(out[:n].float() - ref[:n].float()).abs().max():.3g}, "
           f"max |kernel - float64| {(out[:n].double() - exact).abs().max():.3g}, {same:.5f} identical")
-    _check_output(out[:n], ref[:n], exact, dtype)
+    assert_norm_output(out[:n], ref[:n], exact, dtype, bf16_exact_rtol=2 ** -6)  # its two last roundings
     _check_cache(got_cache, want_cache, cache, real.tolist(), dtype)
     _close_to_float64_cache(got_cache[real], new_cache, dtype)

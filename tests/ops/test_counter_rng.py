@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ops.counter_rng import counter_rng_triton, normal_reference, random_bits_reference, uniform_reference
+from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,5 +61,4 @@ def test_opcheck(normal):
 
     seed = torch.tensor([3, 5, 7], device=DEVICE)
     counter = torch.tensor([0, 11, 2], device=DEVICE)
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(counter_rng_op, (seed, counter, 1, 24, normal), test_utils=checks)
+    torch.library.opcheck(counter_rng_op, (seed, counter, 1, 24, normal), test_utils=OPCHECK_TESTS)

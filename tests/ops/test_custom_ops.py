@@ -12,10 +12,10 @@ from ops.decode_attention import decode_attention, decode_attention_op
 from ops.dft import basis_matmul, basis_matmul_op, irdft_basis
 from ops.fp32_linear import fp32_linear, fp32_linear_op
 from ops.mamba_step import mamba_step, mamba_step_op
+from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # opcheck's faketensor/aot tests; the autograd-registration test is for training ops (these are inference only)
-CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
 
 
 def _inputs(gen):
@@ -50,7 +50,7 @@ def test_opcheck():
                                              residual=torch.randn(2, 5, 16, generator=gen).to(DEVICE))),
                        (basis_matmul_op, dft)):
         args = tuple(v.clone() if torch.is_tensor(v) else v for v in kwargs.values())
-        torch.library.opcheck(op, args, test_utils=CHECKS)
+        torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.triton_interpret

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ops.dwconv_layernorm import (dwconv_layer_norm, dwconv_layer_norm_op, dwconv_layer_norm_reference,
                                   dwconv_layer_norm_triton)
+from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6  # the codec's ConvNeXt LayerNorm (spec 5.2)
@@ -68,8 +69,7 @@ def test_strided_input_and_opcheck():
     wide[..., 8:48] = x
     out = dwconv_layer_norm(wide[..., 8:48], history, slots, *rest, EPS)  # channel-contiguous, row-strided
     torch.testing.assert_close(out, dwconv_layer_norm_reference(x, history, slots, *rest, EPS), rtol=1e-5, atol=1e-5)
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(dwconv_layer_norm_op, (x, history, slots, *rest, EPS), test_utils=checks)
+    torch.library.opcheck(dwconv_layer_norm_op, (x, history, slots, *rest, EPS), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.gpu

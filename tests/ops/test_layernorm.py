@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ops.layernorm import add_layer_norm, add_layer_norm_op, add_layer_norm_reference, add_layer_norm_triton, layer_norm_op
+from tests.ops.support import OPCHECK_TESTS, assert_norm_output
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -33,14 +34,7 @@ def _inputs(gen, rows, width, dtype, with_delta=True):
 
 def _check(s, y, ref_s, ref_y, exact_y, dtype):
     assert torch.equal(s, ref_s)
-    assert y.dtype == dtype and y.shape == ref_y.shape
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(y.double(), exact_y, rtol=1e-5, atol=1e-5)
-    else:
-        torch.testing.assert_close(y.float(), ref_y.float(), rtol=2 ** -7, atol=1e-5)
-        assert (y == ref_y).float().mean().item() >= 0.99
-        torch.testing.assert_close(y.double(), exact_y, rtol=2 ** -7, atol=1e-5)
+    assert_norm_output(y, ref_y, exact_y, dtype)
 
 
 @pytest.mark.parametrize("rows,width", [(7, 64), (5, 100), (3, 1024)])  # 100: not a power of two (masked)
@@ -80,9 +74,8 @@ def test_launcher_row_strided_and_batched_inputs():
 def test_opcheck():
     gen = torch.Generator().manual_seed(13)
     x, delta, w, b = _inputs(gen, 4, 40, torch.float32)
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(add_layer_norm_op, (x, delta, 0.5, w, b, EPS), test_utils=checks)
-    torch.library.opcheck(layer_norm_op, (x, w, b, EPS), test_utils=checks)
+    torch.library.opcheck(add_layer_norm_op, (x, delta, 0.5, w, b, EPS), test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(layer_norm_op, (x, w, b, EPS), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.gpu

@@ -3,9 +3,9 @@ written out in float64; full shapes on the GPU. Tolerances: fp32 outputs within 
 reference (reduction order differs); bf16 outputs within one bf16 rounding step (2^-8 relative)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ops.rmsnorm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, rms_norm, rms_norm_reference, rms_norm_triton
+from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -154,9 +154,8 @@ def test_norm_rope_store_writes_the_pools(dtype):
                                else 2e-6)
     k2, w2, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2 = _kv_store_inputs(
         torch.Generator().manual_seed(9), 2, 2, 8, 4, 5, torch.float32, DEVICE)
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
     torch.library.opcheck(rms_norm_rope_store_op, (k2, w2, 1e-6, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2,
-                                                   1.0), test_utils=checks)
+                                                   1.0), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.gpu

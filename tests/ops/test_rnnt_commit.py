@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ops.rnnt_commit import rnnt_commit, rnnt_commit_op, rnnt_commit_reference, rnnt_commit_triton
+from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,8 +43,7 @@ def test_ties_take_the_first_index_and_opcheck():
     rnnt_commit(logits, blank, active, h_next, h, c_next, c, last, tokens, 0)
     assert (tokens[:, 0] == 2).all() and (last == 2).all() and active.all() and torch.equal(h, h_next)
     args = [t.clone() for t in _inputs(torch.Generator().manual_seed(4), 3, 9, 2, 8)[0]]
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(rnnt_commit_op, (args[0], 8, *args[1:], 1), test_utils=checks)
+    torch.library.opcheck(rnnt_commit_op, (args[0], 8, *args[1:], 1), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.gpu

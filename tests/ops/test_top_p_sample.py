@@ -6,6 +6,7 @@ import torch
 
 from ops.top_p_sample import (gumbel, top_p_filter, top_p_gumbel_argmax, top_p_gumbel_argmax_op,
                               top_p_gumbel_argmax_reference, top_p_gumbel_argmax_triton)
+from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,8 +75,7 @@ def test_row_strided_noise():
 def test_opcheck():
     gen = torch.Generator().manual_seed(3)
     logits, noise = _draws(gen, 5, 64, 2.0)
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(top_p_gumbel_argmax_op, (logits, noise, 0.95), test_utils=checks)
+    torch.library.opcheck(top_p_gumbel_argmax_op, (logits, noise, 0.95), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.gpu
