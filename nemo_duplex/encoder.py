@@ -198,14 +198,14 @@ class RelPositionMultiHeadAttention(nn.Module):
         return self.linear_out(out)
 
     def step(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-             t: torch.Tensor, ring: torch.Tensor | None = None) -> torch.Tensor:
+             t: torch.Tensor) -> torch.Tensor:
         """x [B, d] (frame t of each row); keys/values [S, W, H, Dh]: this layer's ring windows, the new
         frame's k/v are written at ring = t % W after attending (ops/bounded_attention.py)."""
         b = x.shape[0]
         # q, k, v from one GEMM over the stacked weight (prepare_stream); strided views, no copies
         q, k, v = F.linear(x, self.qkv_weight).view(b, 3, self.n_heads, self.head_dim).unbind(1)
         out = bounded_attention_and_store(q, k, v, keys, values, self.pos_by_distance, self.pos_bias_u,
-                                          self.pos_bias_v, slots, t, ring)
+                                          self.pos_bias_v, slots, t)
         return self.linear_out(out.reshape(b, -1))
 
 
@@ -267,14 +267,14 @@ class ConformerLayer(nn.Module):
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
 
-    def step(self, x, keys, values, conv_cache, slots, t, ring=None):
+    def step(self, x, keys, values, conv_cache, slots, t):
         """forward's blocks for one frame [B, d]. Each block's residual add runs in one kernel with the
         next block's LayerNorm (ops/layernorm.py): `_add_norm` returns the new residual stream x and its
         norm h, the next block's input. x + 0.5 * ff is one add (alpha): halving is exact, so it rounds
         as forward's two ops do."""
         h = self.norm_feed_forward1(x)
         x, h = _add_norm(x, self.feed_forward1(h), 0.5, self.norm_self_att)
-        x, h = _add_norm(x, self.self_attn.step(h, keys, values, slots, t, ring), 1.0, self.norm_conv)
+        x, h = _add_norm(x, self.self_attn.step(h, keys, values, slots, t), 1.0, self.norm_conv)
         x, h = _add_norm(x, self.conv.step(h, conv_cache, slots), 1.0, self.norm_feed_forward2)
         _, out = _add_norm(x, self.feed_forward2(h), 0.5, self.norm_out)
         return out
@@ -317,9 +317,8 @@ class ConformerEncoder(nn.Module):
         dtype = self.pre_encode.out.weight.dtype
         first_column = frame_index * self.cfg.subsampling_factor - (mel.shape[2] - 1)
         x = self.pre_encode(mel.transpose(1, 2).to(dtype), first_index=first_column)[:, -1]
-        ring = torch.remainder(frame_index, state.keys.shape[2])  # where each row's new k/v go, every layer
         for i, layer in enumerate(self.layers):
-            x = layer.step(x, state.keys[i], state.values[i], state.conv_cache[i], slots, frame_index, ring)
+            x = layer.step(x, state.keys[i], state.values[i], state.conv_cache[i], slots, frame_index)
         return x
 
 

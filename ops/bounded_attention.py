@@ -193,21 +193,19 @@ def bounded_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 def bounded_attention_and_store(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                 keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
                                 pos_bias_u: torch.Tensor, pos_bias_v: torch.Tensor, slots: torch.Tensor,
-                                t: torch.Tensor, position: torch.Tensor | None = None) -> torch.Tensor:
+                                t: torch.Tensor) -> torch.Tensor:
     """`bounded_attention` then `write_window`: with Triton in one kernel (two launches fewer per encoder
-    layer), else the two torch statements. `position`: t % W if the caller has it (the torch path)."""
+    layer), else the two torch statements."""
     if use_triton(q):
         return bounded_attention_store_op(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
     out = bounded_attention_reference(q, k_new, v_new, keys, values, pos, pos_bias_u, pos_bias_v, slots, t)
-    write_window(keys, values, slots, t, k_new, v_new, position)
+    write_window(keys, values, slots, t, k_new, v_new)
     return out
 
 
 def write_window(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,
-                 k_new: torch.Tensor, v_new: torch.Tensor, position: torch.Tensor | None = None) -> None:
-    """Store frame t's k/v [B, H, D] at ring position t % W of each row's slot, in place. `position`:
-    t % W if the caller has it already (the encoder computes it once for all its layers)."""
-    if position is None:
-        position = torch.remainder(t, keys.shape[1])
+                 k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    """Store frame t's k/v [B, H, D] at ring position t % W of each row's slot, in place."""
+    position = torch.remainder(t, keys.shape[1])
     keys.index_put_((slots, position), k_new.to(keys.dtype))
     values.index_put_((slots, position), v_new.to(values.dtype))
