@@ -204,7 +204,7 @@ class StepRunner:
         self._staging[(b, sampling)] = staging + (packed, host_out, views)
         # Replay once now, on the sink rows the static inputs still hold, so that whatever a graph's first
         # launch costs (its upload to the device) is paid at start-up, not by the first calls in a bucket.
-        # Measured (session 5): the first replay here takes 0.2-1.2 ms more than the second, so this is not
+        # Measured (session 5): the first replay here takes 0.3-1.3 ms more than the second, so this is not
         # what made one step of a load run take 221 ms (194 ms of device time for 13 rows, the first step
         # of 128 lockstep calls; still unexplained); the run after this change had no such step (first
         # audio p50 67 ms against 498 ms), one run each (docs/performance.md).
