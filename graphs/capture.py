@@ -63,7 +63,8 @@ class StepRunner:
     takes_sampling_flag = True  # step_to_host passes `sampling` (test stand-ins do not take it)
 
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
-                 backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False):
+                 backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
+                 side_stream: bool = True):
         self.model, self.state, self.specials = model, state, specials
         # greedy_graphs: every bucket also gets a variant for batches of greedy calls only (frame_step's
         # sampling=False: no sort over the vocabulary), at twice the captures; the general one serves all
@@ -85,6 +86,11 @@ class StepRunner:
         # per captured (bucket, sampling): its first and second replay at capture (_capture_cuda_graph), ms
         self.replay_ms: dict[tuple, tuple[float, float]] = {}
         self.regions = []
+        # frame_step's second stream (its `branch`), on CUDA when the step runs eagerly or is captured by
+        # hand; not inside torch.compile's whole-step graphs, which would have to trace the stream switches
+        hand_run = not self.graphs or backend.startswith("cudagraph")
+        self.side_stream = (torch.cuda.Stream(self.device) if side_stream and hand_run and self.device.type == "cuda"
+                            else None)
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if self.graphs and backend == "cudagraph-eager":
@@ -106,7 +112,8 @@ class StepRunner:
         return self._step(slots, audio, forced, sampling)
 
     def _step(self, slots, audio, forced, sampling: bool) -> StepOutput:
-        return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling)
+        return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling,
+                          side_stream=self.side_stream)
 
     def padded_rows(self, n: int) -> int:
         """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager."""

@@ -76,6 +76,9 @@ class EngineConfig:
     # Also capture each bucket for batches of greedy calls only (no sort over the vocabulary; greedy is the
     # default sampling): H200, position 1000, N=32 / 128: -1.0 / -2.8 ms per step, for twice the captures.
     greedy_graphs: bool = True
+    # Run the step's off-critical-path work (the RNN-T, the text's bookkeeping) on a second CUDA stream,
+    # a parallel branch of each captured graph (frame_step.branch); false = one stream, the plain order.
+    side_stream: bool = True
     idle_wait_s: float = 0.005
     # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
     # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
@@ -244,7 +247,7 @@ class Engine:
         self.step_runner = StepRunner(model, self.state, self.specials,
                                       buckets_for(self.cfg.capture_buckets, self.cfg.max_calls),
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend,
-                                      greedy_graphs=self.cfg.greedy_graphs)
+                                      greedy_graphs=self.cfg.greedy_graphs, side_stream=self.cfg.side_stream)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)

@@ -10,6 +10,7 @@ text token (sampled per call) and function token (greedy; or forced by a tool re
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +33,39 @@ class StepOutput:
     enc: torch.Tensor        # [B, d_enc] encoder frame before projection
 
 
+@contextlib.contextmanager
+def branch(side_stream: torch.cuda.Stream | None):
+    """Queue the work inside on `side_stream`, after everything queued so far on the current stream; the
+    current stream goes on without waiting for it (`join` makes it wait). Under graph capture the branch
+    becomes a parallel path of the graph. None: the work runs in order on the current stream.
+
+    Why: most of a step is one chain of small dependent kernels (encoder -> LLM -> talker -> codec), each
+    too short to fill the GPU, so the RNN-T's ~180 kernels, which need only the encoder's frame, cost their
+    whole length when queued in the chain and nothing beside it.
+    Memory: every tensor the branch reads stays referenced in frame_step until `join` is queued, and what
+    the branch allocates is freed to its own stream, so no block is reused while the other stream uses it."""
+    if side_stream is None:
+        yield
+        return
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        yield
+
+
+def join(side_stream: torch.cuda.Stream | None) -> None:
+    if side_stream is not None:
+        torch.cuda.current_stream().wait_stream(side_stream)
+
+
 def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, forced_func: torch.Tensor,
-               special_ids: torch.Tensor, sampling: bool = True) -> StepOutput:
+               special_ids: torch.Tensor, sampling: bool = True,
+               side_stream: torch.cuda.Stream | None = None) -> StepOutput:
     """slots [B] int64, audio [B, 1280] float32, forced_func [B] int64 (-1 = use the head; else the
     tool-result token to force, with the text channel forced to PAD, spec 3.9). `sampling=False` when the
     caller knows every row is greedy: the text token is then the argmax, which is what `sample_text`
-    returns for greedy rows, without its sort and cumulative sums over the vocabulary."""
+    returns for greedy rows, without its sort and cumulative sums over the vocabulary. `side_stream`
+    (CUDA): the work off the step's critical path (the RNN-T; the text's bookkeeping) runs there, beside
+    the rest (`branch`); the results are the same bit for bit, only the kernels' order changes."""
     cfg = model.cfg
     pad = cfg.tokens.pad_id
     # Padding rows all point at the sink: it must never advance, or after max_frames padded steps its
@@ -46,6 +74,11 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     with record_function("encoder"):
         enc = model.perception.stream_step(audio, st.encoder, slots)
         a = model.perception.project(enc).to(model.stt_model.embed_tokens.weight.dtype)
+    with branch(side_stream), record_function("rnnt"):  # needs only the encoder's frame
+        if model.has_rnnt:
+            user = model.stt_model.rnnt_decoder.stream_step(model.stt_model.rnnt_joint, enc, st.rnnt, slots)
+        else:
+            user = torch.full((slots.shape[0], 1), -1, dtype=torch.int64, device=slots.device)
     x = model.fuse(a, st.prev_text[slots], st.prev_func[slots])
 
     with record_function("llm"):
@@ -64,7 +97,13 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     forcing = forced_func >= 0
     func = torch.where(forcing, forced_func, func)
     text = torch.where(forcing, torch.full_like(text, pad), text)
-    top2 = text_logits.float().topk(2, dim=-1).values
+    with branch(side_stream):  # the margins and the text's bookkeeping: nothing below reads them
+        top2 = text_logits.float().topk(2, dim=-1).values
+        st.prev_text.index_copy_(0, slots, text)
+        st.prev_func.index_copy_(0, slots, func)
+        newly_seen = torch.zeros_like(st.seen[slots]).scatter_(1, text[:, None], True)
+        newly_seen &= ~torch.isin(text, special_ids)[:, None]
+        st.seen.index_copy_(0, slots, st.seen[slots] | newly_seen)
 
     with record_function("talker"):
         u, z = rng.talker_draws(st.seed[slots], frame, model.talker.num_passes, cfg.talker.mog.num_predictions,
@@ -75,19 +114,9 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     with record_function("codec"):
         pcm = model.codec.decode_step(codes, st.codec, slots)
 
-    if model.has_rnnt:
-        with record_function("rnnt"):
-            user = model.stt_model.rnnt_decoder.stream_step(model.stt_model.rnnt_joint, enc, st.rnnt, slots)
-    else:
-        user = torch.full((slots.shape[0], 1), -1, dtype=torch.int64, device=slots.device)
-
-    st.prev_text.index_copy_(0, slots, text)
-    st.prev_func.index_copy_(0, slots, func)
     st.prev_codes.index_copy_(0, slots, codes)
     st.frame.index_copy_(0, slots, frame + advance)
-    newly_seen = torch.zeros_like(st.seen[slots]).scatter_(1, text[:, None], True)
-    newly_seen &= ~torch.isin(text, special_ids)[:, None]
-    st.seen.index_copy_(0, slots, st.seen[slots] | newly_seen)
+    join(side_stream)
     return StepOutput(text=text, func=func, top2=top2, codes=codes, pcm=pcm, user=user, enc=enc)
 
 

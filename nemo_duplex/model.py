@@ -138,6 +138,7 @@ class VoiceChat(nn.Module):
         self.talker.to(torch_dtype(d.talker))
         self.tts_model.audio_prompt_latents.to(torch_dtype(d.talker))
         self.codec.float()
+        self.talker.stack_projections()  # after the casts, which would give each weight its own copy again
         return self
 
     # ---- the channel fusion (spec 1.3) ---------------------------------------------------------------

@@ -173,13 +173,14 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 @triton.jit
 def _rms_norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_x, stride_cs, stride_o, eps, offset,
-    v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_v, stride_ps, stride_ph, stride_pl,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o, eps, offset,
+    v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps, stride_ph, stride_pl,
     D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
     STORE: tl.constexpr,
 ):
-    """Program = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row. The
-    rotated half is the same normalised row read at the partner columns (c +- D/2), so no shuffle.
+    """Program = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row, and x's
+    row sits at token * stride_xt + head * stride_xh (so x may be a column slice of a fused q/k/v GEMM's
+    output, no copy first; v likewise). The rotated half is the same normalised row read at the partner columns (c +- D/2), so no shuffle.
     STORE (one token per batch row): the result goes to out_ptr[rows[token], head, pos[token]] of a KV
     pool [R, heads, L, D] (strides stride_ps / ph / pl) instead of out_ptr[row], and v's row (stride_v)
     is copied to the same place of the v pool (v_out_ptr)."""
@@ -188,8 +189,11 @@ def _rms_norm_rope_kernel(
     c = tl.arange(0, BLOCK_D)
     mask = (r < R)[:, None] & (c < D)[None, :]
     partner = tl.where(c < HALF, c + HALF, c - HALF)
-    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + r[:, None] * stride_x + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    tok = r // HEADS
+    head = r % HEADS
+    x_row = (tok.to(tl.int64) * stride_xt + head * stride_xh)[:, None]
+    x = tl.load(x_ptr + x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + x_row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=c < D, other=0.0).to(tl.float32)
@@ -197,7 +201,6 @@ def _rms_norm_rope_kernel(
     y = _round_to(x * rstd * (w + offset), dtype, BF16)
     yp = _round_to(xp * rstd * (wp + offset), dtype, BF16)
     rot = tl.where((c < HALF)[None, :], -yp, yp)
-    tok = r // HEADS
     cs = tok[:, None] * stride_cs + c[None, :]
     cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
@@ -205,9 +208,10 @@ def _rms_norm_rope_kernel(
     if STORE:
         slot = tl.load(rows_ptr + tok, mask=r < R, other=0).to(tl.int64)
         pos = tl.load(pos_ptr + tok, mask=r < R, other=0).to(tl.int64)
-        dst = slot[:, None] * stride_ps + (r % HEADS)[:, None].to(tl.int64) * stride_ph + pos[:, None] * stride_pl
+        dst = slot[:, None] * stride_ps + head[:, None].to(tl.int64) * stride_ph + pos[:, None] * stride_pl
         tl.store(out_ptr + dst + c[None, :], out, mask=mask)
-        v = tl.load(v_ptr + r[:, None] * stride_v + c[None, :], mask=mask, other=0.0)
+        v_row = (tok.to(tl.int64) * stride_vt + head * stride_vh)[:, None]
+        v = tl.load(v_ptr + v_row + c[None, :], mask=mask, other=0.0)
         tl.store(v_out_ptr + dst + c[None, :], v.to(v_out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + r[:, None] * stride_o + c[None, :], out, mask=mask)
@@ -217,16 +221,16 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
                          sin: torch.Tensor, offset: float = 1.0) -> torch.Tensor:
     b, t, heads, d = x.shape
     assert d % 2 == 0 and cos.shape == sin.shape == (b, t, d) and weight.numel() == d
-    x2 = _rows(x, d)
+    x, (stride_xt, stride_xh) = _token_heads(x)
     cos2, sin2 = _rows(cos.to(x.dtype), d), _rows(sin.to(x.dtype), d)
-    out = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
-    rows = x2.shape[0]
+    rows = b * t * heads
+    out = torch.empty(rows, d, device=x.device, dtype=x.dtype)
     if rows:
         block_d = triton.next_power_of_2(d)
         block_r = max(1, min(16, 2048 // block_d))
         _rms_norm_rope_kernel[(triton.cdiv(rows, block_r),)](
-            x2, weight, cos2, sin2, out, rows, x2.stride(0), cos2.stride(0), out.stride(0), float(eps), float(offset),
-            out, out, cos2, cos2, 0, 0, 0, 0,  # no store
+            x, weight, cos2, sin2, out, rows, stride_xt, stride_xh, cos2.stride(0), out.stride(0), float(eps),
+            float(offset), out, out, cos2, cos2, 0, 0, 0, 0, 0,  # no store
             D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=x.dtype == torch.bfloat16, STORE=False,
         )
     return out.view(b, t, heads, d)
@@ -239,17 +243,27 @@ def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float
     assert t == 1 and v.shape == k.shape and cos.shape == sin.shape == (b, 1, d) and weight.numel() == d
     assert pool_k.dtype == k.dtype and pool_k.shape == pool_v.shape and pool_k.stride() == pool_v.stride()
     assert pool_k.shape[1] == heads and pool_k.shape[3] == d and pool_k.stride(-1) == 1
-    k2, v2 = _rows(k, d), _rows(v, d)
+    k, (stride_kt, stride_kh) = _token_heads(k)
+    v, (stride_vt, stride_vh) = _token_heads(v)
     cos2, sin2 = _rows(cos.to(k.dtype), d), _rows(sin.to(k.dtype), d)
-    n = k2.shape[0]
+    n = b * heads
     if n:
         block_d = triton.next_power_of_2(d)
         block_r = max(1, min(16, 2048 // block_d))
         _rms_norm_rope_kernel[(triton.cdiv(n, block_r),)](
-            k2, weight, cos2, sin2, pool_k, n, k2.stride(0), cos2.stride(0), 0, float(eps), float(offset),
-            v2, pool_v, rows, positions, v2.stride(0), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
+            k, weight, cos2, sin2, pool_k, n, stride_kt, stride_kh, cos2.stride(0), 0, float(eps), float(offset),
+            v, pool_v, rows, positions, stride_vt, stride_vh, pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
             D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=k.dtype == torch.bfloat16, STORE=True,
         )
+
+
+def _token_heads(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """x [B, T, heads, D] -> (x, (token stride, head stride)) with token = b * T + t: strided views as
+    they are (the q/k/v column slices of a fused projection), a copy only if no such strides exist."""
+    b, t, _, _ = x.shape
+    if x.stride(-1) != 1 or (t > 1 and b > 1 and x.stride(0) != t * x.stride(1)):
+        x = x.contiguous()
+    return x, (x.stride(1) if t > 1 else x.stride(0), x.stride(2))
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -89,7 +89,8 @@ def main(cfg: DictConfig) -> None:
         audio = torch.randn(n, mcfg.samples_per_frame_in, device=device) * 0.1
         forced = torch.full((n,), -1, dtype=torch.int64, device=device)
         if on_graphs:
-            runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend)
+            runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
+                                side_stream=cfg.engine.side_stream)
             runner.capture()
             step = lambda: runner(slots, audio, forced)  # noqa: E731
         else:

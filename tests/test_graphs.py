@@ -140,6 +140,50 @@ def test_graphs_match_eager_full_size_bf16(backend):
 
 @torch.no_grad()
 @pytest.mark.gpu
+def test_side_stream_step_is_the_one_stream_step_bit_for_bit():
+    """frame_step's `branch` (the RNN-T and the text's bookkeeping on a second stream: a parallel path of
+    each captured graph) changes only the kernels' order: full size, bf16, 8 calls in a bucket of 16, 30
+    frames, captured: every output and, at the end, every state tensor identical to the one-stream step's
+    on a twin state; and the same for 5 eager frames."""
+    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.config import ModelConfig
+
+    cfg = ModelConfig()
+    cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
+    dev = torch.device("cuda")
+    model, _, _ = random_model(cfg, dev, seed=0)
+    model.cast_for_inference().eval()
+    assert model.has_rnnt
+    n_calls, frames = 8, 30
+    states = [_admitted_state(model, n_calls, frames + 8, dev) for _ in range(2)]
+    specials = special_ids(model, dev)
+    one = StepRunner(model, states[0], specials, [16], graphs=True, backend="cudagraph-eager", side_stream=False)
+    two = StepRunner(model, states[1], specials, [16], graphs=True, backend="cudagraph-eager", side_stream=True)
+    assert one.side_stream is None and two.side_stream is not None
+    one.capture()
+    two.capture()
+    slots = torch.arange(n_calls)
+    forced = torch.full((n_calls,), -1)
+    g = torch.Generator().manual_seed(5)
+    emitted = 0
+    for t in range(frames + 5):
+        chunk = torch.randn(n_calls, 1280, generator=g) * 0.1
+        if t < frames:
+            outs = [one(slots, chunk, forced), two(slots, chunk, forced)]
+        else:  # eager, the padded batch as the graphs see it
+            s, a, f = one._padded_inputs(16, slots, chunk, forced)
+            outs = [frame_step(model, st, s, a, f, specials, side_stream=side)
+                    for st, side in zip(states, (None, two.side_stream))]
+        for name in ("text", "func", "top2", "codes", "pcm", "user", "enc"):
+            assert torch.equal(getattr(outs[0], name), getattr(outs[1], name)), (t, name)
+        emitted += int((outs[0].user >= 0).sum())
+    for (name, a), (_, b) in zip(state_tensors(states[0]), state_tensors(states[1])):
+        assert torch.equal(a, b), name
+    print(f"side stream: identical over {frames} captured + 5 eager frames; {emitted} RNN-T tokens emitted")
+
+
+@torch.no_grad()
+@pytest.mark.gpu
 def test_buckets_sharing_one_graph_pool_match_eager(tiny):
     """Every bucket's graph is captured into one memory pool (graphs/capture.py), so a replay may
     overwrite another bucket's intermediates and outputs. Batches of 1..5 calls in a random order over

@@ -266,6 +266,69 @@ def test_cached_step_matches_full_forward(kernels):
     assert pool_k[0].abs().max() == 0 and pool_k[1].abs().max() == 0  # untouched slots stay untouched
 
 
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.triton_interpret)])
+def test_stacked_projections_compute_the_separate_ones(kernels):
+    """stack_projections (one GEMM for each attention's q/k/v and each gated MLP's gate/up): the weights
+    become views of the stacks (no second copy; loading a state_dict writes into them), and a backbone
+    step, a prefill and a whole talker step give what the separate projections give: hidden states within
+    1e-5 (fp32; the stacked GEMM may sum in another order), codes identical. A cast afterwards (which
+    gives each weight a tensor of its own) re-stacks. With `kernels`, the norm + rotary and gelu * up
+    kernels read the stacked GEMM's column views (interpreter)."""
+    from nemo_duplex.talker import StackedProjections
+
+    def step_outputs(model):
+        g = torch.Generator().manual_seed(4)
+        H, S = model.cfg.backbone.hidden_size, 3
+        cache = model.allocate_cache(S, 16, "cpu", torch.get_default_dtype())
+        with torch.no_grad():
+            full, _ = model.backbone.prefill(torch.randn(2, 5, H, generator=g), torch.arange(5)[None].expand(2, -1))
+            h = model.backbone.step(torch.randn(4, H, generator=g), torch.tensor([0, 3, 7, 2]), cache,
+                                    torch.tensor([0, 1, S, S + 1]))
+            uniform, normal = draws(2, model, 5)
+            codes = model.step(torch.tensor([150, EOS]), torch.randint(0, 64, (2, 31), generator=g), cache,
+                               torch.tensor([1, 0]), torch.tensor([8, 9]), uniform, normal,
+                               torch.randint(0, 64, (31,), generator=g))
+        return full, h, cache.k, codes
+
+    def views_of_stack(module):  # every stacked weight is its block of the module's stack
+        row = 0
+        for name in module.stacked:
+            w = getattr(module, name).weight
+            if w.untyped_storage().data_ptr() != module.stack.untyped_storage().data_ptr():
+                return False
+            if not torch.equal(module.stack[row: row + w.shape[0]], w) or w.data_ptr() != module.stack[row].data_ptr():
+                return False
+            row += w.shape[0]
+        return row == module.stack.shape[0]
+
+    def compare(a, b):
+        got, want = step_outputs(a), step_outputs(b)
+        for x, y in zip(got[:3], want[:3]):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[3], want[3])
+
+    separate = make_model()
+    stacked = copy.deepcopy(separate)
+    stacked.stack_projections()
+    parts = [m for m in stacked.modules() if isinstance(m, StackedProjections)]
+    assert len(parts) == 2 * stacked.cfg.backbone.num_hidden_layers + stacked.cfg.mog.num_layers + 1  # + char encoder
+    assert all(views_of_stack(m) for m in parts)
+    storages = {p.untyped_storage().data_ptr() for p in stacked.parameters()}
+    assert len(storages) == len(list(stacked.parameters())) - sum(len(m.stacked) - 1 for m in parts)  # no copies
+    compare(stacked, separate)
+    other = make_model(seed=1)
+    stacked.load_state_dict(other.state_dict())  # writes into the stacks
+    assert all(views_of_stack(m) for m in parts)
+    compare(stacked, other)
+    stacked.double()  # a cast: every module re-stacks from its cast weights
+    assert all(views_of_stack(m) and m.stack.dtype == torch.float64 for m in parts)
+    torch.set_default_dtype(torch.float64)
+    try:
+        compare(stacked, other.double())
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------
 # tokenizer tables and the char-aware encoder
 

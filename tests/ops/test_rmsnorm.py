@@ -158,6 +158,30 @@ def test_norm_rope_store_writes_the_pools(dtype):
                                                    1.0), test_utils=OPCHECK_TESTS)
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_norm_rope_reads_column_slices_of_a_fused_projection(t):
+    """The talker's q, k, v come from one GEMM over the stacked weights (nemo_duplex/talker.py
+    stack_linears) as column views of [B, T, 3 x heads x D]: both kernels read them through token and head
+    strides, bit for bit what they compute from contiguous copies, and `_token_heads` makes no copy."""
+    from ops.rmsnorm import _token_heads, rms_norm_rope_store_triton, rms_norm_rope_triton
+    gen = torch.Generator().manual_seed(11)
+    b, heads, d, num_rows, max_len = 4, 3, 18, 6, 9
+    fused = (2 * torch.randn(b, t, 3 * heads * d, generator=gen)).to(DEVICE)
+    q, k, v = (part.view(b, t, heads, d) for part in fused.split(heads * d, dim=-1))
+    assert not q.is_contiguous() and _token_heads(q)[0].data_ptr() == q.data_ptr()
+    w = (0.2 * torch.randn(d, generator=gen)).to(DEVICE)
+    angles = torch.rand(b, t, d // 2, generator=gen) * 100
+    cos, sin = torch.cat([angles, angles], -1).cos().to(DEVICE), torch.cat([angles, angles], -1).sin().to(DEVICE)
+    assert torch.equal(rms_norm_rope_triton(q, w, 1e-6, cos, sin), rms_norm_rope_triton(q.contiguous(), w, 1e-6, cos, sin))
+    if t == 1:
+        rows = torch.randperm(num_rows, generator=gen)[:b].to(DEVICE)
+        positions = torch.randint(0, max_len, (b,), generator=gen).to(DEVICE)
+        pools = [torch.zeros(num_rows, heads, max_len, d, device=DEVICE) for _ in range(4)]
+        rms_norm_rope_store_triton(k, w, 1e-6, cos, sin, v, pools[0], pools[1], rows, positions)
+        rms_norm_rope_store_triton(k.contiguous(), w, 1e-6, cos, sin, v.contiguous(), pools[2], pools[3], rows, positions)
+        assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3]) and pools[1].abs().sum() > 0
+
+
 @pytest.mark.gpu
 def test_gpu_norm_rope_store_talker_shape():
     """The talker's shape (256 pool rows of 16 heads x 72 at 1037 positions, bf16): bit for bit as above."""
