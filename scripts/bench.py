@@ -156,6 +156,41 @@ async def paced_call(http, ws_url: str, index: int, pcm: bytes, connect_at: floa
     return rec
 
 
+async def callers(http, ws_url: str, calls: list[tuple[int, float, float]], pcm: bytes, seed: int,
+                  limit: float) -> list[CallRecord]:
+    """Paced callers (index, connect_at, origin) on this event loop; one not done `limit` s after the
+    first connects fails with a timeout."""
+    tasks = [asyncio.create_task(paced_call(http, ws_url, i, pcm, connect_at, origin, seed))
+             for i, connect_at, origin in calls]
+    done, pending = await asyncio.wait(tasks, timeout=limit) if tasks else (set(), set())
+    for task in pending:
+        task.cancel()
+    return [task.result() if task in done and task.exception() is None else
+            CallRecord(i, origin, error=f"timeout: not done {limit:.0f} s after start")
+            for task, (i, _, origin) in zip(tasks, calls)]
+
+
+# One Python process driving 128 callers (two messages each per 80 ms, and their timestamps) is itself a
+# bottleneck: in session 6's lockstep run at 128 calls the client-side lag exceeded the server's own by
+# 14 ms at p50 and 46 ms at p99 (1.2 / 1.4 ms at 32 calls), so the bench counted its own queueing as
+# lateness. Real callers are separate machines: above loadtest.callers_per_process the callers are
+# sharded over processes, each with its own event loop (their times are CLOCK_MONOTONIC, shared by all).
+def callers_process(ws_url: str, calls: list[tuple[int, float, float]], pcm: bytes, seed: int,
+                    limit: float) -> list[CallRecord]:
+    import aiohttp
+
+    async def main():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            return await callers(http, ws_url, calls, pcm, seed, limit)
+    return asyncio.run(main())
+
+
+def caller_groups(n: int, per_process: int) -> list[list[int]]:
+    """Caller indices by process: round robin, so each process has callers from the whole start spread."""
+    procs = max(1, -(-n // max(1, per_process)))
+    return [list(range(p, n, procs)) for p in range(procs)]
+
+
 @dataclass
 class UploadRecord:
     started: float
@@ -371,6 +406,12 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
 
     n_frames = len(pcm) // (2 * FRAME_IN)
     ws_url = url.replace("http", "ws", 1).rstrip("/") + "/generate/ws"
+    groups = caller_groups(n, int(lt.callers_per_process))
+    pool = None
+    if len(groups) > 1:  # started (and their imports done) before the schedule's clock starts
+        import multiprocessing
+        pool = multiprocessing.get_context("spawn").Pool(len(groups))
+        pool.map(time.sleep, [0.0] * len(groups))
     t0 = time.monotonic()
     origin = t0 + float(lt.lead_s)   # connections are made before the schedule starts
     offsets = start_offsets(start, n, float(lt.stagger_s))
@@ -388,17 +429,17 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
             wav = encode_wav(np.frombuffer(upcm, "<i2").astype(np.float32) / 32768.0, 16000)
             uploader = asyncio.create_task(upload_loop(http, url, wav, float(lt.upload_every_s), stop_uploads,
                                                        int(lt.seed), upload_records))
-        calls = [asyncio.create_task(paced_call(http, ws_url, i, pcm, t0 + off, origin + off, int(lt.seed)))
-                 for i, off in enumerate(offsets)]
-        done, pending = await asyncio.wait(calls, timeout=limit)
-        for task in pending:
-            task.cancel()
-        records = []
-        for i, task in enumerate(calls):
-            if task in done and task.exception() is None:
-                records.append(task.result())
-            else:
-                records.append(CallRecord(i, origin + offsets[i], error=f"timeout: not done {limit:.0f} s after start"))
+        plan = [[(i, t0 + offsets[i], origin + offsets[i]) for i in group] for group in groups]
+        if pool is None:
+            records = await callers(http, ws_url, plan[0], pcm, int(lt.seed), limit)
+        else:
+            try:
+                jobs = [pool.apply_async(callers_process, (ws_url, part, pcm, int(lt.seed), limit)) for part in plan]
+                shares = await asyncio.gather(*(asyncio.to_thread(job.get, limit + 30) for job in jobs))
+            finally:  # the jobs are done (or one failed): the idle workers go
+                pool.terminate()
+                pool.join()
+            records = sorted((r for share in shares for r in share), key=lambda r: r.index)
         stop_uploads.set()
         if uploader is not None:
             await uploader

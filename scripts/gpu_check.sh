@@ -35,6 +35,7 @@ elif [ "$PART" = load ]; then
     cp /tmp/gpu_check_load/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
     cp /tmp/gpu_check_load/*.png "$OUT/" 2>/dev/null
     tar czf "$OUT/wandb.tgz" -C /tmp/gpu_check_load wandb 2>/dev/null
+    tar czf "$OUT/calls.tgz" -C /tmp/gpu_check_load calls 2>/dev/null   # every packet's arrival, per run
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
 else
     echo "usage: bash scripts/gpu_check.sh step | load [seconds] [server overrides...]" >&2; exit 2

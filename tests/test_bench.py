@@ -76,6 +76,13 @@ def test_sustained_is_the_largest_n_below_the_first_failure():
     assert bench.sustained(rows) == {"lockstep": 8, "staggered": 0}
 
 
+def test_caller_groups_shard_round_robin():
+    assert bench.caller_groups(2, 32) == [[0, 1]]          # one process: the callers run in the bench's own
+    assert bench.caller_groups(5, 2) == [[0, 3], [1, 4], [2]]
+    assert bench.caller_groups(128, 32) == [list(range(p, 128, 4)) for p in range(4)]
+    assert sorted(i for g in bench.caller_groups(97, 32) for i in g) == list(range(97))
+
+
 def test_parse_metrics_and_timeline():
     page = ("# HELP duplex_steps_total x\nduplex_steps_total 10.0\nduplex_frames_total 25.0\n"
             "duplex_step_seconds_sum 0.5\nduplex_step_seconds_bucket{le=\"0.1\"} 9.0\n"
@@ -105,6 +112,8 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
                         # then the staggered run again beside uploads, on the same server
                         "loadtest.upload_runs=[2]", "loadtest.upload_s=1.2", "loadtest.upload_every_s=0.6",
                         "loadtest.extra_calls=2",
+                        # every caller in a process of its own: the sharded path (scripts/bench.py)
+                        "loadtest.callers_per_process=1",
                         "wandb.mode=offline", f"loadtest.out={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
                        capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -143,8 +143,9 @@ def test_graphs_match_eager_full_size_bf16(backend):
 def test_side_stream_step_is_the_one_stream_step_bit_for_bit():
     """frame_step's `branch` (the RNN-T and the text's bookkeeping on a second stream: a parallel path of
     each captured graph) changes only the kernels' order: full size, bf16, 8 calls in a bucket of 16, 30
-    frames, captured: every output and, at the end, every state tensor identical to the one-stream step's
-    on a twin state; and the same for 5 eager frames."""
+    frames, captured: every output and, at the end, every real slot's state identical to the one-stream
+    step's on a twin state; and the same for 5 eager frames (their real rows: the 8 padding rows all
+    write the sink, in no set order, so the sink's own state and outputs are not compared)."""
     from nemo_duplex.checkpoint import random_model
     from nemo_duplex.config import ModelConfig
 
@@ -175,10 +176,15 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit():
             outs = [frame_step(model, st, s, a, f, specials, side_stream=side)
                     for st, side in zip(states, (None, two.side_stream))]
         for name in ("text", "func", "top2", "codes", "pcm", "user", "enc"):
-            assert torch.equal(getattr(outs[0], name), getattr(outs[1], name)), (t, name)
-        emitted += int((outs[0].user >= 0).sum())
+            assert torch.equal(getattr(outs[0], name)[:n_calls], getattr(outs[1], name)[:n_calls]), (t, name)
+        emitted += int((outs[0].user[:n_calls] >= 0).sum())
+    real, compared = torch.arange(n_calls, device=dev), 0
+    assert states[0].sink == n_calls
     for (name, a), (_, b) in zip(state_tensors(states[0]), state_tensors(states[1])):
-        assert torch.equal(a, b), name
+        for d in [d for d, size in enumerate(a.shape) if size == n_calls + 1]:  # the slot dimension
+            assert torch.equal(a.index_select(d, real), b.index_select(d, real)), name
+            compared += 1
+    assert compared >= 10
     print(f"side stream: identical over {frames} captured + 5 eager frames; {emitted} RNN-T tokens emitted")
 
 
