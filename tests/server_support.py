@@ -106,7 +106,8 @@ def scripted_engine(monkeypatch, model: ScriptedModel, tokenizer, max_calls: int
 class ScriptedRunner:
     """Stands in for graphs.capture.StepRunner: nothing to capture, the step is the script."""
 
-    def __init__(self, model, state, specials, buckets, graphs=False, backend=None, greedy_graphs=False):
+    def __init__(self, model, state, specials, buckets, graphs=False, backend=None, greedy_graphs=False,
+                 side_stream=True):
         self.model = model
 
     def capture(self) -> None:   # (engine.start calls this before serving)
