@@ -170,11 +170,12 @@ async def callers(http, ws_url: str, calls: list[tuple[int, float, float]], pcm:
             for task, (i, _, origin) in zip(tasks, calls)]
 
 
-# One Python process driving 128 callers (two messages each per 80 ms, and their timestamps) is itself a
-# bottleneck: in session 6's lockstep run at 128 calls the client-side lag exceeded the server's own by
-# 14 ms at p50 and 46 ms at p99 (1.2 / 1.4 ms at 32 calls), so the bench counted its own queueing as
-# lateness. Real callers are separate machines: above loadtest.callers_per_process the callers are
-# sharded over processes, each with its own event loop (their times are CLOCK_MONOTONIC, shared by all).
+# Real callers are separate machines, not one Python event loop taking 128 x 2 messages per 80 ms and
+# timestamping them: above loadtest.callers_per_process the callers are sharded over processes, each with
+# its own event loop (their times are CLOCK_MONOTONIC, shared by all), so the bench's own queueing cannot
+# pass for the server's. (Session 6: at lockstep 128 the client-side lag exceeded the server's by 14 ms at
+# p50 and 46 at p99; sharding did not close that gap, the server's event loop was the cause:
+# docs/performance.md "Load", session 6.)
 def callers_process(ws_url: str, calls: list[tuple[int, float, float]], pcm: bytes, seed: int,
                     limit: float) -> list[CallRecord]:
     import aiohttp
