@@ -561,7 +561,7 @@ class EarTTS(nn.Module):
 
     def stack_projections(self) -> None:
         """Every Gemma attention's q/k/v and every gated MLP's gate/up (backbone, MoG trunk, char encoder)
-        as one GEMM each (`stack_linears`): 99 fewer launches per frame step at full size. Call it once
+        as one GEMM each (`stack_linears`): 100 fewer GEMMs per frame step at full size (census). Call it once
         the weights are on their device in their dtype (VoiceChat.cast_for_inference does)."""
         for module in self.modules():
             if isinstance(module, StackedProjections):

@@ -4,12 +4,13 @@
                                                         the two column halves of one stacked GEMM's output)
     relu_square(x)          = relu(x) ** 2             (the LLM's MLP, spec 3.5)
 
-Why kernels: in torch each is two launches (gelu, mul; clamp_min, pow), 43 + 25 of them per frame step
-at full size, each a few microseconds on the step's critical path (docs/performance.md). relu_square is
-torch's arithmetic exactly (a bf16 square of a bf16 value is exact in fp32, so it rounds once either way).
-gelu_tanh_mul computes in fp32 and rounds the gelu to the input dtype before the multiply, as torch rounds
-between its two ops, but its tanh is written with exp (x sigmoid(2 inner)), not ATen's libdevice tanhf:
-a few fp32 ulps apart, so a bf16 rounding differs now and then (tests/ops/test_activation.py).
+Why kernels: in torch each is two launches (gelu, mul; clamp_min, pow), 44 + 25 of them per frame step
+at full size (scripts/census_step.py), each a few microseconds on the step's critical path
+(docs/performance.md). relu_square is torch's arithmetic exactly (a bf16 square of a bf16 value is exact in
+fp32, so it rounds once either way). gelu_tanh_mul is ATen's formula in fp32, with the gelu rounded to the
+input dtype before the multiply as torch rounds between its two ops, but its tanh is written with exp, not
+libdevice's tanhf: a few fp32 ulps apart, so a bf16 rounding differs now and then where 1 + tanh cancels
+(tests/ops/test_activation.py).
 """
 from __future__ import annotations
 
