@@ -47,6 +47,19 @@ def test_steady_calls_are_real_time_even_with_a_large_constant_delay():
     assert v["first_packet_ms"]["max"] == pytest.approx(400.0, abs=1e-6)
 
 
+def test_lag_after_the_first_frame_leaves_out_only_frame_0():
+    """server_lag_after_first_ms: every packet's server lag but each call's frame 0 (whose wait for the first
+    step is no rhythm's), by frame index, so a reordered or missing frame 0 does not shift it."""
+    a = record([50 + k * FRAME_MS for k in range(4)])
+    a.server_lag_ms = [90.0, 10.0, 20.0, 30.0]
+    b = record([60 + k * FRAME_MS for k in range(3)], frames=[1, 0, 2])
+    b.server_lag_ms = [40.0, 95.0, 50.0]
+    v = bench.judge([a, b], 4, 160.0)
+    assert v["server_lag_ms"]["max"] == pytest.approx(95.0)
+    assert v["server_lag_after_first_ms"]["max"] == pytest.approx(50.0)
+    assert v["server_lag_after_first_ms"]["p50"] == pytest.approx(30.0)   # of 10, 20, 30, 40, 50
+
+
 def test_a_packet_later_than_the_jitter_buffer_is_an_underrun():
     arrivals = [50 + k * FRAME_MS for k in range(20)]
     arrivals[10] += 170.0            # 10 ms past its playback slot
@@ -134,7 +147,7 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
     for run in result["runs"]:
         assert run["failed_calls"] == 0, run["failures"]
         assert run["frames_expected"] == run["frames_received"] == 2 * n_frames
-        for key in ("server_lag_ms", "client_lag_ms", "lateness_ms"):
+        for key in ("server_lag_ms", "server_lag_after_first_ms", "client_lag_ms", "lateness_ms"):
             assert all(run[key][q] is not None for q in ("p50", "p95", "p99", "max")), key
         assert run["drain_ms"]["p50"] is not None and run["first_packet_ms"]["p50"] is not None
         # an upload is one more row of the batch while it runs (at most loadtest.extra_calls at a time)
