@@ -152,6 +152,7 @@ def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Ten
 class Gemma3Attention(StackedProjections):
     """Gemma3 self-attention: q/k RMSNorm over head_dim before RoPE, query scale query_pre_attn_scalar^-0.5
     (spec 4.1, pitfall 9.6), RoPE theta and sliding window by layer type."""
+    stacked = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: GemmaConfig, layer: int):
         super().__init__()
@@ -167,8 +168,6 @@ class Gemma3Attention(StackedProjections):
         self.rope_theta = cfg.rope_theta if full else cfg.rope_local_base_freq
         self.window = None if full else cfg.sliding_window
         self.scale = cfg.query_pre_attn_scalar ** -0.5
-
-    stacked = ("q_proj", "k_proj", "v_proj")
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., H] -> the q, k, v projections [..., heads x D]: one GEMM when stacked, its output's

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
-from ops.rmsnorm import _round_to
+from ops.rmsnorm import _round_to, _rows
 
 # torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 GELU_BETA = 0.7978845608028654   # sqrt(2) * (2 / sqrt(pi)) * 0.5, as ATen builds it
@@ -75,14 +75,9 @@ def _relu_square_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, BF16: tl.constex
     tl.store(out_ptr + offs, _round_to(x * x, dtype, BF16).to(dtype), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     assert gate.shape == up.shape and gate.dtype == up.dtype
-    g2, u2 = _rows(gate), _rows(up)
+    g2, u2 = _rows(gate, gate.shape[-1]), _rows(up, up.shape[-1])
     rows, width = g2.shape
     out = torch.empty(rows, width, device=gate.device, dtype=gate.dtype)
     if rows and width:

@@ -180,10 +180,11 @@ def _rms_norm_rope_kernel(
 ):
     """Program = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row, and x's
     row sits at token * stride_xt + head * stride_xh (so x may be a column slice of a fused q/k/v GEMM's
-    output, no copy first; v likewise). The rotated half is the same normalised row read at the partner columns (c +- D/2), so no shuffle.
+    output, no copy first; v likewise). The rotated half is the same normalised row read at the partner
+    columns (c +- D/2), so no shuffle.
     STORE (one token per batch row): the result goes to out_ptr[rows[token], head, pos[token]] of a KV
-    pool [R, heads, L, D] (strides stride_ps / ph / pl) instead of out_ptr[row], and v's row (stride_v)
-    is copied to the same place of the v pool (v_out_ptr)."""
+    pool [R, heads, L, D] (strides stride_ps / ph / pl) instead of out_ptr[row], and v's row (strides
+    stride_vt / vh) is copied to the same place of the v pool (v_out_ptr)."""
     HALF: tl.constexpr = D // 2
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_D)

@@ -39,6 +39,17 @@ def _admitted_state(model, n_calls: int, max_frames: int = 8, device=torch.devic
     return st
 
 
+def _assert_real_slots_equal(tensors, expected, n_calls: int, device) -> None:
+    """Every state tensor's real slots (0..n_calls-1 along each dimension of n_calls + 1 rows, the sink being
+    the last) equal to `expected` (name -> tensor); the sink's rows are not compared."""
+    real, compared = torch.arange(n_calls, device=device), 0
+    for name, v in tensors:
+        for d in [d for d, size in enumerate(v.shape) if size == n_calls + 1]:  # the slot dimension
+            assert torch.equal(v.index_select(d, real), expected[name].index_select(d, real)), name
+            compared += 1
+    assert compared >= 10
+
+
 def _rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
@@ -178,13 +189,8 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit():
         for name in ("text", "func", "top2", "codes", "pcm", "user", "enc"):
             assert torch.equal(getattr(outs[0], name)[:n_calls], getattr(outs[1], name)[:n_calls]), (t, name)
         emitted += int((outs[0].user[:n_calls] >= 0).sum())
-    real, compared = torch.arange(n_calls, device=dev), 0
     assert states[0].sink == n_calls
-    for (name, a), (_, b) in zip(state_tensors(states[0]), state_tensors(states[1])):
-        for d in [d for d, size in enumerate(a.shape) if size == n_calls + 1]:  # the slot dimension
-            assert torch.equal(a.index_select(d, real), b.index_select(d, real)), name
-            compared += 1
-    assert compared >= 10
+    _assert_real_slots_equal(state_tensors(states[0]), dict(state_tensors(states[1])), n_calls, dev)
     print(f"side stream: identical over {frames} captured + 5 eager frames; {emitted} RNN-T tokens emitted")
 
 
@@ -251,13 +257,7 @@ def test_capture_replays_each_graph_once_on_the_sink_only():
     runner.capture()
     assert set(runner.replay_ms) == {(2, True), (2, False), (4, True), (4, False)}
     assert all(first > 0 and second > 0 for first, second in runner.replay_ms.values())
-    real = torch.arange(n_calls, device=dev)
-    compared = 0
-    for name, v in state_tensors(st):
-        for d in [d for d, size in enumerate(v.shape) if size == n_calls + 1]:
-            assert torch.equal(v.index_select(d, real), before[name].index_select(d, real)), name
-            compared += 1
-    assert compared >= 10
+    _assert_real_slots_equal(state_tensors(st), before, n_calls, dev)
 
 
 def test_padding_rows_never_advance_the_sink(tiny):
