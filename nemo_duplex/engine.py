@@ -82,13 +82,14 @@ class EngineConfig:
     idle_wait_s: float = 0.005
     # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
     # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
-    # together instead of split over two steps. 0 = step whatever is pending at once.
+    # together instead of split over two steps; never longer than the last step took (coalesce_limit).
+    # 0 = step whatever is pending at once.
     coalesce_ms: float = 15.0
-    # ... plus this much per live call: the event loop takes in N lockstep calls' frames one after another,
-    # so the spread of their arrivals grows with N, and past coalesce_ms the late ones fall to the next
-    # step (session 5: lockstep steps averaged 115 rows of 128 calls and 93 of 96, two steps in some
-    # periods). The wait still ends as soon as every due frame is in. 0 = a fixed bound. Not yet measured.
-    coalesce_per_call_ms: float = 0.0
+    # Hold a step (within the same bound) while calls are still opening: until no call has opened for
+    # this long. Callers that start together reach the event loop one after another, each opening its
+    # call and sending its first frame at once; the engine cannot wait for a call it has not heard of
+    # (calls opened earlier and together are waited for by their open times: opened_together). 0 = off.
+    open_quiet_ms: float = 3.0
     # Under load, keep the engine's duty cycle at most this: after a step that took T, the next one starts
     # no sooner than T / max_duty after the last one started, unless every live call has a frame pending
     # (nothing more is coming), and no paced frame is held past duty_hold_cap_ms. Why: a step reads every
@@ -151,6 +152,7 @@ class Call:
         self.last_ready: float | None = None  # when the last whole frame arrived (engine.coalesce_ms)
         self.frames_out = 0       # frames stepped
         self.admitted = False
+        self.opened_at = time.monotonic()   # its rhythm's phase until its first frame (opened_together)
 
     # client side
     def append(self, pcm: np.ndarray) -> None:
@@ -254,6 +256,7 @@ class Engine:
         self.stats = EngineStats()
         self.prefix_cache = PrefixCache(self.cfg.prefix_cache_entries)
         self._last_step: tuple[float, float] | None = None  # (monotonic start, seconds) of the last step
+        self._last_open: float | None = None  # monotonic time of the last open_call (engine.open_quiet_ms)
 
     # ---- client API --------------------------------------------------------------------------------
     def open_call(self, options: CallOptions | None = None, on_event: Callable | None = None,
@@ -271,6 +274,7 @@ class Engine:
         with self._lock:
             self._calls[call.id] = call
             self._to_admit.append(call)
+            self._last_open = time.monotonic()
             self._work.notify()
         return call
 
@@ -311,29 +315,44 @@ class Engine:
 
     def _coalesce(self) -> None:
         """Hold the step while `coalesce_wait` says a live call's frame is due soon (engine.coalesce_ms),
-        and while `duty_wait` says the engine would exceed engine.max_duty and some live call has no frame
-        yet. One scan of the calls decides how long and for whom; each wake-up (every append notifies) then
-        only looks at the calls still awaited, so a burst of N appends costs O(N^2) cheap checks, not N
-        scans with a lock per call (the event loop needs the GIL meanwhile)."""
-        with self._lock:
-            live = [c for c in self._calls.values() if c.admitted and not c.closed and not c.input_ended]
-        limit = 0.0
-        if self.cfg.coalesce_ms > 0:
-            limit = (self.cfg.coalesce_ms + self.cfg.coalesce_per_call_ms * len(live)) / 1e3
+        while a call opened together with one whose first frame is pending has none yet (opened_together)
+        or calls are opening (engine.open_quiet_ms), both within the same bound, and while `duty_wait` says
+        the engine would exceed engine.max_duty and some live call has no frame yet. One scan of the calls
+        decides how long and for whom; each wake-up (every append notifies) then only looks at the calls
+        still awaited, so a burst of N appends costs O(N^2) cheap checks, not N scans with a lock per call
+        (the event loop needs the GIL meanwhile)."""
+        with self._lock:   # calls still to be admitted too: admission runs in the same tick as their step
+            live = [c for c in self._calls.values() if not c.closed and not c.input_ended]
+        limit = coalesce_limit(self.cfg.coalesce_ms / 1e3, self._last_step)
+        quiet = self.cfg.open_quiet_ms / 1e3
         if limit <= 0 and self.cfg.max_duty <= 0:
             return
         now = time.monotonic()
         pacing = [c._pacing() for c in live]
+        deadline = coalesce_deadline(pacing, limit) if limit > 0 else None
         wait = coalesce_wait(pacing, now, limit, self.frame_seconds) if limit > 0 else 0.0
         # the duty hold: calls without a frame are what a held step would gain
         idle = [c for c, (_, _, pending) in zip(live, pacing) if pending == 0]
         held = duty_wait(pacing, now, self._last_step, self.cfg.max_duty, self.cfg.duty_hold_cap_ms / 1e3) \
             if idle else 0.0
-        if wait <= 0 and held <= 0:
+
+        def opening_until() -> float:  # re-read on every wake-up: each open_call moves it
+            if quiet <= 0 or deadline is None or self._last_open is None:
+                return 0.0
+            return min(self._last_open + quiet, deadline)
+
+        # calls opened with a call whose first frame is pending, still without a frame of their own
+        firsts = [c.opened_at for c, (_, _, pending) in zip(live, pacing) if pending and c.frames_out == 0]
+        fresh = [c for c, (_, last, pending) in zip(live, pacing)
+                 if last is None and not pending and opened_together(c.opened_at, firsts, limit)] \
+            if firsts and deadline is not None and now < deadline else []
+        if fresh:
+            wait = max(wait, deadline - now)
+        if wait <= 0 and held <= 0 and now >= opening_until():
             return
         coalesce_end, duty_end = now + wait, now + held
-        awaited = [c for c, (_, last, pending) in zip(live, pacing)
-                   if frame_due(last, pending, coalesce_end, self.frame_seconds)]
+        awaited = fresh + [c for c, (_, last, pending) in zip(live, pacing)
+                           if frame_due(last, pending, coalesce_end, self.frame_seconds)]
 
         def arrived(c: Call) -> bool:  # len() needs no lock
             return bool(c._frames) or c.closed or c.input_ended
@@ -341,10 +360,12 @@ class Engine:
         while self._running:
             coalescing = awaited and now < coalesce_end
             holding = idle and now < duty_end
-            if not (coalescing or holding):
+            open_end = opening_until()
+            if not (coalescing or holding or now < open_end):
                 break
             with self._lock:
-                self._work.wait(timeout=min(max(coalesce_end, duty_end) - now, self.cfg.idle_wait_s))
+                self._work.wait(timeout=min(max(coalesce_end if coalescing else 0.0, duty_end if holding else 0.0,
+                                                open_end) - now, self.cfg.idle_wait_s))
             awaited = [c for c in awaited if not arrived(c)]
             idle = [c for c in idle if not arrived(c)]
             now = time.monotonic()
@@ -502,6 +523,25 @@ class Engine:
         return results
 
 
+def coalesce_limit(coalesce_s: float, last_step: tuple[float, float] | None) -> float:
+    """The coalescing bound: engine.coalesce_ms, but never longer than the last step took. Why: with
+    staggered callers some frame is always due soon, so every step was held until its oldest frame was
+    coalesce_ms old and the worst frame waited the bound and then its own step (H200 load run 10, 32
+    staggered calls: ~6 calls a step, 14 ms steps, p99 30.8 ms = 15 + 14 + 1.8 host). A frame held past one
+    step time would have been served as soon by stepping now and again for the late ones; lockstep
+    frames arrive within a few ms, well inside one step."""
+    if coalesce_s <= 0:
+        return 0.0
+    return coalesce_s if last_step is None else min(coalesce_s, last_step[1])
+
+
+def coalesce_deadline(calls: list[tuple[float | None, float | None, int]], limit: float) -> float | None:
+    """When a step held for coalescing must start: the arrival of the oldest frame pending alone in its
+    call (a paced frame) plus `limit`; None with no paced frame (calls as for coalesce_wait)."""
+    paced = [oldest for oldest, _, pending in calls if pending == 1 and oldest is not None]
+    return min(paced) + limit if paced else None
+
+
 def coalesce_wait(calls: list[tuple[float | None, float | None, int]], now: float, limit: float,
                   frame_s: float) -> float:
     """How long to hold a step so that frames due together share it; 0 = step now.
@@ -516,11 +556,8 @@ def coalesce_wait(calls: list[tuple[float | None, float | None, int]], now: floa
     bound nor is waited for: its frames are not paced, and its old frames would otherwise turn
     coalescing off for everyone while an upload runs. A call that has not sent a frame yet has no rhythm
     to go by and is not waited for."""
-    paced = [oldest for oldest, _, pending in calls if pending == 1 and oldest is not None]
-    if not paced:
-        return 0.0
-    deadline = min(paced) + limit
-    if now >= deadline:
+    deadline = coalesce_deadline(calls, limit)
+    if deadline is None or now >= deadline:
         return 0.0
     due = any(frame_due(last, pending, deadline, frame_s) for _, last, pending in calls)
     return deadline - now if due else 0.0
@@ -542,6 +579,16 @@ def duty_wait(calls: list[tuple[float | None, float | None, int]], now: float,
     start, seconds = last_step
     until = min(start + seconds / max_duty, min(paced) + cap)
     return max(0.0, until - now)
+
+
+def opened_together(opened_at: float, first_frame_opens: list[float], limit: float) -> bool:
+    """A call without a frame yet has no rhythm; until its first frame its open time stands for its
+    phase: it is waited for (within the coalescing bound) when it opened within `limit` of a call whose
+    first frame is pending. Callers that start together open together, then send their first frames
+    together (scripts/bench.py connects 1 s before the schedule starts), and the first step took only
+    the first frames already in: H200 load run 10, 32 lockstep calls, 7 first frames in the first step
+    and 25 a step later at 33-36 ms lag, the run's p99. Staggered callers open tens of ms apart."""
+    return any(abs(opened_at - t) <= limit for t in first_frame_opens)
 
 
 def frame_due(last: float | None, pending: int, deadline: float, frame_s: float) -> bool:

@@ -8,7 +8,8 @@
 #   bash scripts/gpu_check.sh step            # GPU tests of the kernels and the captured step, bench_step N=1/32/128
 #   bash scripts/gpu_check.sh load [seconds] [server overrides...]
 #                                             # the load sweep (both start modes, N up to 160) and the uploads run
-#   e.g. bash scripts/gpu_check.sh load 420 engine.coalesce_per_call_ms=0.15
+#   e.g. bash scripts/gpu_check.sh load 420 engine.open_quiet_ms=0
+#   N_CALLS='[32,16]' UPLOAD_RUNS='[]' bash scripts/gpu_check.sh load 100   # a short load run
 set -o pipefail
 source scripts/gpu_env.sh
 export OUT=${OUT:-outputs/gpu_check}
@@ -29,8 +30,8 @@ elif [ "$PART" = load ]; then
     ARGS="[]"
     if [ $# -gt 0 ]; then ARGS=$(printf '"%s",' "$@"); ARGS="[${ARGS%,}]"; fi
     timeout $((LOAD_S + 60)) python3 scripts/bench.py $M model.dtype.encoder=bf16 model.dtype.llm=bf16 \
-        model.dtype.talker=bf16 'loadtest.n_calls=[1,16,32,64,96,128,160]' loadtest.duration_s=12 \
-        'loadtest.upload_runs=[32]' "loadtest.server_args=$ARGS" loadtest.time_budget_s=$LOAD_S \
+        model.dtype.talker=bf16 "loadtest.n_calls=${N_CALLS:-[1,16,32,64,96,128,160]}" loadtest.duration_s=12 \
+        "loadtest.upload_runs=${UPLOAD_RUNS:-[32]}" "loadtest.server_args=$ARGS" loadtest.time_budget_s=$LOAD_S \
         loadtest.out=/tmp/gpu_check_load hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/load.log" 2>&1
     cp /tmp/gpu_check_load/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
     cp /tmp/gpu_check_load/*.png "$OUT/" 2>/dev/null

@@ -206,10 +206,12 @@ def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip)
         eng.stop()
 
 
-def _two_paced_calls(eng, frame, gap_s):
+def _two_paced_calls(eng, frame, gap_s, last_step_s=1.0):
     """Start eng with two calls a and b; after a first frame each (no rhythm yet: stepped as they come),
-    a's second frame, then b's gap_s later. Returns (a, b, stepped, batch sizes from the second frames on
-    as a callable): stepped(n) waits until n frames have been stepped."""
+    a's second frame, then b's gap_s later. The engine is told its last step took last_step_s (the
+    coalescing bound is at most that; the tiny model's CPU steps take a few ms). Returns (a, b, stepped,
+    batch sizes from the second frames on as a callable): stepped(n) waits until n frames have been
+    stepped."""
     import time
 
     eng.start()
@@ -226,6 +228,7 @@ def _two_paced_calls(eng, frame, gap_s):
     b.append(frame)
     stepped(2)
     first_steps = len(eng.stats.batch_sizes)
+    eng._last_step = (time.monotonic(), last_step_s)   # set before stats count the frames: no race
     a.append(frame)
     time.sleep(gap_s)
     b.append(frame)
@@ -244,6 +247,7 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
     a, b, stepped, batches = _two_paced_calls(eng, frame, 0.05)
     assert batches() == [2]
     t0 = time.monotonic()
+    eng._last_step = (t0, 1.0)   # as in _two_paced_calls: a bound of 400 ms, not the CPU step's few ms
     a.append(frame)  # b sends nothing more: a is stepped alone once its frame is 400 ms old
     stepped(5)
     waited = time.monotonic() - t0
@@ -251,15 +255,97 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
     eng.stop()
 
 
-@pytest.mark.parametrize("per_call_ms", [0.0, 200.0])
-def test_coalescing_bound_grows_with_live_calls(tiny, example_clip, per_call_ms):
-    """engine.coalesce_per_call_ms: the bound is coalesce_ms + per call x live calls. Two calls, frames
-    150 ms apart: with a 10 ms bound they are stepped apart; with 10 + 2 x 200 ms they share a step."""
+@pytest.mark.parametrize("last_step_s", [1.0, 0.02])
+def test_coalescing_bound_is_at_most_one_step(tiny, example_clip, last_step_s):
+    """engine.coalesce_ms is capped by the last step's time (coalesce_limit). Bound 400 ms, frames 150 ms
+    apart: after a 1 s step they share a step; after a 20 ms step they are stepped apart."""
     frame = example_clip[:1280].numpy()
-    eng = _engine(tiny, max_calls=2, coalesce_ms=10.0, coalesce_per_call_ms=per_call_ms)
-    _, _, _, batches = _two_paced_calls(eng, frame, 0.15)
-    assert batches() == ([2] if per_call_ms else [1, 1])
+    eng = _engine(tiny, max_calls=2, coalesce_ms=400.0)
+    _, _, _, batches = _two_paced_calls(eng, frame, 0.15, last_step_s=last_step_s)
+    assert batches() == ([2] if last_step_s > 0.15 else [1, 1])
     eng.stop()
+
+
+@pytest.mark.parametrize("quiet_ms", [0.0, 250.0])
+def test_calls_opening_together_share_their_first_step(tiny, example_clip, quiet_ms):
+    """engine.open_quiet_ms: four calls open 100 ms apart, each sending its first frame as it opens (no
+    rhythm yet). With a 250 ms quiet time the first step waits for the openings (bound 1 s) and takes all
+    four first frames; with 0 the first call's frame is stepped alone at once."""
+    import time
+
+    frame = example_clip[:1280].numpy()
+    eng = _engine(tiny, max_calls=4, coalesce_ms=1000.0, open_quiet_ms=quiet_ms)
+    eng.start()
+    calls = []
+    for _ in range(4):
+        calls.append(eng.open_call())
+        calls[-1].append(frame)
+        time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while eng.stats.frames < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    batches = list(eng.stats.batch_sizes)
+    if quiet_ms:
+        assert batches == [4]
+    else:
+        assert batches[0] == 1 and sum(batches) == 4
+    eng.stop()
+
+
+@pytest.mark.parametrize("open_gap_s", [0.0, 0.3])
+def test_calls_opened_together_share_their_first_step(tiny, example_clip, open_gap_s):
+    """opened_together: four calls open (back to back, or 300 ms apart), then send their first frames
+    40 ms apart (no rhythm yet). Opened together, the first step waits for them (bound 200 ms) and takes
+    all four; opened 300 ms apart (past the bound), the first call's frame is stepped alone at once."""
+    import time
+
+    frame = example_clip[:1280].numpy()
+    eng = _engine(tiny, max_calls=4, coalesce_ms=200.0, open_quiet_ms=0.0)
+    eng.start()
+    calls = []
+    for _ in range(4):
+        calls.append(eng.open_call())
+        time.sleep(open_gap_s)
+    while not all(c.admitted for c in calls):
+        time.sleep(0.01)
+    for c in calls:
+        c.append(frame)
+        time.sleep(0.04)
+    deadline = time.monotonic() + 60
+    while eng.stats.frames < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    batches = list(eng.stats.batch_sizes)
+    if open_gap_s:
+        assert batches[0] == 1 and sum(batches) == 4
+    else:
+        assert batches == [4]
+    eng.stop()
+
+
+def test_opened_together_rule():
+    """opened_together on made-up open times (seconds), bound 0.015: within the bound of any call whose
+    first frame is pending, or not; no such call, nothing to go by."""
+    from nemo_duplex.engine import opened_together
+
+    assert opened_together(10.004, [10.000], 0.015)
+    assert opened_together(9.990, [10.000, 12.0], 0.015)
+    assert not opened_together(10.030, [10.000], 0.015)
+    assert not opened_together(10.0, [], 0.015)
+
+
+def test_coalesce_limit_and_deadline():
+    """coalesce_limit: engine.coalesce_ms capped by the last step's seconds (none yet: the bound itself;
+    0 = off). coalesce_deadline: the oldest paced frame (alone in its call) + the bound; backlogs and
+    calls without a frame do not set it."""
+    from nemo_duplex.engine import coalesce_deadline, coalesce_limit
+
+    assert coalesce_limit(0.015, None) == 0.015
+    assert coalesce_limit(0.015, (10.0, 0.012)) == 0.012
+    assert coalesce_limit(0.015, (10.0, 0.040)) == 0.015
+    assert coalesce_limit(0.0, (10.0, 0.012)) == 0.0
+    assert coalesce_deadline([(10.000, 10.000, 1), (10.004, 10.004, 1), (None, 9.9, 0)], 0.02) == pytest.approx(10.02)
+    assert coalesce_deadline([(8.0, 10.0, 40), (10.004, 10.004, 1)], 0.02) == pytest.approx(10.024)
+    assert coalesce_deadline([(8.0, 10.0, 40), (None, 9.9, 0)], 0.02) is None
 
 
 def test_coalesce_wait_rule():
