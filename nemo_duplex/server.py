@@ -340,6 +340,13 @@ class CallBridge:
             self.server.metrics.call_ended(ev.reason)
             if self.socket_done:
                 self.server.forget(self)
+            elif self.transport is not None and self._cut is None:
+                # The call is over; its socket must follow. A client that stopped reading would keep the
+                # writer waiting on the send buffer for ever, and its server place with it: cut once a
+                # client reading at playback rate would have had everything still queued.
+                queued_s = self.frames_waiting * self.server.mcfg.frame_length
+                self._cut = self.loop.call_later(self.server.cfg.slow_consumer_grace_s + queued_s,
+                                                 self._cut_if_stuck)
         if self.failed is not None:
             return
         if isinstance(ev, FrameEvent):
@@ -383,14 +390,17 @@ class CallBridge:
         self.failed = self.outbox[-1]
         self._wake.set()
         if self.transport is not None:
+            if self._cut is not None:
+                self._cut.cancel()
             self._cut = self.loop.call_later(self.server.cfg.slow_consumer_grace_s, self._cut_if_stuck)
 
     def _cut_if_stuck(self) -> None:
-        """The socket outlived the grace after the error: drop the connection. Whether the writer is still
-        behind frames queued before the error or has taken the error, a client that does not read keeps
-        it waiting (on the send buffer's drain, or in aiohttp's close for a reply that never comes: 10 s;
-        tests/test_server.py::test_slow_consumer_ends_only_its_call failed 1 run in 6 while this waited
-        only for a writer that had not taken the error). A client that reads has closed long before."""
+        """The socket outlived its grace after the error or the call's end: drop the connection. Whether
+        the writer is still behind queued output or has taken the error, a client that does not read
+        keeps it waiting (on the send buffer's drain: for ever; or in aiohttp's close for a reply that
+        never comes: 10 s. tests/test_server.py::test_slow_consumer_ends_only_its_call failed 1 run in 6
+        while this waited only for a writer that had not taken the error). A client that reads has
+        closed long before."""
         if not self.socket_done and self.transport is not None:
             self.transport.abort()
 

@@ -542,6 +542,38 @@ def test_slow_consumer_ends_only_its_call(server, tok):
     assert 'duplex_refusals_total{reason="slow_consumer"} 1.0' in asyncio.run(get_text(f"{srv.url}/metrics"))
 
 
+def test_client_that_stops_reading_after_its_call_ends_frees_its_place(server, tok):
+    """A call ends normally (4 s of audio, end of input: 50 frames, under serve.max_outbound_frames, so
+    never a slow consumer) while its client has stopped reading: the output fills the socket buffers
+    and the writer would wait on them for ever, holding the server place. The socket is cut once a
+    client reading at playback rate would have had it all (slow_consumer_grace_s + 80 ms per frame still
+    queued at the end), and the place is free for the next call."""
+    srv, model = server(send_buffer_kb=4, slow_consumer_grace_s=1.0, max_calls=1)
+
+    async def silent_reader():
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(f"{srv.ws_url}/generate/ws", max_msg_size=0)
+            conn = ws._response.connection
+            import socket as _s
+            conn.transport.get_extra_info("socket").setsockopt(_s.SOL_SOCKET, _s.SO_RCVBUF, 4096)
+            await ws.send_json({"type": "start", "seed": 1, "call_id": "deaf"})
+            conn.transport.pause_reading()
+            await ws.send_bytes((tone(4.0) * 32767).astype("<i2").tobytes())
+            await ws.send_json({"type": "end_input"})
+            t0 = time.monotonic()
+            while "deaf" in srv.server.sessions and time.monotonic() - t0 < 15:
+                await asyncio.sleep(0.05)
+            gone_after = time.monotonic() - t0
+            conn.transport.resume_reading()
+            return "deaf" not in srv.server.sessions, gone_after
+
+    gone, gone_after = asyncio.run(silent_reader())
+    assert gone and gone_after < 1.0 + 50 * 0.08 + 3.0   # grace + the frames a real-time reader takes + slack
+    srv.wait_idle()
+    events, code = asyncio.run(realtime(srv.ws_url, tone(0.4), chunk=FRAME_IN))   # the one place is free
+    assert code == 1000 and len(frames_of(events)) == 5 and not errors(events)
+
+
 def test_health_and_metrics(server, tok):
     srv, _ = server()
     asyncio.run(realtime(srv.ws_url, tone(0.5)))
