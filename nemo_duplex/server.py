@@ -179,10 +179,8 @@ class FrameDecoder:
         self.collecting: list[int] | None = None
 
     def __call__(self, ev: FrameEvent) -> FrameOutputs:
-        from .audio import to_pcm16
-
         t = self.tokens
-        out = FrameOutputs(ev.frame, to_pcm16(ev.pcm).tobytes(), "", ev.text == t.bos_id, ev.text == t.eos_id, "",
+        out = FrameOutputs(ev.frame, ev.pcm16, "", ev.text == t.bos_id, ev.text == t.eos_id, "",
                            lag_s=max(0.0, ev.sent_at - ev.ready_at))
         if out.turn_start or out.turn_end:   # a turn's text is decoded on its own (LANDSCAPE 2.2/2.3)
             self.text.reset()
@@ -418,7 +416,8 @@ class CallBridge:
     def append_pcm16(self, data: bytes) -> None:
         if len(data) % 2:
             raise Refusal("invalid_audio", f"{len(data)} bytes of audio; PCM16 needs an even count")
-        self.append(np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0)
+        # int16 * float32 -> float32 in one pass; 1/32768 is a power of two, so this is x / 32768 exactly
+        self.append(np.frombuffer(data, dtype="<i2") * np.float32(1.0 / 32768.0))
 
     def append(self, pcm: np.ndarray) -> None:
         try:
