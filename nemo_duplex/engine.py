@@ -83,9 +83,13 @@ class EngineConfig:
     idle_wait_s: float = 0.005
     # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
     # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
-    # together instead of split over two steps; never longer than the last step took (coalesce_limit).
-    # 0 = step whatever is pending at once.
+    # together instead of split over two steps. 0 = step whatever is pending at once.
     coalesce_ms: float = 15.0
+    # ... but never longer than the last step took (coalesce_limit); false = the fixed bound (session 6)
+    coalesce_at_most_step: bool = True
+    # Wait (within the bound) for calls opened together with a call whose first frame is pending and that
+    # have sent no frame yet (opened_together); false = a call without a frame is never waited for.
+    wait_opened_together: bool = True
     # Hold a step (within the same bound) while calls are still opening: until no call has opened for
     # this long. Callers that start together reach the event loop one after another, each opening its
     # call and sending its first frame at once; the engine cannot wait for a call it has not heard of
@@ -331,7 +335,7 @@ class Engine:
         (the event loop needs the GIL meanwhile)."""
         with self._lock:   # calls still to be admitted too: admission runs in the same tick as their step
             live = [c for c in self._calls.values() if not c.closed and not c.input_ended]
-        limit = coalesce_limit(self.cfg.coalesce_ms / 1e3, self._last_step)
+        limit = coalesce_limit(self.cfg.coalesce_ms / 1e3, self._last_step if self.cfg.coalesce_at_most_step else None)
         quiet = self.cfg.open_quiet_ms / 1e3
         if limit <= 0 and self.cfg.max_duty <= 0:
             return
@@ -353,7 +357,7 @@ class Engine:
         firsts = [c.opened_at for c, (_, _, pending) in zip(live, pacing) if pending and c.frames_out == 0]
         fresh = [c for c, (_, last, pending) in zip(live, pacing)
                  if last is None and not pending and opened_together(c.opened_at, firsts, limit)] \
-            if firsts and deadline is not None and now < deadline else []
+            if self.cfg.wait_opened_together and firsts and deadline is not None and now < deadline else []
         if fresh:
             wait = max(wait, deadline - now)
         if wait <= 0 and held <= 0 and now >= opening_until():

@@ -255,14 +255,15 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
     eng.stop()
 
 
-@pytest.mark.parametrize("last_step_s", [1.0, 0.02])
-def test_coalescing_bound_is_at_most_one_step(tiny, example_clip, last_step_s):
+@pytest.mark.parametrize("last_step_s,at_most_step", [(1.0, True), (0.02, True), (0.02, False)])
+def test_coalescing_bound_is_at_most_one_step(tiny, example_clip, last_step_s, at_most_step):
     """engine.coalesce_ms is capped by the last step's time (coalesce_limit). Bound 400 ms, frames 150 ms
-    apart: after a 1 s step they share a step; after a 20 ms step they are stepped apart."""
+    apart: after a 1 s step they share a step; after a 20 ms step they are stepped apart, unless
+    engine.coalesce_at_most_step is off."""
     frame = example_clip[:1280].numpy()
-    eng = _engine(tiny, max_calls=2, coalesce_ms=400.0)
+    eng = _engine(tiny, max_calls=2, coalesce_ms=400.0, coalesce_at_most_step=at_most_step)
     _, _, _, batches = _two_paced_calls(eng, frame, 0.15, last_step_s=last_step_s)
-    assert batches() == ([2] if last_step_s > 0.15 else [1, 1])
+    assert batches() == ([2] if last_step_s > 0.15 or not at_most_step else [1, 1])
     eng.stop()
 
 
@@ -292,15 +293,16 @@ def test_calls_opening_together_share_their_first_step(tiny, example_clip, quiet
     eng.stop()
 
 
-@pytest.mark.parametrize("open_gap_s", [0.0, 0.3])
-def test_calls_opened_together_share_their_first_step(tiny, example_clip, open_gap_s):
+@pytest.mark.parametrize("open_gap_s,wait", [(0.0, True), (0.3, True), (0.0, False)])
+def test_calls_opened_together_share_their_first_step(tiny, example_clip, open_gap_s, wait):
     """opened_together: four calls open (back to back, or 300 ms apart), then send their first frames
     40 ms apart (no rhythm yet). Opened together, the first step waits for them (bound 200 ms) and takes
-    all four; opened 300 ms apart (past the bound), the first call's frame is stepped alone at once."""
+    all four; opened 300 ms apart (past the bound), or with engine.wait_opened_together off, the first
+    call's frame is stepped alone at once."""
     import time
 
     frame = example_clip[:1280].numpy()
-    eng = _engine(tiny, max_calls=4, coalesce_ms=200.0, open_quiet_ms=0.0)
+    eng = _engine(tiny, max_calls=4, coalesce_ms=200.0, open_quiet_ms=0.0, wait_opened_together=wait)
     eng.start()
     calls = []
     for _ in range(4):
@@ -315,7 +317,7 @@ def test_calls_opened_together_share_their_first_step(tiny, example_clip, open_g
     while eng.stats.frames < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     batches = list(eng.stats.batch_sizes)
-    if open_gap_s:
+    if open_gap_s or not wait:
         assert batches[0] == 1 and sum(batches) == 4
     else:
         assert batches == [4]
