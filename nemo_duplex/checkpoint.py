@@ -574,6 +574,9 @@ def load_state(model: nn.Module, ckpt_dir: str | Path) -> None:
         with safe_open(str(f), framework="pt", device=device) as st:
             for k in sorted(keys):
                 targets[k].copy_(st.get_tensor(k))  # copy_ casts dtype and moves to the param's device
+    for module in model.modules():   # tables derived from the old weights are stale (e.g. EarTTS.text_table)
+        if hasattr(module, "weights_loaded"):
+            module.weights_loaded()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,7 +116,10 @@ def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1) -> int:
         model.perception.prepare_stream()  # the streaming encoder's per-layer tables (relative positions, stacked q/k/v)
         model.codec.prvq.stacked()  # the codec's stacked codebooks (ops/codebook_sum.py)
     built = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return built + cfg.llm.vocab_size * (max_token_chars - model.talker.embed_subword.char_ids.shape[1]) * INT64
+    # the talker's text table (EarTTS.build_text_table: not built on meta): one row per token id
+    text_table = model.talker.vocab_size * cfg.talker.backbone.hidden_size * model.talker.bos_emb.element_size()
+    return (built + text_table
+            + cfg.llm.vocab_size * (max_token_chars - model.talker.embed_subword.char_ids.shape[1]) * INT64)
 
 
 class MemoryPlanError(ValueError):

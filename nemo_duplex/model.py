@@ -139,6 +139,8 @@ class VoiceChat(nn.Module):
         self.tts_model.audio_prompt_latents.to(torch_dtype(d.talker))
         self.codec.float()
         self.talker.stack_projections()  # after the casts, which would give each weight its own copy again
+        if not self.talker.bos_emb.is_meta:   # (build_empty_model casts on meta, before any weight exists)
+            self.talker.build_text_table()
         return self
 
     # ---- the channel fusion (spec 1.3) ---------------------------------------------------------------

@@ -553,6 +553,9 @@ class EarTTS(nn.Module):
         self.vocab_is_set = False
         # codebooks filled by each effective MoG pass (spec 4.6): [1, 1, 3, 4, 22] at 31
         self.pass_sizes = [k for k in cfg.unmask_schedule() if k > 0]
+        # text_condition of every token id (build_text_table), derived from the weights: not in the state_dict
+        self.register_buffer("text_table", torch.empty(0), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module.weights_loaded())
 
     @property
     def num_passes(self) -> int:
@@ -598,6 +601,7 @@ class EarTTS(nn.Module):
         sub.char_len = char_len.to(device)
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.vocab_is_set = True
+        self.weights_loaded()   # the text table was built from the old char table
 
     # --- embeddings ------------------------------------------------------------------------------------
 
@@ -618,8 +622,35 @@ class EarTTS(nn.Module):
         return self.embed_code(self.depthsum(codes, table))
 
     def text_condition(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B] -> [B, H]: char-aware embedding + flags (mask true)."""
+        """ids [B] -> [B, H]: char-aware embedding + flags (mask true); a row of `text_table` once built."""
+        if self.text_table.numel():
+            return F.embedding(ids, self.text_table)
         return self.embed_subword(ids)
+
+    @torch.no_grad()
+    def build_text_table(self, chunk: int = 4096) -> None:
+        """text_condition of every token id, [vocab, H] in the talker's dtype. It depends on the id alone
+        (the char encoder sees only the token's own characters; the flags are per id), so a frame step
+        looks up one row per call instead of running the char encoder: ~80 fewer launches per step
+        (scripts/census_step.py), for vocab x H values (302 MiB in bf16 at full size, counted by
+        memory.weight_bytes). Rebuilt after a cast or move (`_apply`); dropped when the weights or the
+        tokenizer tables change (`weights_loaded`, `set_vocab`), after which the char encoder runs again
+        until the next build (VoiceChat.cast_for_inference builds it)."""
+        self.text_table = torch.empty(0, device=self.bos_emb.device)
+        ids = torch.arange(self.vocab_size, device=self.bos_emb.device)
+        self.text_table = torch.cat([self.embed_subword(ids[i:i + chunk]) for i in range(0, self.vocab_size, chunk)])
+
+    def weights_loaded(self) -> None:
+        """The weights were overwritten in place (checkpoint.load_state, load_state_dict): derived tables
+        are stale."""
+        self.text_table = torch.empty(0, device=self.bos_emb.device)
+
+    def _apply(self, fn, *args, **kwargs):
+        built = self.text_table.numel() > 0
+        out = super()._apply(fn, *args, **kwargs)
+        if built:   # a cast table would be the old dtype's values rounded, not the new dtype's computation
+            self.build_text_table()
+        return out
 
     def fuse(self, audio: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         return self.gated_fusion_audio_text(audio, text)

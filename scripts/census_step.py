@@ -54,7 +54,7 @@ def full_layer_counts(cfg):
 
 def census(calls: int = 2, full_layers: bool = False) -> dict[str, collections.Counter]:
     cfg = full_layer_counts(tiny_config()) if full_layers else tiny_config()
-    model = random_model(cfg, seed=0)[0].eval()
+    model = random_model(cfg, seed=0)[0].cast_for_inference().eval()   # as runtime.load serves it
     # the GPU's code paths where the CPU would take the torch ones: the LLM's Mamba and attention
     # kernels, the talker's decode attention (both choose by device; the kernels run under the interpreter)
     model.llm.step = functools.partial(model.llm.step, use_kernels=True)

@@ -466,3 +466,21 @@ def test_in_place_writer_gives_the_same_checkpoint(tiny_checkpoint, tmp_path):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     model, *_ = load_model(out, tiny_config(), torch.device("cpu"))
     assert torch.equal(model.state_dict()["stt_model.lm_head.weight"], b["stt_model.lm_head.weight"])
+
+
+def test_load_state_drops_tables_derived_from_the_old_weights(tiny_checkpoint):
+    """checkpoint.load_state overwrites the weights in place and then calls every module's
+    weights_loaded: the talker's text table, built from the random weights, is dropped, and the next
+    cast_for_inference builds it from the loaded ones."""
+    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.config import tiny_config
+
+    model = random_model(tiny_config(), seed=3)[0].cast_for_inference()
+    assert model.talker.text_table.numel() > 0
+    load_state(model, tiny_checkpoint)
+    assert model.talker.text_table.numel() == 0
+    model.cast_for_inference()
+    ids = torch.arange(0, model.talker.vocab_size, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(model.talker.text_condition(ids), model.talker.embed_subword(ids),
+                                   atol=1e-6, rtol=1e-6)

@@ -491,6 +491,14 @@ def test_native_ws(server, tok):
     srv.wait_idle()
 
 
+async def _registered(srv, call_id: str, timeout_s: float = 30.0) -> None:
+    """Until the server has taken the opening message of call `call_id` (it holds a place)."""
+    t0 = time.monotonic()
+    while call_id not in srv.server.sessions:
+        assert time.monotonic() - t0 < timeout_s, f"call {call_id} never reached the server"
+        await asyncio.sleep(0.01)
+
+
 def test_slow_consumer_ends_only_its_call(server, tok):
     srv, model = server(max_outbound_frames=4, send_buffer_kb=4, slow_consumer_grace_s=1.0)
 
@@ -502,6 +510,7 @@ def test_slow_consumer_ends_only_its_call(server, tok):
             import socket as _s
             sock.setsockopt(_s.SOL_SOCKET, _s.SO_RCVBUF, 4096)
             await ws.send_json({"type": "start", "seed": 1, "call_id": "slow"})
+            await _registered(srv, "slow")   # else "not in sessions" below could mean "not there yet"
             conn.transport.pause_reading()                           # stop reading, keep sending
             pcm = (tone(8.0) * 32767).astype("<i2").tobytes()
             for i in range(0, len(pcm), FRAME_IN * 2 * 10):
@@ -557,6 +566,7 @@ def test_client_that_stops_reading_after_its_call_ends_frees_its_place(server, t
             import socket as _s
             conn.transport.get_extra_info("socket").setsockopt(_s.SOL_SOCKET, _s.SO_RCVBUF, 4096)
             await ws.send_json({"type": "start", "seed": 1, "call_id": "deaf"})
+            await _registered(srv, "deaf")   # else "not in sessions" below could mean "not there yet"
             conn.transport.pause_reading()
             await ws.send_bytes((tone(4.0) * 32767).astype("<i2").tobytes())
             await ws.send_json({"type": "end_input"})

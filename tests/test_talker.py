@@ -410,6 +410,47 @@ def test_token_without_known_chars_gives_flags_only():
     torch.testing.assert_close(emb[0], flags, atol=1e-6, rtol=1e-6)
 
 
+def test_text_table_matches_the_char_encoder():
+    """EarTTS.build_text_table: text_condition looks up one row per id; the reference is the char
+    encoder run on the ids themselves (fp32; the table is built in chunks of 4096 ids, the reference on
+    a batch of 33: the same ops on other batch shapes, so equal within fp32 rounding, atol/rtol 1e-6).
+    Every id, fresh random ones and the special ones."""
+    model = make_model(seed=7)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.cat([torch.randint(0, VOCAB, (30,), generator=g), torch.tensor([BOS, EOS, PAD])])
+    with torch.no_grad():
+        reference = model.embed_subword(ids)
+        model.build_text_table()
+        assert model.text_table.shape == (VOCAB, model.cfg.backbone.hidden_size)
+        torch.testing.assert_close(model.text_condition(ids), reference, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(model.text_table, model.embed_subword(torch.arange(VOCAB)), atol=1e-6, rtol=1e-6)
+
+
+def test_text_table_follows_the_weights_and_the_vocab():
+    """The table is derived: a cast rebuilds it in the new dtype (not the old values rounded); loading
+    weights (load_state_dict, checkpoint.load_state's weights_loaded) or a new char table (set_vocab)
+    drops it, and text_condition runs the char encoder on the new weights."""
+    model = make_model(seed=7)
+    ids = torch.arange(0, VOCAB, 5)
+    with torch.no_grad():
+        model.build_text_table()
+        model.double()
+        assert model.text_table.dtype == torch.float64
+        torch.testing.assert_close(model.text_condition(ids), model.embed_subword(ids), atol=1e-12, rtol=1e-12)
+        model.float()
+        other = make_model(seed=8)
+        model.load_state_dict(other.state_dict())
+        assert model.text_table.numel() == 0
+        torch.testing.assert_close(model.text_condition(ids), other.embed_subword(ids), atol=0, rtol=0)
+        model.build_text_table()
+        model.weights_loaded()
+        assert model.text_table.numel() == 0
+        model.build_text_table()
+        model.set_vocab(tiny_vocab(torch.Generator().manual_seed(124)), BOS, EOS, PAD)
+        assert model.text_table.numel() == 0
+        torch.testing.assert_close(model.text_condition(ids), model.embed_subword(ids), atol=0, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # warm-up (spec 4.3 with 12.5)
 
