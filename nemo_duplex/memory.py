@@ -116,10 +116,19 @@ def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1) -> int:
         model.perception.prepare_stream()  # the streaming encoder's per-layer tables (relative positions, stacked q/k/v)
         model.codec.prvq.stacked()  # the codec's stacked codebooks (ops/codebook_sum.py)
     built = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    # the talker's text table (EarTTS.build_text_table: not built on meta): one row per token id
-    text_table = model.talker.vocab_size * cfg.talker.backbone.hidden_size * model.talker.bos_emb.element_size()
-    return (built + text_table
+    return (built + derived_table_bytes(cfg)
             + cfg.llm.vocab_size * (max_token_chars - model.talker.embed_subword.char_ids.shape[1]) * INT64)
+
+
+def derived_table_bytes(cfg: ModelConfig) -> int:
+    """The talker's tables derived from its weights (EarTTS.build_tables, not built on meta): a text row
+    per token id and the padded code table in the talker's dtype, the codebooks and their norms in fp32."""
+    t = cfg.talker
+    size = dtype_bytes(cfg.dtype.talker)
+    text = cfg.llm.vocab_size * t.backbone.hidden_size * size
+    code_table = t.num_quantizers * (t.codebook_size + 1) * t.latent_size * size
+    books = t.num_quantizers * t.codebook_size * (t.latent_size + 1) * FLOAT32
+    return text + code_table + books
 
 
 class MemoryPlanError(ValueError):

@@ -140,7 +140,7 @@ class VoiceChat(nn.Module):
         self.codec.float()
         self.talker.stack_projections()  # after the casts, which would give each weight its own copy again
         if not self.talker.bos_emb.is_meta:   # (build_empty_model casts on meta, before any weight exists)
-            self.talker.build_text_table()
+            self.talker.build_tables()
         return self
 
     # ---- the channel fusion (spec 1.3) ---------------------------------------------------------------

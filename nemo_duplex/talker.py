@@ -497,13 +497,13 @@ class MoGHead(nn.Module):
         self.low_mat = nn.Parameter(torch.zeros(cfg.num_predictions, latent_size, cfg.low_rank))
 
     def component_mean(self, x: torch.Tensor, component: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, H] (trunk output), component [B] -> (mean [B, latent], logs [B, 1]):
-        mean = low_mat[k] (W_mus[k] x) * exp(logs) + proj_else(x)."""
+        """x [B, H] (trunk output), component [B] -> (mean [B, latent], std [B, 1]):
+        mean = low_mat[k] (W_mus[k] x) * std + proj_else(x), std = exp(max(proj_logs(x), min_log_std))."""
         w_mus = self.proj_mus.weight.view(self.num_predictions, self.low_rank, -1)[component]  # [B, r, H]
         mu_low = torch.einsum("brh,bh->br", w_mus, x)
         mu = torch.einsum("blr,br->bl", self.low_mat[component], mu_low)
-        logs = self.proj_logs(x).clamp_min(self.min_log_std)
-        return mu * torch.exp(logs) + self.proj_else(x), logs
+        std = torch.exp(self.proj_logs(x).clamp_min(self.min_log_std))
+        return mu * std + self.proj_else(x), std
 
 
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -553,9 +553,16 @@ class EarTTS(nn.Module):
         self.vocab_is_set = False
         # codebooks filled by each effective MoG pass (spec 4.6): [1, 1, 3, 4, 22] at 31
         self.pass_sizes = [k for k in cfg.unmask_schedule() if k > 0]
-        # text_condition of every token id (build_text_table), derived from the weights: not in the state_dict
-        self.register_buffer("text_table", torch.empty(0), persistent=False)
+        # Tables derived from the weights (build_tables; not in the state_dict, empty until built):
+        #   text_table  text_condition of every token id [vocab, H]
+        #   rvq_table   code_table() [Q * (codebook + 1), latent]
+        #   rvq_books   the codebooks in fp32 [Q, codebook, latent], rvq_norms their squared norms [Q, codebook]
+        for name in ("text_table", "rvq_table", "rvq_books", "rvq_norms"):
+            self.register_buffer(name, torch.empty(0), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.weights_loaded())
+        # row offset of each codebook in the code table (depthsum)
+        self.register_buffer("code_offsets", torch.arange(cfg.num_quantizers) * (cfg.codebook_size + 1),
+                             persistent=False)
 
     @property
     def num_passes(self) -> int:
@@ -613,10 +620,8 @@ class EarTTS(nn.Module):
     def depthsum(self, codes: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
         """codes [..., Q] -> sum_i rvq_embs[i][codes_i] [..., latent]; code == codebook_size (speech pad /
         masked) adds the appended zero row (spec 4.2.1). `table`: code_table(), if the caller has it."""
-        table = self.code_table() if table is None else table
-        q, cb = self.rvq_embs.shape[:2]
-        offsets = torch.arange(q, device=codes.device) * (cb + 1)
-        return F.embedding(codes + offsets, table).sum(-2)
+        table = self.rvq_tables()[0] if table is None else table
+        return F.embedding(codes + self.code_offsets, table).sum(-2)
 
     def embed_codes(self, codes: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
         return self.embed_code(self.depthsum(codes, table))
@@ -627,29 +632,47 @@ class EarTTS(nn.Module):
             return F.embedding(ids, self.text_table)
         return self.embed_subword(ids)
 
+    def rvq_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(code_table(), the codebooks in fp32, their squared norms): built once (build_tables), else
+        computed, the same ops either way."""
+        if self.rvq_books.numel():
+            return self.rvq_table, self.rvq_books, self.rvq_norms
+        books = self.rvq_embs.float()
+        return self.code_table(), books, books.pow(2).sum(-1)
+
     @torch.no_grad()
-    def build_text_table(self, chunk: int = 4096) -> None:
-        """text_condition of every token id, [vocab, H] in the talker's dtype. It depends on the id alone
-        (the char encoder sees only the token's own characters; the flags are per id), so a frame step
-        looks up one row per call instead of running the char encoder: ~80 fewer launches per step
-        (scripts/census_step.py), for vocab x H values (302 MiB in bf16 at full size, counted by
-        memory.weight_bytes). Rebuilt after a cast or move (`_apply`); dropped when the weights or the
-        tokenizer tables change (`weights_loaded`, `set_vocab`), after which the char encoder runs again
-        until the next build (VoiceChat.cast_for_inference builds it)."""
-        self.text_table = torch.empty(0, device=self.bos_emb.device)
+    def build_tables(self, chunk: int = 4096) -> None:
+        """The tables a frame step would otherwise derive from the weights every time:
+        - text_table: text_condition of every token id. It depends on the id alone (the char encoder sees
+          only the token's own characters; the flags are per id), so a step looks up one row per call
+          instead of running the char encoder: ~80 fewer launches per step (scripts/census_step.py), for
+          vocab x H values (302 MiB in bf16 at full size). Built in chunks of `chunk` ids, so its values
+          equal the char encoder's within the rounding of other batch shapes.
+        - rvq_table, rvq_books, rvq_norms: the padded code table, the fp32 codebooks and their norms (4
+          launches and ~0.3 GB of memory traffic per step at full size; 97 MiB kept), bit for bit what
+          the step computed.
+        All counted by memory.weight_bytes. Rebuilt after a cast or move (`_apply`); dropped when the
+        weights or the tokenizer tables change (`weights_loaded`, `set_vocab`), after which the step
+        derives them again until the next build (VoiceChat.cast_for_inference builds them)."""
+        self.weights_loaded()
         ids = torch.arange(self.vocab_size, device=self.bos_emb.device)
-        self.text_table = torch.cat([self.embed_subword(ids[i:i + chunk]) for i in range(0, self.vocab_size, chunk)])
+        text_table = torch.cat([self.embed_subword(ids[i:i + chunk]) for i in range(0, self.vocab_size, chunk)])
+        rvq_table, rvq_books, rvq_norms = self.rvq_tables()
+        # detach: in fp32, .float() is the Parameter itself, which setattr would register as a parameter
+        self.text_table, self.rvq_table, self.rvq_books, self.rvq_norms = (
+            text_table, rvq_table, rvq_books.detach(), rvq_norms)
 
     def weights_loaded(self) -> None:
-        """The weights were overwritten in place (checkpoint.load_state, load_state_dict): derived tables
-        are stale."""
-        self.text_table = torch.empty(0, device=self.bos_emb.device)
+        """The weights were overwritten in place (checkpoint.load_state, load_state_dict): the derived
+        tables are stale."""
+        for name in ("text_table", "rvq_table", "rvq_books", "rvq_norms"):
+            setattr(self, name, torch.empty(0, device=self.bos_emb.device))
 
     def _apply(self, fn, *args, **kwargs):
         built = self.text_table.numel() > 0
         out = super()._apply(fn, *args, **kwargs)
-        if built:   # a cast table would be the old dtype's values rounded, not the new dtype's computation
-            self.build_text_table()
+        if built:   # cast tables would be the old dtype's values rounded, not the new dtype's computation
+            self.build_tables()
         return out
 
     def fuse(self, audio: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -723,8 +746,8 @@ class EarTTS(nn.Module):
             component = (top_k_filter(logits, self.cfg.top_k).log_softmax(-1) + noise).argmax(-1)
         else:
             component = top_p_gumbel_argmax(logits, noise, self.cfg.top_p)
-        mean, logs = self.mog_head.component_mean(x, component)
-        return mean + torch.exp(logs) * normal.to(mean.dtype) * self.cfg.noise_scale
+        mean, std = self.mog_head.component_mean(x, component)
+        return mean + std * normal.to(mean.dtype) * self.cfg.noise_scale
 
     def generate_step(self, h_cond: torch.Tensor, h_uncond: torch.Tensor, uniform: torch.Tensor,
                       normal: torch.Tensor) -> torch.Tensor:
@@ -732,11 +755,11 @@ class EarTTS(nn.Module):
         Each pass sees all codes filled so far (the rest masked) and quantises a fresh z into its codebooks."""
         codes = torch.full((h_cond.shape[0], self.cfg.num_quantizers), self.cfg.codebook_size,
                            dtype=torch.long, device=h_cond.device)
-        # once per step, not once per pass or per codebook: the padded table, fp32 books, their norms
-        table = self.code_table()
-        books = self.rvq_embs.float()
-        norms = books.pow(2).sum(-1)
-        noise = gumbel(uniform.float())  # every pass's Gumbel draws at once
+        # once per step at most, not once per pass or per codebook: the padded table, fp32 books, their
+        # norms (built once: build_tables), every pass's Gumbel draws and normal draws in the latent's dtype
+        table, books, norms = self.rvq_tables()
+        noise = gumbel(uniform.float())
+        normal = normal.to(self.mog_head.proj_else.weight.dtype)
         start = 0
         for p, size in enumerate(self.pass_sizes):
             e = self.embed_codes(codes, table)

@@ -21,7 +21,7 @@ def test_census_counts_the_fused_kernels_once():
     assert sum(everything.values()) < 2500         # 1,004 (tiny model, 2 calls, the GPU's attention paths)
     assert counts["llm"]["mamba_step"] > 0 and counts["talker.backbone"]["decode_attention"] > 0
     assert counts["talker.backbone"]["_softmax"] == 0   # the kernel, not the CPU's masked softmax
-    # the text condition is a row of the talker's text table (EarTTS.build_text_table), not the char
+    # the text condition is a row of the talker's text table (EarTTS.build_tables), not the char
     # encoder (whose attention, MLP and norms were ~80 ops here): 36 ops left in the stage
     assert counts["talker"]["_softmax"] == 0 and sum(counts["talker"].values()) <= 40
 

@@ -79,14 +79,17 @@ def test_weight_bytes_match_a_real_model(tiny):
 
 def test_full_size_weights_match_the_step_benchmark():
     """bench_step counted parameters only (bf16 parts, fp32 codec); buffers add under 1 %, besides the
-    talker's text table (a bf16 row per token id: 131072 x 1152 x 2 bytes, ~1.4 %)."""
+    talker's derived tables (EarTTS.build_tables): a bf16 row per token id (131072 x 1152 x 2 bytes), the
+    bf16 code table (31 x 1025 x 512 x 2) and the fp32 codebooks with their norms (31 x 1024 x 513 x 4)."""
+    from nemo_duplex.memory import derived_table_bytes
+
     run = json.loads((REPO / "docs/runs/bench_step_2026-11-29_cudagraph-eager.json").read_text())
     params = run["rows"][0]["weight_bytes"]
     cfg = inference_config(_full_size_config(), "bf16")
-    text_table = cfg.llm.vocab_size * cfg.talker.backbone.hidden_size * 2
-    assert text_table == 131072 * 1152 * 2
+    tables = derived_table_bytes(cfg)
+    assert tables == 131072 * 1152 * 2 + 31 * 1025 * 512 * 2 + 31 * 1024 * 513 * 4
     w = weight_bytes(cfg)
-    assert params + text_table <= w < params * 1.01 + text_table
+    assert params + tables <= w < params * 1.01 + tables
 
 
 def test_plan_refuses_an_impossible_config_with_the_numbers():

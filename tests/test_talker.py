@@ -411,7 +411,7 @@ def test_token_without_known_chars_gives_flags_only():
 
 
 def test_text_table_matches_the_char_encoder():
-    """EarTTS.build_text_table: text_condition looks up one row per id; the reference is the char
+    """EarTTS.build_tables: text_condition looks up one row per id; the reference is the char
     encoder run on the ids themselves (fp32; the table is built in chunks of 4096 ids, the reference on
     a batch of 33: the same ops on other batch shapes, so equal within fp32 rounding, atol/rtol 1e-6).
     Every id, fresh random ones and the special ones."""
@@ -420,10 +420,31 @@ def test_text_table_matches_the_char_encoder():
     ids = torch.cat([torch.randint(0, VOCAB, (30,), generator=g), torch.tensor([BOS, EOS, PAD])])
     with torch.no_grad():
         reference = model.embed_subword(ids)
-        model.build_text_table()
+        model.build_tables()
         assert model.text_table.shape == (VOCAB, model.cfg.backbone.hidden_size)
         torch.testing.assert_close(model.text_condition(ids), reference, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(model.text_table, model.embed_subword(torch.arange(VOCAB)), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rvq_tables_change_no_code_and_no_checkpoint_key(dtype):
+    """build_tables' code table, fp32 codebooks and norms are what generate_step derived every step, by
+    the same ops: the codes are equal bit for bit with and without them (fresh random trunk inputs and
+    draws, fp32 and bf16 weights), and none of the tables is a checkpoint key (in fp32, .float() of a
+    parameter is the parameter itself)."""
+    model = make_model(seed=5).to(dtype)
+    keys = set(model.state_dict())
+    g = torch.Generator().manual_seed(21)
+    h = model.cfg.backbone.hidden_size
+    h_cond, h_uncond = (torch.randn(6, h, generator=g).to(dtype) for _ in range(2))
+    uniform, normal = draws(6, model, seed=22)
+    with torch.no_grad():
+        derived = model.generate_step(h_cond, h_uncond, uniform, normal)
+        model.build_tables()
+        assert model.rvq_books.numel() and set(model.state_dict()) == keys
+        assert not any(p is model.rvq_books for p in model.parameters())
+        built = model.generate_step(h_cond, h_uncond, uniform, normal)
+    assert torch.equal(derived, built)
 
 
 def test_text_table_follows_the_weights_and_the_vocab():
@@ -433,7 +454,7 @@ def test_text_table_follows_the_weights_and_the_vocab():
     model = make_model(seed=7)
     ids = torch.arange(0, VOCAB, 5)
     with torch.no_grad():
-        model.build_text_table()
+        model.build_tables()
         model.double()
         assert model.text_table.dtype == torch.float64
         torch.testing.assert_close(model.text_condition(ids), model.embed_subword(ids), atol=1e-12, rtol=1e-12)
@@ -442,10 +463,10 @@ def test_text_table_follows_the_weights_and_the_vocab():
         model.load_state_dict(other.state_dict())
         assert model.text_table.numel() == 0
         torch.testing.assert_close(model.text_condition(ids), other.embed_subword(ids), atol=0, rtol=0)
-        model.build_text_table()
+        model.build_tables()
         model.weights_loaded()
         assert model.text_table.numel() == 0
-        model.build_text_table()
+        model.build_tables()
         model.set_vocab(tiny_vocab(torch.Generator().manual_seed(124)), BOS, EOS, PAD)
         assert model.text_table.numel() == 0
         torch.testing.assert_close(model.text_condition(ids), model.embed_subword(ids), atol=0, rtol=0)
