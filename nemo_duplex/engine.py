@@ -9,6 +9,7 @@ formats. Calls join and leave between ticks; a call's slot is returned when it e
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import threading
@@ -335,7 +336,8 @@ class Engine:
         (the event loop needs the GIL meanwhile)."""
         with self._lock:   # calls still to be admitted too: admission runs in the same tick as their step
             live = [c for c in self._calls.values() if not c.closed and not c.input_ended]
-        limit = coalesce_limit(self.cfg.coalesce_ms / 1e3, self._last_step if self.cfg.coalesce_at_most_step else None)
+        limit = coalesce_limit(self.cfg.coalesce_ms / 1e3,
+                               self._last_step if self.cfg.coalesce_at_most_step else None)
         quiet = self.cfg.open_quiet_ms / 1e3
         if limit <= 0 and self.cfg.max_duty <= 0:
             return
@@ -354,7 +356,7 @@ class Engine:
             return min(self._last_open + quiet, deadline)
 
         # calls opened with a call whose first frame is pending, still without a frame of their own
-        firsts = [c.opened_at for c, (_, _, pending) in zip(live, pacing) if pending and c.frames_out == 0]
+        firsts = sorted(c.opened_at for c, (_, _, pending) in zip(live, pacing) if pending and c.frames_out == 0)
         fresh = [c for c, (_, last, pending) in zip(live, pacing)
                  if last is None and not pending and opened_together(c.opened_at, firsts, limit)] \
             if self.cfg.wait_opened_together and firsts and deadline is not None and now < deadline else []
@@ -603,8 +605,10 @@ def opened_together(opened_at: float, first_frame_opens: list[float], limit: flo
     first frame is pending. Callers that start together open together, then send their first frames
     together (scripts/bench.py connects 1 s before the schedule starts), and the first step took only
     the first frames already in: H200 load run 10, 32 lockstep calls, 7 first frames in the first step
-    and 25 a step later at 33-36 ms lag, the run's p99. Staggered callers open tens of ms apart."""
-    return any(abs(opened_at - t) <= limit for t in first_frame_opens)
+    and 25 a step later at 33-36 ms lag, the run's p99. Staggered callers open tens of ms apart.
+    first_frame_opens: sorted (a bisection, not a scan: 160 calls opening together ask 160 times)."""
+    i = bisect.bisect_left(first_frame_opens, opened_at - limit)
+    return i < len(first_frame_opens) and first_frame_opens[i] <= opened_at + limit
 
 
 def frame_due(last: float | None, pending: int, deadline: float, frame_s: float) -> bool:

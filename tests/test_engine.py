@@ -325,13 +325,15 @@ def test_calls_opened_together_share_their_first_step(tiny, example_clip, open_g
 
 
 def test_opened_together_rule():
-    """opened_together on made-up open times (seconds), bound 0.015: within the bound of any call whose
-    first frame is pending, or not; no such call, nothing to go by."""
+    """opened_together on made-up open times (seconds, sorted), bound 0.015: within the bound of any call
+    whose first frame is pending (before or after it), or not; no such call, nothing to go by."""
     from nemo_duplex.engine import opened_together
 
     assert opened_together(10.004, [10.000], 0.015)
     assert opened_together(9.990, [10.000, 12.0], 0.015)
+    assert opened_together(11.99, [9.0, 10.000, 12.0], 0.015)
     assert not opened_together(10.030, [10.000], 0.015)
+    assert not opened_together(10.030, [9.0, 10.000, 10.050], 0.015)
     assert not opened_together(10.0, [], 0.015)
 
 
