@@ -47,7 +47,10 @@ def decode_wav(data: bytes, sample_rate: int = 16000, max_seconds: float | None 
     if max_seconds is not None and info.seconds > max_seconds:
         raise AudioFormatError(f"{info.seconds:.1f} s of audio; the limit is {max_seconds:g} s")
     with wave.open(io.BytesIO(data)) as w:
-        pcm = np.frombuffer(w.readframes(info.frames), dtype="<i2")
+        raw = w.readframes(info.frames)
+    # whole samples only: a file cut short (a broken transfer) can end inside one, and a header's frame
+    # count is not checked against the data (streamed WAVs declare 0 or 2^32 - 1 bytes)
+    pcm = np.frombuffer(raw[:len(raw) - len(raw) % 2], dtype="<i2")
     return pcm.astype(np.float32) / 32768.0
 
 

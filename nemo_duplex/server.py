@@ -789,13 +789,16 @@ class Server:
             fields[k] = v
         wav = None
         if request.content_type.startswith("multipart/"):
-            reader = await request.multipart()
-            async for part in reader:
-                data = await self._read_capped(part, limit, too_large)
-                if part.name in ("audio", "file"):
-                    wav = data
-                elif part.name:
-                    fields[part.name] = data.decode("utf-8", errors="replace")
+            try:
+                reader = await request.multipart()
+                async for part in reader:
+                    data = await self._read_capped(part, limit, too_large)
+                    if part.name in ("audio", "file"):
+                        wav = data
+                    elif part.name:
+                        fields[part.name] = data.decode("utf-8", errors="replace")
+            except (ValueError, AssertionError) as e:   # aiohttp's multipart reader on a body it cannot parse
+                raise Refusal("invalid_upload", f"the multipart/form-data body does not parse: {e}", 400) from None
         else:
             wav = await self._read_capped(request.content, limit, too_large)
         if not wav:

@@ -402,6 +402,40 @@ def test_upload_streams_and_upload_limits(server, tok):
     srv.wait_idle()
 
 
+def test_wav_cut_inside_a_sample_decodes_its_whole_samples():
+    """nemo_duplex.audio.decode_wav on a WAV cut short at an odd byte (a broken transfer): the whole
+    samples before the cut, equal to the file's (np.frombuffer raised on the odd byte, a 500 on upload)."""
+    from nemo_duplex.audio import decode_wav
+
+    full = wav_bytes(tone(0.3))
+    whole = decode_wav(full)
+    cut = decode_wav(full[:1001])                        # 44-byte header + 957 bytes: 478 samples and a half
+    assert cut.shape == ((1001 - 44) // 2,)
+    np.testing.assert_array_equal(cut, whole[:cut.shape[0]])
+
+
+def test_malformed_multipart_upload_is_a_clear_400(server, tok):
+    """A multipart upload without a boundary, or whose body breaks off inside a part, is refused with
+    400 invalid_upload (aiohttp's parser raised into the handler: a 500 and an error in the log), and the
+    server takes the next upload."""
+    srv, _ = server()
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            out = []
+            for ctype, body in (("multipart/form-data", b"--x\r\n"),
+                                ("multipart/form-data; boundary=b", b"--b\r\nContent-Disposition: form-data; "
+                                 b'name="audio"\r\n\r\nRIFF')):
+                async with http.post(f"{srv.url}/generate", data=body, headers={"Content-Type": ctype}) as r:
+                    out.append((r.status, (await r.json())["code"]))
+            async with http.post(f"{srv.url}/generate", data=wav_bytes(tone(0.2))) as r:
+                out.append((r.status, [json.loads(x) async for x in r.content if x.strip()][-1]["type"]))
+            return out
+
+    assert asyncio.run(go()) == [(400, "invalid_upload"), (400, "invalid_upload"), (200, "ended")]
+    srv.wait_idle()
+
+
 def test_hang_up_before_audio_and_idle_timeout(server, tok):
     srv, _ = server(idle_timeout_s=0.5)
 
