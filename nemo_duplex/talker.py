@@ -641,13 +641,15 @@ class EarTTS(nn.Module):
         return self.code_table(), books, books.pow(2).sum(-1)
 
     @torch.no_grad()
-    def build_tables(self, chunk: int = 4096) -> None:
+    def build_tables(self, chunk: int = 1024) -> None:
         """The tables a frame step would otherwise derive from the weights every time:
         - text_table: text_condition of every token id. It depends on the id alone (the char encoder sees
           only the token's own characters; the flags are per id), so a step looks up one row per call
           instead of running the char encoder: ~80 fewer launches per step (scripts/census_step.py), for
-          vocab x H values (302 MiB in bf16 at full size). Built in chunks of `chunk` ids, so its values
-          equal the char encoder's within the rounding of other batch shapes.
+          vocab x H values (302 MiB in bf16 at full size). Built in chunks of `chunk` ids (the char
+          encoder's activations grow with the longest token's characters squared: ~1 GiB of attention
+          scores per 1024 ids at 128 characters), so its values equal the char encoder's within the
+          rounding of other batch shapes.
         - rvq_table, rvq_books, rvq_norms: the padded code table, the fp32 codebooks and their norms (4
           launches and ~0.3 GB of memory traffic per step at full size; 97 MiB kept), bit for bit what
           the step computed.
