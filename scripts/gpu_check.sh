@@ -18,7 +18,7 @@ PART=${1:-step}
 M="model=nemotron_duplex model.weights=random device=cuda"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$PART" = step ]; then
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/ tests/test_graphs.py -k "not regions" \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/ tests/test_graphs.py tests/test_talker.py -k "not regions" \
         > "$OUT/pytest.log" 2>&1; tail -n 3 "$OUT/pytest.log"
     mkdir -p "$OUT/step"
     OUT="$OUT/step" timeout 200 python3 scripts/bench_step.py $M 'engine.capture_buckets=[1,32,128]' \

@@ -807,3 +807,32 @@ def test_full_size_cached_step_and_talker_step_on_gpu():
             text = torch.tensor([[PAD, 300][t % 2], EOS if t == 10 else 500], device=dev)
             prev = model.step(text, prev, cache, slots, torch.full((2,), 37 + t, device=dev), uniform, normal, silence)
             assert prev.shape == (2, 31) and ((prev >= 0) & (prev < 1024)).all()
+
+
+@pytest.mark.gpu
+def test_full_size_tables_on_gpu():
+    """EarTTS.build_tables at release dimensions on CUDA, bf16 (a 2048-token vocabulary of up to 12
+    characters): the text table against the char encoder run on the ids themselves (other batch shapes,
+    so other cuBLAS kernels: stated tolerance atol 3e-2 / rtol 3e-2 on O(1) embeddings, a few bf16 steps),
+    and 10 frames of talker codes with the code table, fp32 codebooks and norms built equal, bit for bit,
+    to the codes without them (the same kernels on the same values)."""
+    dev = torch.device("cuda")
+    with dev:
+        model = EarTTS(TalkerConfig(), 2048)
+    model.set_vocab(full_size_vocab(), BOS, EOS, PAD)
+    model.init_weights(torch.Generator().manual_seed(0))
+    model = model.eval().to(torch.bfloat16)
+    g = torch.Generator(device=dev).manual_seed(2)
+    ids = torch.randint(0, 2048, (64,), generator=g, device=dev)
+    h = [torch.randn(10, 4, 1152, generator=g, device=dev).to(torch.bfloat16) for _ in range(2)]
+    draws_ = [(torch.rand(4, model.num_passes, 1024, generator=g, device=dev),
+               torch.randn(4, model.num_passes, 512, generator=g, device=dev)) for _ in range(10)]
+    with torch.no_grad():
+        reference = model.embed_subword(ids)
+        without = [model.generate_step(h[0][t], h[1][t], *draws_[t]) for t in range(10)]
+        model.build_tables()
+        assert model.text_table.shape == (2048, 1152) and model.text_table.dtype == torch.bfloat16
+        torch.testing.assert_close(model.text_condition(ids), reference, atol=3e-2, rtol=3e-2)
+        with_tables = [model.generate_step(h[0][t], h[1][t], *draws_[t]) for t in range(10)]
+    for a, b in zip(without, with_tables):
+        assert torch.equal(a, b)
