@@ -467,8 +467,8 @@ class Engine:
         text, func, top2, user, codes, pcm = (out["text"].tolist(), out["func"].tolist(), out["top2"].tolist(),
                                               out["user"].tolist(), out["codes"], out["pcm"])
         # the packets' int16 audio in one numpy pass here rather than one per frame on the server's event
-        # loop, which sends a lockstep batch's packets one after another (py-spy, 32 calls on the CPU:
-        # ~25 us of the loop's time per frame went to this conversion)
+        # loop, which sends a lockstep batch's packets one after another (this repository's CPU, 160
+        # calls: 1.0 ms per step frame by frame, 0.15 ms batched)
         pcm16 = to_pcm16(pcm)
         sent = time.monotonic()
         for i, (call, _, ready, _) in enumerate(batch):
