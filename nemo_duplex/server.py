@@ -529,6 +529,17 @@ class Server:
         if voice is not None and voice not in self.voices:
             raise ProtocolError("unknown_voice", f"voice {voice!r}: this checkpoint has {self.voices}", "voice")
 
+    def check_prompt(self, settings: SessionSettings) -> None:
+        """The system prompt (instructions + tools) within engine.max_prompt_tokens, checked when it is set:
+        the engine checks it again at admission, but that is when the call's audio starts, and it ends
+        the call there as an engine error."""
+        prompt = render_tool_prompt(settings.instructions, settings.tools)
+        ids = self.engine.model.prompt_ids(self.tokenizer, prompt)
+        limit = self.engine.cfg.max_prompt_tokens
+        if ids is not None and ids.numel() > limit:
+            raise ProtocolError("prompt_too_long", f"the system prompt (instructions and tools) is {ids.numel()} "
+                                f"tokens; the limit is engine.max_prompt_tokens = {limit}", "instructions")
+
     def _socket_setup(self, request: web.Request, bridge: CallBridge) -> None:
         bridge.transport = request.transport
         if self.cfg.send_buffer_kb and request.transport is not None:
@@ -732,6 +743,7 @@ class Server:
             session["instructions"] = ev["prompt"]
         settings = parse_session(session, SessionSettings(), self.in_rate, self.out_rate, self.cfg.max_tools)
         self.check_voice(settings.voice)
+        self.check_prompt(settings)
         cid = field_of(ev, "call_id", str, "start") or call_id
         return settings, settings.voice, cid
 
@@ -919,6 +931,7 @@ class RealtimeSession:
                                     "(the system prompt is already in the model)", "session")
             new = parse_session(ev.get("session"), self.settings, s.in_rate, s.out_rate, s.cfg.max_tools)
             s.check_voice(new.voice)
+            s.check_prompt(new)
             call_options(new, new.voice)   # validates the sampling values
             self.settings = new
             b.push(self.out.ev("session.updated", session=self.session_body()))

@@ -488,6 +488,39 @@ def test_call_id_in_use_and_abort_recovery(server, tok):
     srv.wait_idle()
 
 
+def test_prompt_longer_than_the_limit_is_refused_when_it_is_set(server, tok):
+    """A system prompt over engine.max_prompt_tokens (600 words, > 512 tokens) is refused with
+    prompt_too_long naming the limit when it is set: on /v1/realtime session.update answers an error and
+    the session keeps its settings (a short prompt then runs the call); the native opening and an upload
+    are refused (400). Before, the engine found it at admission and ended the call as an engine error."""
+    srv, model = server()
+    long_prompt = " ".join(f"word{i}" for i in range(600))
+    assert model.prompt_ids(tok, long_prompt).numel() > 512
+
+    events, code = asyncio.run(realtime(srv.ws_url, tone(0.3), chunk=FRAME_IN, session={"instructions": long_prompt},
+                                        extra=[{"type": "session.update", "session": {"instructions": "Hi"}}]))
+    refused = [e["error"] for e in events if e["type"] == "error"]
+    assert [r["code"] for r in refused] == ["prompt_too_long"]
+    assert "engine.max_prompt_tokens = 512" in refused[0]["message"]
+    assert code == 1000 and len(frames_of(events)) == 4
+    assert model.prompts[-1] == [1] + tok.encode("Hi") + [2]
+
+    async def native_and_upload():
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{srv.ws_url}/generate/ws") as ws:
+                await ws.send_json({"type": "start", "prompt": long_prompt})
+                opening = json.loads((await ws.receive()).data)
+            async with http.post(f"{srv.url}/generate", data=wav_bytes(tone(0.2)),
+                                 params={"prompt": long_prompt}) as r:
+                upload = (r.status, (await r.json())["code"])
+            return opening, upload
+
+    opening, upload = asyncio.run(native_and_upload())
+    assert opening["type"] == "error" and opening["code"] == "prompt_too_long"
+    assert upload == (400, "prompt_too_long")
+    srv.wait_idle()
+
+
 def test_native_ws(server, tok):
     srv, model = server()
     model.text[9] = scripted(tok, say="hi")
