@@ -482,6 +482,8 @@ class Server:
         self.default_voice = default_voice or mc.talker.speaker
         self.in_rate, self.out_rate = mc.source_sample_rate, mc.target_sample_rate
         self.sessions: dict[str, CallBridge] = {}
+        # (check_prompt) a token covers at most this many characters
+        self.longest_token = max(len(t) for t in tokenizer.token_strings())
         self.metrics = ServerMetrics(self.cfg.deadline_ms / 1000.0)
         self.ready = False
         self._sampler: asyncio.Task | None = None
@@ -534,8 +536,14 @@ class Server:
         the engine checks it again at admission, but that is when the call's audio starts, and it ends
         the call there as an engine error."""
         prompt = render_tool_prompt(settings.instructions, settings.tools)
-        ids = self.engine.model.prompt_ids(self.tokenizer, prompt)
         limit = self.engine.cfg.max_prompt_tokens
+        # a prompt of more characters than `limit` tokens can cover is refused without tokenizing it: a
+        # megabyte of instructions would hold the event loop (every call's packets) for the tokenizer
+        if prompt is not None and len(prompt) > limit * self.longest_token:
+            raise ProtocolError("prompt_too_long", f"the system prompt (instructions and tools) is {len(prompt)} "
+                                f"characters, more than engine.max_prompt_tokens = {limit} tokens can hold",
+                                "instructions")
+        ids = self.engine.model.prompt_ids(self.tokenizer, prompt)
         if ids is not None and ids.numel() > limit:
             raise ProtocolError("prompt_too_long", f"the system prompt (instructions and tools) is {ids.numel()} "
                                 f"tokens; the limit is engine.max_prompt_tokens = {limit}", "instructions")
