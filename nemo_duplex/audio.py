@@ -50,8 +50,13 @@ def decode_wav(data: bytes, sample_rate: int = 16000, max_seconds: float | None 
         raw = w.readframes(info.frames)
     # whole samples only: a file cut short (a broken transfer) can end inside one, and a header's frame
     # count is not checked against the data (streamed WAVs declare 0 or 2^32 - 1 bytes)
-    pcm = np.frombuffer(raw[:len(raw) - len(raw) % 2], dtype="<i2")
-    return pcm.astype(np.float32) / 32768.0
+    return from_pcm16(raw[:len(raw) - len(raw) % 2])
+
+
+def from_pcm16(data: bytes) -> np.ndarray:
+    """Little-endian PCM16 bytes -> float32 samples in [-1, 1): x / 32768 in one pass (1/32768 is a power
+    of two, so the product is the quotient exactly)."""
+    return np.frombuffer(data, dtype="<i2") * np.float32(1.0 / 32768.0)
 
 
 def read_wav(path: str | Path, sample_rate: int = 16000) -> np.ndarray:

@@ -39,6 +39,10 @@ class EngineBusy(EngineError):
     code = "busy"
 
 
+class PromptTooLong(EngineError):
+    code = "prompt_too_long"
+
+
 class InputBudgetExceeded(EngineError):
     code = "input_budget_exceeded"
 
@@ -270,6 +274,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.cfg.prefix_cache_entries)
         self._last_step: tuple[float, float] | None = None  # (monotonic start, seconds) of the last step
         self._last_open: float | None = None  # monotonic time of the last open_call (engine.open_quiet_ms)
+        self.longest_token = max(len(t) for t in tokenizer.token_strings())   # characters (prompt_ids)
 
     # ---- client API --------------------------------------------------------------------------------
     def open_call(self, options: CallOptions | None = None, on_event: Callable | None = None,
@@ -438,12 +443,25 @@ class Engine:
             self._step(batch, gathered)
         return bool(batch or ending or admitting)
 
+    def prompt_ids(self, prompt: str | None) -> torch.Tensor | None:
+        """The system prompt's ids (None for none), or PromptTooLong naming engine.max_prompt_tokens.
+        Admission asks, and the server asks when a client sets the prompt (so the client hears it then,
+        not as the call's end once its audio starts). A prompt of more characters than the limit's tokens
+        can cover is refused without tokenizing it: a megabyte of instructions would hold the thread
+        doing it (the server's event loop, or this engine's) for the tokenizer."""
+        limit = self.cfg.max_prompt_tokens
+        if prompt and len(prompt) > limit * self.longest_token:
+            raise PromptTooLong(f"the system prompt is {len(prompt)} characters, more than "
+                                f"engine.max_prompt_tokens = {limit} tokens can hold")
+        ids = self.model.prompt_ids(self.tokenizer, prompt)
+        if ids is not None and ids.numel() > limit:
+            raise PromptTooLong(f"the system prompt is {ids.numel()} tokens; the limit is "
+                                f"engine.max_prompt_tokens = {limit}")
+        return ids
+
     def _admit(self, call: Call) -> None:
         try:
-            prompt_ids = self.model.prompt_ids(self.tokenizer, call.options.prompt)
-            if prompt_ids is not None and prompt_ids.numel() > self.cfg.max_prompt_tokens:
-                raise EngineError(f"system prompt is {prompt_ids.numel()} tokens; the limit is "
-                                  f"engine.max_prompt_tokens = {self.cfg.max_prompt_tokens}")
+            prompt_ids = self.prompt_ids(call.options.prompt)
             admit(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
                   call.options.speaker, self.prefix_cache)
             call.admitted = True

@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from .audio import AudioFormatError, decode_wav, wav_info
+from .audio import AudioFormatError, decode_wav, from_pcm16, wav_info
 from .engine import (CallClosed, CallOptions, DrainedEvent, EndedEvent, EngineBusy, FrameEvent,
-                     InputBudgetExceeded)
+                     InputBudgetExceeded, PromptTooLong)
 from .realtime import (NO_OP_EVENTS, NOT_SUPPORTED_EVENTS, EventIds, ProtocolError, RealtimeOutput,
                        SessionSettings, decode_audio, error_event, field_of, parse_client_event, parse_session,
                        session_object)
@@ -416,8 +416,7 @@ class CallBridge:
     def append_pcm16(self, data: bytes) -> None:
         if len(data) % 2:
             raise Refusal("invalid_audio", f"{len(data)} bytes of audio; PCM16 needs an even count")
-        # int16 * float32 -> float32 in one pass; 1/32768 is a power of two, so this is x / 32768 exactly
-        self.append(np.frombuffer(data, dtype="<i2") * np.float32(1.0 / 32768.0))
+        self.append(from_pcm16(data))
 
     def append(self, pcm: np.ndarray) -> None:
         try:
@@ -482,8 +481,6 @@ class Server:
         self.default_voice = default_voice or mc.talker.speaker
         self.in_rate, self.out_rate = mc.source_sample_rate, mc.target_sample_rate
         self.sessions: dict[str, CallBridge] = {}
-        # (check_prompt) a token covers at most this many characters
-        self.longest_token = max(len(t) for t in tokenizer.token_strings())
         self.metrics = ServerMetrics(self.cfg.deadline_ms / 1000.0)
         self.ready = False
         self._sampler: asyncio.Task | None = None
@@ -532,21 +529,12 @@ class Server:
             raise ProtocolError("unknown_voice", f"voice {voice!r}: this checkpoint has {self.voices}", "voice")
 
     def check_prompt(self, settings: SessionSettings) -> None:
-        """The system prompt (instructions + tools) within engine.max_prompt_tokens, checked when it is set:
-        the engine checks it again at admission, but that is when the call's audio starts, and it ends
-        the call there as an engine error."""
-        prompt = render_tool_prompt(settings.instructions, settings.tools)
-        limit = self.engine.cfg.max_prompt_tokens
-        # a prompt of more characters than `limit` tokens can cover is refused without tokenizing it: a
-        # megabyte of instructions would hold the event loop (every call's packets) for the tokenizer
-        if prompt is not None and len(prompt) > limit * self.longest_token:
-            raise ProtocolError("prompt_too_long", f"the system prompt (instructions and tools) is {len(prompt)} "
-                                f"characters, more than engine.max_prompt_tokens = {limit} tokens can hold",
-                                "instructions")
-        ids = self.engine.model.prompt_ids(self.tokenizer, prompt)
-        if ids is not None and ids.numel() > limit:
-            raise ProtocolError("prompt_too_long", f"the system prompt (instructions and tools) is {ids.numel()} "
-                                f"tokens; the limit is engine.max_prompt_tokens = {limit}", "instructions")
+        """The system prompt (instructions + tools) within engine.max_prompt_tokens, checked when it is set
+        (Engine.prompt_ids, which admission asks again once the call's audio starts)."""
+        try:
+            self.engine.prompt_ids(render_tool_prompt(settings.instructions, settings.tools))
+        except PromptTooLong as e:
+            raise ProtocolError(e.code, f"{e} (instructions and tools)", "instructions") from None
 
     def _socket_setup(self, request: web.Request, bridge: CallBridge) -> None:
         bridge.transport = request.transport

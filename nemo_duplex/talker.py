@@ -533,6 +533,7 @@ def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor, norms: torch.Ten
 
 class EarTTS(nn.Module):
     """`tts_model.tts_model.*` of the checkpoint (spec 4, keys 6.3)."""
+    DERIVED_TABLES = ("text_table", "rvq_table", "rvq_books", "rvq_norms")   # build_tables
 
     def __init__(self, cfg: TalkerConfig, vocab_size: int):
         super().__init__()
@@ -557,7 +558,7 @@ class EarTTS(nn.Module):
         #   text_table  text_condition of every token id [vocab, H]
         #   rvq_table   code_table() [Q * (codebook + 1), latent]
         #   rvq_books   the codebooks in fp32 [Q, codebook, latent], rvq_norms their squared norms [Q, codebook]
-        for name in ("text_table", "rvq_table", "rvq_books", "rvq_norms"):
+        for name in self.DERIVED_TABLES:
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.weights_loaded())
         # row offset of each codebook in the code table (depthsum)
@@ -667,7 +668,7 @@ class EarTTS(nn.Module):
     def weights_loaded(self) -> None:
         """The weights were overwritten in place (checkpoint.load_state, load_state_dict): the derived
         tables are stale."""
-        for name in ("text_table", "rvq_table", "rvq_books", "rvq_norms"):
+        for name in self.DERIVED_TABLES:
             setattr(self, name, torch.empty(0, device=self.bos_emb.device))
 
     def _apply(self, fn, *args, **kwargs):

@@ -406,7 +406,7 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
                    uploads: bool) -> dict:
     import aiohttp
 
-    from nemo_duplex.audio import encode_wav
+    from nemo_duplex.audio import encode_wav, from_pcm16
 
     n_frames = len(pcm) // (2 * FRAME_IN)
     ws_url = url.replace("http", "ws", 1).rstrip("/") + "/generate/ws"
@@ -430,7 +430,7 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
         uploader = None
         if uploads:
             upcm, _ = load_input(lt.clip, float(lt.upload_s))
-            wav = encode_wav(np.frombuffer(upcm, "<i2").astype(np.float32) / 32768.0, 16000)
+            wav = encode_wav(from_pcm16(upcm), 16000)
             uploader = asyncio.create_task(upload_loop(http, url, wav, float(lt.upload_every_s), stop_uploads,
                                                        int(lt.seed), upload_records))
         plan = [[(i, t0 + offsets[i], origin + offsets[i]) for i in group] for group in groups]

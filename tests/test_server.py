@@ -519,7 +519,7 @@ def test_prompt_longer_than_the_limit_is_refused_when_it_is_set(server, tok):
     assert opening["type"] == "error" and opening["code"] == "prompt_too_long"
     assert upload == (400, "prompt_too_long")
     # more characters than 512 tokens can cover: refused by its length alone, the message says so
-    huge = "x" * (512 * srv.server.longest_token + 1)
+    huge = "x" * (512 * srv.server.engine.longest_token + 1)
     events, code = asyncio.run(realtime(srv.ws_url, tone(0.2), chunk=FRAME_IN, session={"instructions": huge}))
     refused = [e["error"] for e in events if e["type"] == "error"]
     assert [r["code"] for r in refused] == ["prompt_too_long"] and "characters" in refused[0]["message"]
