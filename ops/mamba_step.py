@@ -144,7 +144,7 @@ def _ssm_step_kernel(
 def mamba_step_triton(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch.Tensor,
                       ssm_state: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
                       conv_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
-                      n_groups: int, block_r: int | None = None) -> torch.Tensor:
+                      n_groups: int, block_r: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     batch, conv_dim = xBC.shape
     num_slots, num_heads, head_dim, d_state = ssm_state.shape
     kernel = conv_weight.shape[-1]
@@ -163,9 +163,11 @@ def mamba_step_triton(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch
     )
 
     y = torch.empty(batch, d_inner, device=xBC.device, dtype=torch.float32)
-    # 16 channels x d_state 128 per program on the GPU; the interpreter pays per program, so bigger blocks there
-    if block_r is None:
-        block_r = 16 if xBC.is_cuda else min(128, triton.next_power_of_2(d_inner))
+    # 8 channels x d_state 128 per program on the GPU; the interpreter pays per program, so bigger blocks there
+    if block_r is None:  # H200, 128 calls: 8 rows x 2 warps 3.83 TB/s, 16 x 4 3.59 (docs/performance.md, session 8)
+        block_r = 8 if xBC.is_cuda else min(128, triton.next_power_of_2(d_inner))
+    if num_warps is None and xBC.is_cuda:
+        num_warps = 2
     _ssm_step_kernel[(batch, triton.cdiv(d_inner, block_r))](
         xBC_act, dt_raw, ssm_state, slots, A_log, D, dt_bias, y,
         xBC_act.stride(0), dt_raw.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
@@ -173,6 +175,7 @@ def mamba_step_triton(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch
         HEAD_DIM=head_dim, D_STATE=d_state, D_INNER=d_inner, HEADS_PER_GROUP=num_heads // n_groups,
         B_OFFSET=d_inner, C_OFFSET=d_inner + n_groups * d_state,
         BLOCK_R=block_r, BLOCK_N=triton.next_power_of_2(d_state),
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )
     return y
 

@@ -130,6 +130,8 @@ def bench_decode_attention(device, smoke, quick, sweep):
                 configs += [dict(num_splits=splits) for splits in (1, 4, 16, 32)]
             if kv_heads == heads and n not in (min(calls), max(calls)):
                 configs += [dict(num_splits=splits) for splits in (1, 2, 4)]
+            if kv_heads == heads and n > 1:  # smaller key blocks (more programs resident) by split count
+                configs += [dict(block_n=bn, num_splits=splits) for bn in (4, 8) for splits in (1, 2, 3, 4)]
             for kw in configs:
                 try:
                     out = decode_attention_triton(q, k, v, slots, seq_lens, scale, **kw)
@@ -300,6 +302,7 @@ def bench_other_ops(device, smoke, quick, sweep):
     margs = (weight, bias, a_log, d_skip, dt_bias, groups)
     cs, ss = conv_state.clone(), ssm_state.clone()
     ref = mamba_step_reference(xbc, dt_raw, cs, ss, slots, *margs)
+    ss_ref = ss.clone()  # the state after one step (the timed loops below keep stepping cs / ss)
     cs2, ss2 = conv_state.clone(), ssm_state.clone()
     out = mamba_step_triton(xbc, dt_raw, cs2, ss2, slots, *margs)
     err = max(max_err(out, ref), max_err(ss2, ss))
@@ -309,6 +312,14 @@ def bench_other_ops(device, smoke, quick, sweep):
         lambda: mamba_step_reference(xbc, dt_raw, cs, ss, slots, *margs), smoke), nbytes, 0.0)
     record("mamba_step", case, "triton", timed(
         lambda: mamba_step_triton(xbc, dt_raw, cs2, ss2, slots, *margs), smoke), nbytes, err)
+    if sweep:  # the SSM kernel's rows per program and warps (the state is the traffic)
+        for block_r, warps in ((8, 2), (16, 2), (16, 8), (32, 4), (32, 8), (64, 8)):
+            cs3, ss3 = conv_state.clone(), ssm_state.clone()
+            out = mamba_step_triton(xbc, dt_raw, cs3, ss3, slots, *margs, block_r=block_r, num_warps=warps)
+            err3 = max(max_err(out, ref), max_err(ss3, ss_ref))
+            record("mamba_step sweep", case, f"block_r={block_r} num_warps={warps}", timed(
+                lambda br=block_r, w=warps: mamba_step_triton(xbc, dt_raw, cs3, ss3, slots, *margs, block_r=br,
+                                                              num_warps=w), smoke), nbytes, err3)
 
     # DFT by matmul: the codec's per-frame inverse DFT (n 16) and the mel front end's forward (n 512), fp32
     for name, rows, basis in (("codec irdft n=16", n * 441, irdft_basis(16, device)),

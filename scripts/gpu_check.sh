@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Device-machine checks and measurements of the serving defaults, in two calls that each fit the device
-# tool's 600 s limit (session 5: the tests + step part took ~4.5 min, the load part ~5 min, from a cold
-# machine). Results under $OUT (small files only: Hydra and load directories stay under /tmp, and only
+# Device-machine checks and measurements of the serving defaults, in calls that each fit the device
+# tool's 600 s limit (session 8, from a cold machine: the GPU tests > 5 min, the step part ~2 min, the load
+# part ~6.5 min). Results under $OUT (small files only: Hydra and load directories stay under /tmp, and only
 # their summaries are copied).
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (+ pytest's wheels in .whl/extra/,
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
-#   bash scripts/gpu_check.sh step            # GPU tests of the kernels and the captured step, bench_step N=1/32/128
+#   bash scripts/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
+#   bash scripts/gpu_check.sh step            # bench_step N=1/32/128 at position 1000
 #   bash scripts/gpu_check.sh load [seconds] [server overrides...]
 #                                             # the load sweep (both start modes, N up to 160) and the uploads run
 #   e.g. bash scripts/gpu_check.sh load 420 engine.open_quiet_ms=0
@@ -17,9 +18,10 @@ mkdir -p "$OUT"
 PART=${1:-step}
 M="model=nemotron_duplex model.weights=random device=cuda"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-if [ "$PART" = step ]; then
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/ tests/test_graphs.py tests/test_talker.py -k "not regions" \
+if [ "$PART" = tests ]; then
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/ tests/test_graphs.py tests/test_talker.py -k "not regions" \
         > "$OUT/pytest.log" 2>&1; tail -n 3 "$OUT/pytest.log"
+elif [ "$PART" = step ]; then
     mkdir -p "$OUT/step"
     OUT="$OUT/step" timeout 200 python3 scripts/bench_step.py $M 'engine.capture_buckets=[1,32,128]' \
         'bench.batch_sizes=[1,32,128]' 'bench.positions=[1000]' bench.iters=10 bench.warmup=2 \
@@ -39,5 +41,5 @@ elif [ "$PART" = load ]; then
     tar czf "$OUT/calls.tgz" -C /tmp/gpu_check_load calls 2>/dev/null   # every packet's arrival, per run
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
 else
-    echo "usage: bash scripts/gpu_check.sh step | load [seconds] [server overrides...]" >&2; exit 2
+    echo "usage: bash scripts/gpu_check.sh tests | step | load [seconds] [server overrides...]" >&2; exit 2
 fi

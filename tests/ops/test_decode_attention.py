@@ -65,6 +65,19 @@ def test_kernel_matches_reference(num_heads, kv_heads, head_dim, window, num_spl
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_vector_kernel_small_key_blocks(num_splits):
+    """8 keys per block (what the launcher picks for the talker from 128 calls up) over rows whose lengths
+    are not multiples of 8, head dim 72 (64 + a tail of 8), with a sliding window."""
+    gen = torch.Generator().manual_seed(num_splits)
+    q, k, v = _make(4, 2, 2, 72, 45, 5, torch.float32, DEVICE, gen)
+    slots = torch.tensor([3, 0, 4, 1], dtype=torch.int64, device=DEVICE)
+    seq_lens = torch.tensor([1, 9, 45, 30], dtype=torch.int64, device=DEVICE)
+    ref = decode_attention_reference(q, k, v, slots, seq_lens, 0.2, 20)
+    out = decode_attention_triton(q, k, v, slots, seq_lens, 0.2, 20, num_splits=num_splits, block_n=8)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # fp32: summation order only
+
+
 @pytest.mark.parametrize("kv_heads", [3, 1])
 def test_splits_follow_each_rows_length(kv_heads):
     """A pool far longer than the rows (max_len 300, rows 1..45 keys long): the splits cut each row's own
@@ -171,7 +184,8 @@ def test_gpu_loop_forms_and_tunings_agree(num_heads, kv_heads, head_dim):
     seq_lens = torch.tensor([1, 2, 63, 64, 65, 1037, 2047, 2999, 3000], device="cuda")
     ref = decode_attention_reference(q, k, v, slots, seq_lens, 0.1, window=1500)
     for kw in (dict(pipelined=True), dict(pipelined=False), dict(block_n=32, num_warps=2, num_splits=3),
-               dict(block_n=128 if kv_heads == num_heads else 32, num_warps=8, num_splits=1)):
+               dict(block_n=128 if kv_heads == num_heads else 32, num_warps=8, num_splits=1),
+               dict(block_n=8 if kv_heads == num_heads else 16, num_splits=1)):
         out = decode_attention_triton(q, k, v, slots, seq_lens, 0.1, window=1500, **kw)
         # both read the same bf16 values and compute in fp32; the output's bf16 rounding dominates
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2, msg=str(kw))

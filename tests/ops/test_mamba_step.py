@@ -76,7 +76,7 @@ def test_reference_matches_naive_loop():
     torch.testing.assert_close(ssm_state[slots].double(), ssm_naive, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_r", [None, 16])  # 16: blocks straddle heads of 12 / 20 channels
+@pytest.mark.parametrize("block_r", [None, 16, 8])  # 16, 8: blocks straddle heads of 12 / 20 channels
 @pytest.mark.parametrize("shape", [TINY, dict(heads=6, head_dim=20, d_state=8, groups=3, kernel=3),
                                    dict(heads=4, head_dim=16, d_state=32, groups=1, kernel=4)])
 def test_kernel_matches_reference_with_sink_rows(shape, block_r):
