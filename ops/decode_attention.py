@@ -308,21 +308,20 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         # One warp per (row, head, split) and 16 keys per block: the reductions over keys stay inside a
         # warp (no barriers) and many small programs keep enough loads in flight. Measured on the H200 at
         # the talker's N=128 shape: 3.1 TB/s, against 2.2 TB/s for 4 warps x 64 keys (docs/performance.md).
-        block_n_given = block_n
-        block_n = block_n or 16
+        default_block_n = 16
         num_warps = num_warps or 1
         programs = batch * num_heads
     else:
-        block_n = block_n or (64 if head_dim <= 128 else 32)
+        default_block_n = 64 if head_dim <= 128 else 32
         num_warps = num_warps or 4
         programs = batch * kv_heads
     if num_splits is None:
-        num_splits = pick_num_splits(programs, max_len, block_n, _num_sms(q.device), num_warps)
-    if group == 1 and block_n_given is None and num_splits == 1 and programs >= 4096:
-        # Enough one-warp programs to fill every SM's program slots (the talker from 128 calls): 8 keys per
-        # block read at 3.32 TB/s against 3.19 for 16 (H200, 256 rows x 1037 keys; with fewer programs, as
-        # at 32 calls, 8 keys lose at every split count; docs/performance.md, session 8).
-        block_n = 8
+        num_splits = pick_num_splits(programs, max_len, block_n or default_block_n, _num_sms(q.device), num_warps)
+    if block_n is None:
+        # With one split and enough one-warp programs to fill every SM's program slots (the talker from 128
+        # calls), 8 keys per block read at 3.32 TB/s against 3.19 for 16 (H200, 256 rows x 1037 keys; with
+        # fewer programs, as at 32 calls, 8 keys lose at every split count; docs/performance.md, session 8).
+        block_n = 8 if group == 1 and num_splits == 1 and programs >= 4096 else default_block_n
     out = torch.empty_like(q)
     if num_splits > 1:
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
