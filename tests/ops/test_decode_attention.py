@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from ops.decode_attention import (decode_attention, decode_attention_reference, decode_attention_triton,
-                                  pick_num_splits)
+from ops.decode_attention import (_rows_aligned, decode_attention, decode_attention_reference,
+                                  decode_attention_triton, pick_num_splits)
 
 # the kernel runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,6 +104,16 @@ def test_pick_num_splits_fills_the_gpu_only_when_needed():
     assert pick_num_splits(programs=1, max_len=10 ** 6, block_n=64, num_sms=132) == 32  # capped
 
 
+def test_rows_aligned_only_when_every_key_row_starts_on_16_bytes():
+    # the talker's served pool (37 prompt frames + 2000): odd max_len, 144-byte rows -> 16-byte loads are safe
+    pool = torch.empty(3, 16, 2037, 72, dtype=torch.bfloat16)
+    assert _rows_aligned(pool)
+    assert not _rows_aligned(torch.empty(3, 4, 20, 36, dtype=torch.bfloat16))  # 72-byte rows
+    shifted = torch.empty(pool.numel() + 1, dtype=torch.bfloat16)[1:].view(pool.shape)  # base 2 bytes off
+    assert not _rows_aligned(shifted)
+    assert not _rows_aligned(torch.empty(3, 16, 2037, 72, dtype=torch.float8_e4m3fn))  # 8 elements = 8 bytes
+
+
 def test_bf16_cache():
     gen = torch.Generator().manual_seed(5)
     q, k, v = _make(3, 10, 2, 24, 24, 4, torch.bfloat16, DEVICE, gen)
@@ -178,7 +188,7 @@ def test_gpu_loop_forms_and_tunings_agree(num_heads, kv_heads, head_dim):
     """The compiled kernel's counted (pipelined) loop, the interpreter's while loop, and other block sizes /
     warps / split counts all give the fp32 reference's answer (bf16 cache, rows at different lengths)."""
     gen = torch.Generator().manual_seed(head_dim)
-    batch, max_len = 9, 3000
+    batch, max_len = 9, 3001  # odd, like the served talker pool (37 + 2000): per-head bases not 32-byte aligned
     q, k, v = _make(batch, num_heads, kv_heads, head_dim, max_len, batch + 1, torch.bfloat16, "cuda", gen)
     slots = torch.randperm(batch + 1, generator=gen)[:batch].cuda()
     seq_lens = torch.tensor([1, 2, 63, 64, 65, 1037, 2047, 2999, 3000], device="cuda")
