@@ -139,6 +139,8 @@ class VoiceChat(nn.Module):
         self.tts_model.audio_prompt_latents.to(torch_dtype(d.talker))
         self.codec.float()
         self.talker.stack_projections()  # after the casts, which would give each weight its own copy again
+        if self.has_rnnt:
+            self.stt_model.rnnt_joint.pad_output()
         if not self.talker.bos_emb.is_meta:   # (build_empty_model casts on meta, before any weight exists)
             self.talker.build_tables()
         return self

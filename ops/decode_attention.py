@@ -90,16 +90,17 @@ def _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i, 
     offs_a = tl.arange(0, BLOCK_DA)
     offs_b = BLOCK_DA + tl.arange(0, BLOCK_DB)
     b_mask = n_mask[:, None] & (offs_b < HEAD_DIM)[None, :]
-    k_rows = pos[:, None].to(tl.int64) * stride_kl
-    v_rows = pos[:, None].to(tl.int64) * stride_vl
+    k_rows = pos.to(tl.int64) * stride_kl
+    v_rows = pos.to(tl.int64) * stride_vl
     if ROWS_ALIGNED:
         # Triton only knows an integer argument's divisibility when it is a multiple of 16, and the talker's
-        # key stride is 72: without the hint every element is its own 2-byte load (measured in the PTX:
-        # 72 `ld.global.b16` per lane per block of 16 keys, against 8 16-byte `ld.global.v4` with it).
-        k_rows = tl.multiple_of(k_rows, [8, 1])
-        v_rows = tl.multiple_of(v_rows, [8, 1])
-    k_rows = k_base + k_rows
-    v_rows = v_base + v_rows
+        # key stride is 72: without the hint every element is its own 2-byte load (the PTX: 75 `ld.global.b16`
+        # per block of 16 keys, against 8 16-byte `ld.global.v4` with it; scripts/ptx_loads.py). The hint
+        # goes on the 1-D offsets: Triton 3.6 drops one given on the broadcast [BLOCK_N, 1] form.
+        k_rows = tl.multiple_of(k_rows, 8)
+        v_rows = tl.multiple_of(v_rows, 8)
+    k_rows = k_base + k_rows[:, None]
+    v_rows = v_base + v_rows[:, None]
     k_a = tl.load(k_rows + offs_a[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
     s = tl.sum(k_a * q_a[None, :], axis=1)
     if HAS_TAIL:

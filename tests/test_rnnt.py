@@ -155,3 +155,30 @@ def test_lstm_step_equals_nn_lstm():
     y, h2, c2 = lstm_step(lstm, x, h, c)
     assert torch.allclose(y, out[0], atol=1e-6) and torch.allclose(h2, h_ref, atol=1e-6)
     assert torch.allclose(c2, c_ref, atol=1e-6)
+
+
+@torch.no_grad()
+def test_padded_output_gives_the_same_logits_and_follows_loads_and_casts():
+    """pad_output: the 1025-class output GEMM through a zero-padded weight (aligned rows for cuBLAS) gives
+    the unpadded logits; loading a state_dict afterwards changes what the padded GEMM uses; a cast re-pads."""
+    cfg, decoder, joint, d_enc = build(6)
+    f = joint.enc(torch.randn(5, d_enc, generator=torch.Generator().manual_seed(6)))
+    g = torch.randn(5, cfg.pred_hidden, generator=torch.Generator().manual_seed(7))
+    plain = joint.joint_logits(f, g)
+    joint.pad_output()
+    weight, bias = joint.out_padded
+    assert weight.shape[0] % 8 == 0 and weight.shape[0] >= cfg.vocab_size + 1 and bias.shape == weight.shape[:1]
+    assert weight[cfg.vocab_size + 1:].eq(0).all() and bias[cfg.vocab_size + 1:].eq(0).all()
+    padded = joint.joint_logits(f, g)
+    assert padded.shape == plain.shape == (5, cfg.vocab_size + 1)
+    torch.testing.assert_close(padded, plain, rtol=1e-6, atol=1e-6)  # fp32, only the GEMM's blocking differs
+    assert {k: tuple(v.shape) for k, v in joint.state_dict().items()}["joint_net.2.weight"] == (cfg.vocab_size + 1,
+                                                                                                cfg.joint_hidden)
+    _, _, other, _ = build(8)
+    joint.load_state_dict(other.state_dict())  # writes into the padded tensor's leading rows
+    torch.testing.assert_close(joint.joint_logits(f, g), other.joint_logits(f, g), rtol=1e-6, atol=1e-6)
+    joint.to(torch.float64)  # a cast gives each parameter its own tensor: pad_output runs again
+    assert joint.out_padded[0].dtype == torch.float64
+    assert joint.out_padded[0].data_ptr() == joint.joint_net[2].weight.data_ptr()
+    torch.testing.assert_close(joint.joint_logits(f.double(), g.double()), other.joint_logits(f, g).double(),
+                               rtol=1e-6, atol=1e-6)
