@@ -303,11 +303,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def pick_num_splits(programs: int, max_len: int, block_n: int, num_sms: int, num_warps: int = 4) -> int:
+def pick_num_splits(programs: int, max_len: int, block_n: int, num_sms: int, num_warps: int = 4,
+                    min_splits: int = 1) -> int:
     """Splits per row so that programs x splits put about 8 warps per SM (2 programs of 4 warps, 8 of one),
-    each split keeping at least two blocks of keys. Depends only on static shapes, so a captured graph
-    keeps one choice; the split boundaries themselves follow each row's length (_split_range)."""
-    want = triton.cdiv(8 * num_sms // num_warps, programs)
+    and at least `min_splits`, each split keeping at least two blocks of keys. Depends only on static
+    shapes, so a captured graph keeps one choice; the split boundaries themselves follow each row's length
+    (_split_range)."""
+    want = max(triton.cdiv(8 * num_sms // num_warps, programs), min_splits)
     return max(1, min(want, triton.cdiv(max_len, 2 * block_n), 32))
 
 
@@ -329,22 +331,20 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         pipelined = os.environ.get("TRITON_INTERPRET") != "1"
     if group == 1:
         # One warp per (row, head, split) and 16 keys per block: the reductions over keys stay inside a
-        # warp (no barriers) and many small programs keep enough loads in flight. Measured on the H200 at
-        # the talker's N=128 shape: 3.1 TB/s, against 2.2 TB/s for 4 warps x 64 keys (docs/performance.md).
-        default_block_n = 16
+        # warp (no barriers) and many small programs keep enough loads in flight; at least two splits per
+        # row even where the rows alone fill the GPU. Measured on the H200 at the talker's shape, 1037 keys
+        # (docs/performance.md, session 9, with 16-byte loads): 3.95 TB/s at N=128 with 2 splits, against
+        # 3.19 for one split of 8-key blocks (session 8's choice with 2-byte loads) and 3.53 for one of 32;
+        # 3.60 TB/s at N=32 with 2 splits (the count the 8-warps-per-SM rule gives there).
+        block_n = block_n or 16
         num_warps = num_warps or 1
-        programs = batch * num_heads
+        programs, min_splits = batch * num_heads, 2
     else:
-        default_block_n = 64 if head_dim <= 128 else 32
+        block_n = block_n or (64 if head_dim <= 128 else 32)
         num_warps = num_warps or 4
-        programs = batch * kv_heads
+        programs, min_splits = batch * kv_heads, 1
     if num_splits is None:
-        num_splits = pick_num_splits(programs, max_len, block_n or default_block_n, _num_sms(q.device), num_warps)
-    if block_n is None:
-        # With one split and enough one-warp programs to fill every SM's program slots (the talker from 128
-        # calls), 8 keys per block read at 3.32 TB/s against 3.19 for 16 (H200, 256 rows x 1037 keys; with
-        # fewer programs, as at 32 calls, 8 keys lose at every split count; docs/performance.md, session 8).
-        block_n = 8 if group == 1 and num_splits == 1 and programs >= 4096 else default_block_n
+        num_splits = pick_num_splits(programs, max_len, block_n, _num_sms(q.device), num_warps, min_splits)
     out = torch.empty_like(q)
     if num_splits > 1:
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)

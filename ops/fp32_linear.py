@@ -51,14 +51,15 @@ def _round_tf32(x):
 
 @triton.jit
 def _fp32_linear_kernel(
-    x_ptr, w_ptr, wl_ptr, b_ptr, r_ptr, y_ptr, M, N,
+    x_ptr, w_ptr, wl_ptr, b_ptr, r_ptr, y_ptr, part_ptr, M, N,
     stride_xm, stride_wn, stride_rm, stride_ym,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One BLOCK_M x BLOCK_N tile of y. K is a compile-time constant (fixed per layer; Triton 3.6's
-    interpreter cannot run a loop with a runtime bound).
+    """One BLOCK_M x BLOCK_N tile of y, or with SPLIT_K > 1 its share K / SPLIT_K of the reduction (program
+    axis 1), written to part_ptr [SPLIT_K, M, N] for `_split_k_sum_kernel`. K is a compile-time constant
+    (fixed per layer; Triton 3.6's interpreter cannot run a loop with a runtime bound).
     PRESPLIT: w_ptr holds w_hi (exactly a TF32 value) and wl_ptr w_lo = w - w_hi (split_tf32), so the
     weight tiles go to the tensor cores as they are loaded and only x is split, in registers: the same
     products as tl.dot's "tf32x3" (x_lo w_hi + x_hi w_lo + x_hi w_hi, smallest first), without splitting
@@ -78,8 +79,10 @@ def _fp32_linear_kernel(
     row_mask = rows < M
     col_mask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    K_SPLIT: tl.constexpr = K // SPLIT_K  # a multiple of BLOCK_K (the launcher checks)
+    k_first = tl.program_id(1) * K_SPLIT
+    for k_step in range(0, K_SPLIT, BLOCK_K):
+        ks = k_first + k_step + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                     other=0.0)
@@ -100,14 +103,43 @@ def _fp32_linear_kernel(
             acc += tl.dot(x_hi, w, part, input_precision="tf32")
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K > 1:
+        part_out = part_ptr + tl.program_id(1).to(tl.int64) * M * N
+        tl.store(part_out + rows[:, None] * N + cols[None, :], acc, mask=out_mask)
+    else:
+        _epilogue(acc, rows, cols, col_mask, out_mask, b_ptr, r_ptr, y_ptr, stride_rm, stride_ym,
+                  HAS_BIAS, GELU, HAS_RESIDUAL)
+
+
+@triton.jit
+def _epilogue(acc, rows, cols, col_mask, out_mask, b_ptr, r_ptr, y_ptr, stride_rm, stride_ym,
+              HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """y = GELU?(acc + bias) (+ residual), stored: the GEMM's last step, or the split-K sum's."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if GELU:  # exact (erf) GELU, as F.gelu's default
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    out_mask = row_mask[:, None] & col_mask[None, :]
     if HAS_RESIDUAL:  # residual + y, as the reference adds it (the ConvNeXt blocks' skip connection)
         acc = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0) + acc
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _split_k_sum_kernel(part_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_ym,
+                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The splits' partial products summed in split order (deterministic: no atomics), then the epilogue."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    out_mask = (rows < M)[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
+    acc = tl.load(part_ptr + offsets, mask=out_mask, other=0.0)
+    for split in range(1, SPLIT_K):
+        acc += tl.load(part_ptr + split * M * N + offsets, mask=out_mask, other=0.0)
+    _epilogue(acc, rows, cols, col_mask, out_mask, b_ptr, r_ptr, y_ptr, stride_rm, stride_ym,
+              HAS_BIAS, GELU, HAS_RESIDUAL)
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:
@@ -153,15 +185,44 @@ GPU_TILES = (128, 64, 32, 4, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_sta
 PRESPLIT_TILES = (128, 128, 32, 8, 3)  # the same for tf32x3w (session 4 sweep at stage 3: -6% against GPU_TILES)
 
 
+# Split-K: at most this many splits (1 turns it off). Each split keeps at least SPLIT_K_MIN_K of the reduction.
+SPLIT_K_MAX = 8
+SPLIT_K_MIN_K = 512
+
+
+def pick_split_k(tiles: int, k: int, block_k: int, num_sms: int, max_splits: int | None = None) -> int:
+    """Splits of the reduction for a grid of `tiles` output tiles, one program per SM at a time (a 128 x 128
+    tile's three stages fill an SM's shared memory): the count s with the fewest waves of programs per unit
+    of work, ceil(tiles s / SMs) / s, among those that cut K into equal whole BLOCK_K blocks of at least
+    SPLIT_K_MIN_K; ties go to fewer splits, and a split must save at least 10% of the waves (it also writes
+    and re-reads s partial products). Why: a grid a little above or far below the SM count leaves SMs idle
+    for a whole wave (the codec's stage-1 pwconv2: 9 x 12 = 108 tiles for 132 SMs at 128 calls, 3 x 12 = 36
+    at 32 calls). Static shapes in, so a captured graph keeps one choice."""
+    max_splits = SPLIT_K_MAX if max_splits is None else max_splits
+    best, best_cost = 1, float(triton.cdiv(tiles, num_sms))
+    for splits in range(2, max_splits + 1):
+        if k % (splits * block_k) or k // splits < SPLIT_K_MIN_K:
+            continue
+        cost = triton.cdiv(tiles * splits, num_sms) / splits
+        if cost < 0.9 * best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
                        precision: str = "tf32x3", tiles: tuple[int, int, int, int, int] | None = None,
-                       weight_lo: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                       weight_lo: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                       split_k: int | None = None) -> torch.Tensor:
     """x [..., K] fp32, weight [N, K] fp32 (K-contiguous, any row stride), bias [N] or None -> [..., N] fp32;
     `residual` [..., N] (or None) is added last, in the epilogue.
     `precision` is tl.dot's input precision ("tf32x3"; "ieee" for comparisons), or "tf32x3w": the same
     products with the weight split beforehand (split_tf32, one pass over the weight) and only x split in
     the kernel; with `weight_lo` given, `weight` is taken as already split (split_tf32(w) =
-    (weight, weight_lo)). `tiles` overrides GPU_TILES."""
+    (weight, weight_lo)). `tiles` overrides GPU_TILES; `split_k` the split count (`pick_split_k`)."""
     assert x.dtype == weight.dtype == torch.float32
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -183,20 +244,32 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         tiles = ((1024, 128, 64, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1"
                  else PRESPLIT_TILES if precision == "tf32x3w" else GPU_TILES)
     block_m, block_n, block_k, num_warps, num_stages = tiles
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    output_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if split_k is None:
+        split_k = pick_split_k(output_tiles, k, block_k, _num_sms(x.device))
+    assert split_k == 1 or k % (split_k * block_k) == 0, f"split_k={split_k} must cut K={k} into whole blocks"
+    part = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # y: unread
     presplit = precision == "tf32x3w"
     if presplit:
         w, w_lo = (weight, weight_lo.contiguous()) if weight_lo is not None else split_tf32(weight)
     else:
         w, w_lo = weight, weight  # w_lo unread
-    _fp32_linear_kernel[grid](
-        x2, w, w_lo, bias if bias is not None else y, r2, y, m, n,
+    b = bias if bias is not None else y  # unread without a bias
+    _fp32_linear_kernel[(output_tiles, split_k)](
+        x2, w, w_lo, b, r2, y, part, m, n,
         x2.stride(0), w.stride(0), r2.stride(0), y.stride(0),
         K=k, HAS_BIAS=bias is not None, GELU=gelu, HAS_RESIDUAL=residual is not None,
-        PRECISION="tf32" if presplit else precision, PRESPLIT=presplit,
+        PRECISION="tf32" if presplit else precision, PRESPLIT=presplit, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if split_k > 1:
+        sum_block_m, sum_block_n = 32, 128
+        _split_k_sum_kernel[(triton.cdiv(m, sum_block_m), triton.cdiv(n, sum_block_n))](
+            part, b, r2, y, m, n, r2.stride(0), y.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, GELU=gelu, HAS_RESIDUAL=residual is not None,
+            BLOCK_M=sum_block_m, BLOCK_N=sum_block_n,
+        )
     return y.view(*lead, n)
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ops.decode_attention import decode_attention_reference, decode_attention_triton  # noqa: E402
-from ops.fp32_linear import fp32_linear_reference, fp32_linear_triton, split_tf32  # noqa: E402
+from ops.fp32_linear import PRESPLIT_TILES, fp32_linear_reference, fp32_linear_triton, split_tf32  # noqa: E402
 
 ROWS: list[dict] = []
 LIVE_LOG: Path | None = None
@@ -160,12 +160,14 @@ def _old_decode_attention():
 def bench_fp32_linear(device, smoke, quick, sweep):
     from nemo_duplex.codec import exact_fp32, linear
     # The codec decoder's GEMMs for N = 128 calls (one code frame each): (rows, in, out) per stage
-    shapes = [("stage1 pwconv1", 128 * 9, 1536, 6144), ("stage1 pwconv2", 128 * 9, 6144, 1536),
+    shapes = [("stage1 pwconv1 N=32", 32 * 9, 1536, 6144), ("stage1 pwconv2 N=32", 32 * 9, 6144, 1536),
+              ("stage2 pwconv2 N=32", 32 * 63, 3072, 768), ("stage3 pwconv2 N=32", 32 * 441, 1536, 384),
+              ("stage1 pwconv1", 128 * 9, 1536, 6144), ("stage1 pwconv2", 128 * 9, 6144, 1536),
               ("stage2 pwconv1", 128 * 63, 768, 3072), ("stage2 pwconv2", 128 * 63, 3072, 768),
               ("stage3 pwconv1", 128 * 441, 384, 1536), ("stage3 pwconv2", 128 * 441, 1536, 384),
               ("stage3 upsample", 128 * 63, 768, 384 * 7)]
     if quick:
-        shapes = shapes[4:6]
+        shapes = shapes[8:10]
     if smoke:
         shapes = [("tiny", 96, 32, 48)]
     gen = torch.Generator().manual_seed(1)
@@ -188,6 +190,17 @@ def bench_fp32_linear(device, smoke, quick, sweep):
                 ms = timed(fn, smoke)
                 record("fp32_linear", case, impl, ms, nbytes, max_err(out, ref64) / scale,
                        TFLOPs=round(flops / ms / 1e9, 1))
+            if sweep or "N=32" in name:  # split-K counts, the weight split beforehand (untimed)
+                w_hi, w_lo = split_tf32(w)
+                for split_k in (1, 2, 3, 4, 6, 8):
+                    if k % (split_k * PRESPLIT_TILES[2]):
+                        continue
+                    def run():
+                        return fp32_linear_triton(x, w_hi, b, precision="tf32x3w", weight_lo=w_lo, split_k=split_k)
+                    out = run()
+                    ms = timed(run, smoke)
+                    record("fp32_linear split-K", case, f"tf32x3w presplit split_k={split_k}", ms, nbytes,
+                           max_err(out, ref64) / scale, TFLOPs=round(flops / ms / 1e9, 1))
             if sweep:
                 # tf32x3w tiles, the weight split beforehand (not timed: what a pre-split weight would cost)
                 w_hi, w_lo = split_tf32(w)
@@ -210,6 +223,7 @@ def bench_fp32_linear(device, smoke, quick, sweep):
 
 def bench_codec(device, smoke, quick, sweep):
     from nemo_duplex import codec as codec_module
+    from ops import fp32_linear as fp32_linear_module
     from nemo_duplex.codec import RVQCodec, istft
     from nemo_duplex.config import CodecConfig, tiny_config
 
@@ -237,14 +251,20 @@ def bench_codec(device, smoke, quick, sweep):
     batches = [1, 8, 32, 64, 128] if not (quick or smoke) else ([128] if quick else [2])
     # (label, gemm, SPLIT_GEMM_MIN_ROWS): below that many rows a split GEMM falls back to the IEEE SGEMM;
     # the "min_rows" variants measure where the fallback should start (stage 1 has 9 rows per call)
-    default_min_rows = codec_module.SPLIT_GEMM_MIN_ROWS
-    variants = [("ieee", "ieee", default_min_rows), ("tf32x3", "tf32x3", default_min_rows),
-                ("tf32x3w", "tf32x3w", default_min_rows), ("bf16x3", "bf16x3", default_min_rows)]
+    # ("no split-K": ops/fp32_linear.py's SPLIT_K_MAX = 1, every GEMM in one pass over K)
+    default_min_rows, default_split = codec_module.SPLIT_GEMM_MIN_ROWS, fp32_linear_module.SPLIT_K_MAX
+    variants = [("ieee", "ieee", default_min_rows, default_split),
+                ("tf32x3", "tf32x3", default_min_rows, default_split),
+                ("tf32x3w", "tf32x3w", default_min_rows, default_split),
+                ("tf32x3w no split-K", "tf32x3w", default_min_rows, 1),
+                ("bf16x3", "bf16x3", default_min_rows, default_split)]
     if not smoke:
-        variants += [(f"tf32x3w min_rows={r}", "tf32x3w", r) for r in (0, 64, 256, 512) if r != default_min_rows]
-    for label, gemm, min_rows in variants:
+        variants += [(f"tf32x3w min_rows={r}", "tf32x3w", r, default_split)
+                     for r in (0, 64, 256, 512) if r != default_min_rows]
+    for label, gemm, min_rows, split_max in variants:
         codec.gemm = gemm
         codec_module.SPLIT_GEMM_MIN_ROWS = min_rows
+        fp32_linear_module.SPLIT_K_MAX = split_max
         try:
             error = max_err(stream(), ref64)
             for n in batches:
@@ -256,6 +276,7 @@ def bench_codec(device, smoke, quick, sweep):
                 record("codec decode_step", f"N={n}", label, timed(fn, smoke), 0.0, error)
         finally:
             codec_module.SPLIT_GEMM_MIN_ROWS = default_min_rows
+            fp32_linear_module.SPLIT_K_MAX = default_split
     codec.gemm = "ieee"
 
 

@@ -96,6 +96,8 @@ def test_splits_follow_each_rows_length(kv_heads):
 def test_pick_num_splits_fills_the_gpu_only_when_needed():
     # talker (vector kernel, 1 warp per program): N=128 -> 4096 programs, N=32 -> 1024, N=1 -> 32
     assert pick_num_splits(programs=4096, max_len=1101, block_n=16, num_sms=132, num_warps=1) == 1
+    assert pick_num_splits(programs=4096, max_len=1101, block_n=16, num_sms=132, num_warps=1, min_splits=2) == 2
+    assert pick_num_splits(programs=4096, max_len=20, block_n=16, num_sms=132, num_warps=1, min_splits=2) == 1
     assert pick_num_splits(programs=1024, max_len=1101, block_n=16, num_sms=132, num_warps=1) == 2
     assert pick_num_splits(programs=32, max_len=1101, block_n=16, num_sms=132, num_warps=1) == 32
     # LLM (group kernel, 4 warps): N=1 -> 8 programs, capped by the pool length

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.fp32_linear import fp32_linear, fp32_linear_reference, fp32_linear_triton
+from ops.fp32_linear import fp32_linear, fp32_linear_reference, fp32_linear_triton, pick_split_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -54,6 +54,41 @@ def test_residual_epilogue(precision):
     assert (out - fp32_linear_triton(x, w, b, precision=precision, tiles=(32, 16, 16, 4, 1))).abs().min() > 0
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32x3w"])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_matches_float64(split_k, precision):
+    """The reduction cut into split_k shares (partial products to scratch, summed in order by a second
+    kernel with the bias, GELU and residual epilogue): as accurate as one pass, deterministic, and not the
+    one-pass result bit for bit (so the split path really ran)."""
+    gen = torch.Generator().manual_seed(30 + split_k)
+    x = torch.randn(37, 96, generator=gen).to(DEVICE)  # K = 96 = 2 x 3 x 16: whole 16-wide blocks per split
+    w = (torch.randn(27, 96, generator=gen) / 10).to(DEVICE)
+    b = torch.randn(27, generator=gen).to(DEVICE)
+    residual = (10 * torch.randn(37, 27, generator=gen)).to(DEVICE)
+    tiles = (32, 16, 16, 4, 1)
+    for gelu, res in ((True, None), (False, residual)):
+        out = fp32_linear_triton(x, w, b, gelu, precision=precision, tiles=tiles, residual=res, split_k=split_k)
+        ref = fp32_linear_reference(x.double(), w.double(), b.double(), gelu,
+                                    None if res is None else res.double())
+        scale = x.double().abs() @ w.double().abs().T + b.double().abs() + (0 if res is None else res.double().abs())
+        assert ((out.double() - ref).abs() / scale).max().item() <= 1e-6  # 96-term fp32 sums: a few 2^-24
+        again = fp32_linear_triton(x, w, b, gelu, precision=precision, tiles=tiles, residual=res, split_k=split_k)
+        assert torch.equal(out, again)
+    one_pass = fp32_linear_triton(x, w, b, precision=precision, tiles=tiles, residual=residual, split_k=1)
+    assert not torch.equal(out, one_pass)
+    with pytest.raises(AssertionError, match="whole blocks"):
+        fp32_linear_triton(x, w, b, precision=precision, tiles=tiles, split_k=4)  # 96 / 4 = 24: not whole blocks
+
+
+def test_pick_split_k_by_waves():
+    # 132 SMs, 32-wide K blocks, shares of at least 512
+    assert pick_split_k(tiles=36, k=6144, block_k=32, num_sms=132) == 3    # 108 programs: one wave, 1/3 each
+    assert pick_split_k(tiles=108, k=6144, block_k=32, num_sms=132) == 6   # 5 waves of 1/6: 0.83 of one
+    assert pick_split_k(tiles=132, k=6144, block_k=32, num_sms=132) == 1   # exactly one wave already
+    assert pick_split_k(tiles=36, k=768, block_k=32, num_sms=132) == 1     # a share would be < 512
+    assert pick_split_k(tiles=36, k=6144, block_k=32, num_sms=132, max_splits=1) == 1
+
+
 def test_split_tf32_rounds_to_nearest():
     """w_hi and w_lo are TF32 values (low 13 of 23 mantissa bits clear), w_hi the NEAREST one: |w_lo| <=
     2^-11 |w| and the tails of positive weights take both signs (truncated heads leave tails with the
@@ -94,7 +129,8 @@ def test_strided_weight_and_launcher():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(128 * 9, 1536, 6144), (128 * 441, 1536, 384), (441, 384, 1536), (9, 6144, 1536)])
+@pytest.mark.parametrize("m,k,n", [(128 * 9, 1536, 6144), (128 * 441, 1536, 384), (441, 384, 1536), (9, 6144, 1536),
+                                   (32 * 9, 6144, 1536), (128 * 9, 6144, 1536)])  # the last two: split-K (pick_split_k)
 def test_gpu_codec_shapes_are_fp32_accurate(m, k, n):
     """At the codec decoder's shapes: 3xTF32 within 2e-6 of float64 (relative to sum |x w|), like an IEEE
     fp32 GEMM, and over 10x closer than a single TF32 product -- so this is not TF32 in disguise."""
