@@ -73,10 +73,11 @@ def exact_fp32(device: torch.device):
 GEMMS = ("auto", "ieee", "tf32x3", "tf32x3w", "bf16x3")
 # Below this many rows the split GEMMs lose to the IEEE SGEMM (too few tiles to fill the GPU), so "tf32x3" /
 # "bf16x3" fall back to "ieee" there. Row counts are static per batch bucket, so a captured graph keeps one
-# path. Session 5's sweep of decode_step (stage 1 has 9 rows per call; docs/performance.md): 512 is as fast
-# as 1024 at N=1 / 8 / 32 / 128 and 0.5 ms faster at N=64 (576 rows: 6.75 against 7.28 ms); 256 and below
-# lose at N=1 and N=32.
-SPLIT_GEMM_MIN_ROWS = 512
+# path. Session 5's sweep of decode_step (stage 1 has 9 rows per call, stage 2 63, stage 3 441) chose 512;
+# since session 9 the 3xTF32 kernel splits K where its grid leaves SMs idle (ops/fp32_linear.py), and the
+# same sweep (docs/performance.md) puts the line at 64: N=1 / 8 / 32 / 64 / 128 = 1.15 / 1.63 / 3.65 / 6.16
+# / 10.89 ms against 1.20 / 2.31 / 4.15 / 6.19 / 10.90 at 512; 0 loses at N=1 (1.36: 9-row GEMMs).
+SPLIT_GEMM_MIN_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str,

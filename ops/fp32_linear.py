@@ -195,10 +195,16 @@ def pick_split_k(tiles: int, k: int, block_k: int, num_sms: int, max_splits: int
     tile's three stages fill an SM's shared memory): the count s with the fewest waves of programs per unit
     of work, ceil(tiles s / SMs) / s, among those that cut K into equal whole BLOCK_K blocks of at least
     SPLIT_K_MIN_K; ties go to fewer splits, and a split must save at least 10% of the waves (it also writes
-    and re-reads s partial products). Why: a grid a little above or far below the SM count leaves SMs idle
-    for a whole wave (the codec's stage-1 pwconv2: 9 x 12 = 108 tiles for 132 SMs at 128 calls, 3 x 12 = 36
-    at 32 calls). Static shapes in, so a captured graph keeps one choice."""
+    and re-reads s partial products). Grids above two waves are not split. Why: a grid a little above or far
+    below the SM count leaves SMs idle for a whole wave (the codec's stage-1 pwconv2: 9 x 12 = 108 tiles
+    for 132 SMs at 128 calls, 3 x 12 = 36 at 32 calls). Measured on the H200 at 32 calls' codec shapes
+    (docs/performance.md, session 9): 36 tiles, 3 splits 0.094 ms against 0.259 for one pass; 144 tiles, 3
+    splits 0.108 against 0.135; 96 tiles, 4 splits 0.116 against 0.131; but 333 tiles (2.5 waves), 3
+    splits 0.222 against 0.202, the partial products' traffic costing more than the waves save. Static
+    shapes in, so a captured graph keeps one choice."""
     max_splits = SPLIT_K_MAX if max_splits is None else max_splits
+    if tiles > 2 * num_sms:
+        return 1
     best, best_cost = 1, float(triton.cdiv(tiles, num_sms))
     for splits in range(2, max_splits + 1):
         if k % (splits * block_k) or k // splits < SPLIT_K_MIN_K:

@@ -191,7 +191,9 @@ def test_bf16x3_linear_error_is_the_split_error():
     with pytest.raises(ValueError):
         linear(x, w, b, "tf32")
     # fewer rows than SPLIT_GEMM_MIN_ROWS: the IEEE GEMM, bit for bit
-    assert torch.equal(linear(x[0, :100], w, b, "bf16x3"), linear(x[0, :100], w, b, "ieee"))
+    few = codec_module.SPLIT_GEMM_MIN_ROWS - 1
+    assert torch.equal(linear(x[0, :few], w, b, "bf16x3"), linear(x[0, :few], w, b, "ieee"))
+    assert not torch.equal(linear(x[0, :few + 1], w, b, "bf16x3"), linear(x[0, :few + 1], w, b, "ieee"))
 
 
 def _decode_fp64(codec: RVQCodec, codes: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,8 @@ def test_pick_split_k_by_waves():
     assert pick_split_k(tiles=36, k=6144, block_k=32, num_sms=132) == 3    # 108 programs: one wave, 1/3 each
     assert pick_split_k(tiles=108, k=6144, block_k=32, num_sms=132) == 6   # 5 waves of 1/6: 0.83 of one
     assert pick_split_k(tiles=132, k=6144, block_k=32, num_sms=132) == 1   # exactly one wave already
+    assert pick_split_k(tiles=144, k=1536, block_k=32, num_sms=132) == 3   # 2 waves -> 4 waves of 1/3
+    assert pick_split_k(tiles=333, k=1536, block_k=32, num_sms=132) == 1   # above two waves: never split
     assert pick_split_k(tiles=36, k=768, block_k=32, num_sms=132) == 1     # a share would be < 512
     assert pick_split_k(tiles=36, k=6144, block_k=32, num_sms=132, max_splits=1) == 1
 
