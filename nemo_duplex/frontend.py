@@ -111,16 +111,7 @@ class MelFrontend(nn.Module):
 
     def log_mel(self, power: torch.Tensor) -> torch.Tensor:
         """power [B, n_fft//2+1, T] -> ln(fb @ power + guard) [B, n_mels, T]."""
-        return self.log_mel_rows(power.transpose(1, 2)).transpose(1, 2)
-
-    def log_mel_rows(self, power: torch.Tensor) -> torch.Tensor:
-        """power [..., n_fft//2+1] -> ln(power @ fb^T + guard) [..., n_mels]: one 2-D GEMM over every (row,
-        column), the 257 bins zero-padded to 264 on both sides (the zeros add nothing). Why: as a batched
-        fb @ power with 257-long rows cuBLAS ran a `simt_sgemm ... align1` kernel, 0.22 ms of every frame
-        step at 32 calls on the H200 (docs/performance.md, session 9)."""
-        pad = -power.shape[-1] % 8
-        fb = F.pad(self.featurizer.fb[0].float(), (0, pad))  # [n_mels, bins + pad]
-        mel = F.pad(power, (0, pad)) @ fb.T
+        mel = torch.matmul(self.featurizer.fb.float(), power)
         return torch.log(mel + self.cfg.log_zero_guard)
 
     # --- offline ---------------------------------------------------------------------------------
@@ -179,4 +170,4 @@ class MelFrontend(nn.Module):
             frames = frames.masked_fill(sample < 0, 0.0)
         real, imag = rdft(frames * self.padded_window())  # [B, C, n_fft//2+1] each
         power = torch.sqrt(real.pow(2) + imag.pow(2)).pow(2.0)
-        return self.log_mel_rows(power).transpose(1, 2)
+        return self.log_mel(power.transpose(1, 2))

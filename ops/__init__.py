@@ -8,3 +8,9 @@ def use_triton(t: torch.Tensor) -> bool:
     """A kernel's launcher runs the Triton kernel for CUDA tensors, or anywhere under TRITON_INTERPRET=1
     (the CPU tests); otherwise its torch reference."""
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; an H200's 132 elsewhere (the interpreter runs the GPU's
+    launch choices)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

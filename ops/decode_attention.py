@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops import use_triton
+from ops import sm_count, use_triton
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -299,9 +299,6 @@ def _rows_aligned(cache: torch.Tensor) -> bool:
             and all(stride % 8 == 0 for stride in cache.stride()[:3]))
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
 
 def pick_num_splits(programs: int, max_len: int, block_n: int, num_sms: int, num_warps: int = 4,
                     min_splits: int = 1) -> int:
@@ -344,7 +341,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_warps = num_warps or 4
         programs, min_splits = batch * kv_heads, 1
     if num_splits is None:
-        num_splits = pick_num_splits(programs, max_len, block_n, _num_sms(q.device), num_warps, min_splits)
+        num_splits = pick_num_splits(programs, max_len, block_n, sm_count(q.device), num_warps, min_splits)
     out = torch.empty_like(q)
     if num_splits > 1:
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ops import use_triton
+from ops import sm_count, use_triton
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def _split_k_sum_kernel(part_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_y
     offsets = rows[:, None] * N + cols[None, :]
     acc = tl.load(part_ptr + offsets, mask=out_mask, other=0.0)
     for split in range(1, SPLIT_K):
-        acc += tl.load(part_ptr + split * M * N + offsets, mask=out_mask, other=0.0)
+        acc += tl.load(part_ptr + split * M * N + offsets, mask=out_mask, other=0.0)  # < 2^31: the launcher checks
     _epilogue(acc, rows, cols, col_mask, out_mask, b_ptr, r_ptr, y_ptr, stride_rm, stride_ym,
               HAS_BIAS, GELU, HAS_RESIDUAL)
 
@@ -215,9 +215,6 @@ def pick_split_k(tiles: int, k: int, block_k: int, num_sms: int, max_splits: int
     return best
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
 
 def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
                        precision: str = "tf32x3", tiles: tuple[int, int, int, int, int] | None = None,
@@ -252,8 +249,9 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     block_m, block_n, block_k, num_warps, num_stages = tiles
     output_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if split_k is None:
-        split_k = pick_split_k(output_tiles, k, block_k, _num_sms(x.device))
+        split_k = pick_split_k(output_tiles, k, block_k, sm_count(x.device))
     assert split_k == 1 or k % (split_k * block_k) == 0, f"split_k={split_k} must cut K={k} into whole blocks"
+    assert split_k * m * n < 2 ** 31 or split_k == 1, "split-K scratch offsets are 32-bit"
     part = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # y: unread
     presplit = precision == "tf32x3w"
     if presplit:

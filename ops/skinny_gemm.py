@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ops import use_triton
+from ops import sm_count, use_triton
 from ops.rmsnorm import _round_to
 
 MAX_ROWS = 64  # rows one program holds (BLOCK_M); above it the GEMM is no longer weight-streaming-bound
@@ -103,9 +103,6 @@ def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
              mask=mask)
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
 
 def pick_split_k(n_blocks: int, k: int, block_k: int, num_sms: int) -> int:
     """K slices so that column blocks x slices give ~4 programs per SM, each slice at least 4 K blocks long
@@ -138,7 +135,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     block_m = max(16, triton.next_power_of_2(m))
     n_blocks = triton.cdiv(n, block_n)
     if split_k is None:
-        split_k = pick_split_k(n_blocks, k, block_k, _num_sms(x.device))
+        split_k = pick_split_k(n_blocks, k, block_k, sm_count(x.device))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slice
     part = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y
