@@ -190,33 +190,27 @@ def bench_fp32_linear(device, smoke, quick, sweep):
                 ms = timed(fn, smoke)
                 record("fp32_linear", case, impl, ms, nbytes, max_err(out, ref64) / scale,
                        TFLOPs=round(flops / ms / 1e9, 1))
-            if sweep or "N=32" in name:  # split-K counts, the weight split beforehand (untimed)
-                w_hi, w_lo = split_tf32(w)
-                for split_k in (1, 2, 3, 4, 6, 8):
-                    if k % (split_k * PRESPLIT_TILES[2]):
-                        continue
-                    def run():
-                        return fp32_linear_triton(x, w_hi, b, precision="tf32x3w", weight_lo=w_lo, split_k=split_k)
-                    out = run()
-                    ms = timed(run, smoke)
-                    record("fp32_linear split-K", case, f"tf32x3w presplit split_k={split_k}", ms, nbytes,
-                           max_err(out, ref64) / scale, TFLOPs=round(flops / ms / 1e9, 1))
+            variants = []  # (section, label, fp32_linear_triton keywords), the weight split beforehand (untimed)
+            if sweep or "N=32" in name:  # split-K counts
+                variants += [("fp32_linear split-K", f"tf32x3w presplit split_k={splits}", dict(split_k=splits))
+                             for splits in (1, 2, 3, 4, 6, 8) if k % (splits * PRESPLIT_TILES[2]) == 0]
             if sweep and "N=32" not in name:
-                # tf32x3w tiles, the weight split beforehand (not timed: what a pre-split weight would cost).
                 # Session 4 swept (128|64, 64|128, 32|16|64, 4|8, 2-4) and (256, 64, 32, 8, 3): (128, 128, 32, 8, 3)
                 # won; session 9 tries the larger tiles that fit in shared memory with fewer stages.
-                w_hi, w_lo = split_tf32(w)
-                for tiles in ((128, 128, 32, 8, 3), (128, 256, 32, 8, 2), (256, 128, 32, 8, 2), (128, 128, 32, 8, 4),
-                              (256, 128, 32, 8, 3), (128, 256, 16, 8, 3)):
-                    try:
-                        def run():
-                            return fp32_linear_triton(x, w_hi, b, precision="tf32x3w", tiles=tiles, weight_lo=w_lo)
-                        out = run()
-                        ms = timed(run, smoke)
-                        record("fp32_linear sweep", case, f"tf32x3w presplit tiles {tiles}", ms, nbytes,
-                               max_err(out, ref64) / scale, TFLOPs=round(flops / ms / 1e9, 1))
-                    except Exception as exc:
-                        print(f"  sweep {tiles} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                variants += [("fp32_linear sweep", f"tf32x3w presplit tiles {tiles}", dict(tiles=tiles))
+                             for tiles in ((128, 128, 32, 8, 3), (128, 256, 32, 8, 2), (256, 128, 32, 8, 2),
+                                           (128, 128, 32, 8, 4), (256, 128, 32, 8, 3), (128, 256, 16, 8, 3))]
+            w_hi, w_lo = split_tf32(w) if variants else (w, w)
+            for section, label, kw in variants:
+                try:
+                    def run():
+                        return fp32_linear_triton(x, w_hi, b, precision="tf32x3w", weight_lo=w_lo, **kw)
+                    out = run()
+                    ms = timed(run, smoke)
+                    record(section, case, label, ms, nbytes, max_err(out, ref64) / scale,
+                           TFLOPs=round(flops / ms / 1e9, 1))
+                except Exception as exc:  # a tile that does not fit is a data point too
+                    print(f"  {label} failed: {type(exc).__name__}: {str(exc)[:200]}")
         del x
 
 
