@@ -7,6 +7,10 @@
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
 #   bash scripts/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
 #   bash scripts/gpu_check.sh step            # bench_step N=1/32/128 at position 1000
+#   bash scripts/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
+#                                             # graphs and eager (~100 s warm)
+#   bash scripts/gpu_check.sh profile         # the captured step's kernels at N=32/128, then every compiled
+#                                             # Triton kernel's loads by width (scripts/ptx_loads.py)
 #   bash scripts/gpu_check.sh load [seconds] [server overrides...]
 #                                             # the load sweep (both start modes, N up to 160) and the uploads run
 #   e.g. bash scripts/gpu_check.sh load 420 engine.open_quiet_ms=0
@@ -26,6 +30,17 @@ elif [ "$PART" = step ]; then
     OUT="$OUT/step" timeout 200 python3 scripts/bench_step.py $M 'engine.capture_buckets=[1,32,128]' \
         'bench.batch_sizes=[1,32,128]' 'bench.positions=[1000]' bench.iters=10 bench.warmup=2 \
         bench.compare_eager=false hydra.run.dir=/tmp/gpu_check_step > "$OUT/step.log" 2>&1; tail -n 5 "$OUT/step.log"
+elif [ "$PART" = table ]; then
+    mkdir -p "$OUT/table"
+    OUT="$OUT/table" timeout 500 python3 scripts/bench_step.py $M 'engine.capture_buckets=[1,8,32,64,128]' \
+        'bench.batch_sizes=[1,8,32,64,128]' 'bench.positions=[100,1000,2000]' bench.iters=10 bench.warmup=2 \
+        bench.compare_eager=true hydra.run.dir=/tmp/gpu_check_table > "$OUT/table.log" 2>&1; tail -n 17 "$OUT/table.log"
+elif [ "$PART" = profile ]; then
+    export TRITON_CACHE_DIR=/tmp/gpu_check_triton_cache
+    timeout 200 python3 scripts/profile_step.py $M +profile_graphs=true 'bench.batch_sizes=[32,128]' \
+        'bench.positions=[1000]' hydra.run.dir=/tmp/gpu_check_profile > "$OUT/profile.log" 2>&1
+    python3 scripts/ptx_loads.py "$TRITON_CACHE_DIR" > "$OUT/ptx_loads.txt" 2>&1
+    grep -A12 "====" "$OUT/profile.log"; head -n 12 "$OUT/ptx_loads.txt"
 elif [ "$PART" = load ]; then
     LOAD_S=${2:-420}
     shift $(( $# >= 2 ? 2 : $# ))
@@ -41,5 +56,5 @@ elif [ "$PART" = load ]; then
     tar czf "$OUT/calls.tgz" -C /tmp/gpu_check_load calls 2>/dev/null   # every packet's arrival, per run
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
 else
-    echo "usage: bash scripts/gpu_check.sh tests | step | load [seconds] [server overrides...]" >&2; exit 2
+    echo "usage: bash scripts/gpu_check.sh tests | step | table | profile | load [seconds] [server overrides...]" >&2; exit 2
 fi
