@@ -466,7 +466,8 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
     if uploads:
         ok = [u for u in upload_records if u.error is None and u.finished is not None]
         row["uploads"] = {"started": len(upload_records), "failed": len(upload_records) - len(ok),
-                          "seconds": pct([u.finished - u.started for u in ok], (50,))}
+                          "seconds": pct([u.finished - u.started for u in ok], (50,)),
+                          "errors": sorted({u.error or "no reply" for u in upload_records if u not in ok})}
     row["timeline"] = tl
     row["records"] = records
     return row

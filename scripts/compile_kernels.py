@@ -2,7 +2,8 @@
 kernel's whole GPU build (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs here. CPU tests run the kernels
 through the interpreter, which accepts some code the GPU build rejects (and the reverse); this catches the
 build errors before a device is lent. Covered: the kernels added in session 5 and the variants they added
-to older ones, at the full model's shapes. Run without TRITON_INTERPRET (tests/test_compile_kernels.py
+to older ones, session 9's split-K GEMM and its sum, and the talker's decode attention (whose PTX must have
+16-byte loads where its rows are aligned), at the full model's shapes. Run without TRITON_INTERPRET (tests/test_compile_kernels.py
 runs it in a subprocess).
 
     python scripts/compile_kernels.py
@@ -22,10 +23,12 @@ from ops.argmin_residual import _argmin_residual_kernel  # noqa: E402
 from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
 from ops.codebook_sum import _codebook_sum_kernel  # noqa: E402
 from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
-from ops.fp32_linear import _fp32_linear_kernel  # noqa: E402
+from ops.decode_attention import _decode_attention_vector_kernel  # noqa: E402
+from ops.fp32_linear import _fp32_linear_kernel, _split_k_sum_kernel  # noqa: E402
 from ops.rmsnorm import _rms_norm_rope_kernel  # noqa: E402
 from ops.rnnt_commit import _rnnt_commit_kernel  # noqa: E402
 from ops.top_p_sample import _top_p_gumbel_argmax_kernel  # noqa: E402
+from scripts.ptx_loads import load_widths  # noqa: E402
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -33,9 +36,12 @@ target = GPUTarget("cuda", 90, 32)
 def compile_(kernel, sig, constexprs, **options):
     names = kernel.arg_names
     full = {n: sig.get(n, "i32") if n not in constexprs else "constexpr" for n in names}
-    src = ASTSource(fn=kernel, signature=full, constexprs=constexprs)
+    # every pointer 16-byte aligned, as Triton specialises a launch on torch's (aligned) allocations
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in full.items() if t.startswith("*")}
+    src = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=aligned)
     k = triton.compile(src, target=target, options=options)
     print(f"{kernel.__name__:34s} ok ({len(k.asm['ptx'])} ptx chars)", flush=True)
+    return k.asm["ptx"]
 
 
 f32, bf16 = "*fp32", "*bf16"
@@ -53,9 +59,27 @@ for c in (384, 768, 1536):
     compile_(_dwconv_layer_norm_kernel, {"x_ptr": f32, "hist_ptr": f32, "slots_ptr": "*i64", "w_ptr": f32, "b_ptr": f32,
                                          "nw_ptr": f32, "nb_ptr": f32, "y_ptr": f32, "eps": "fp32"},
              {"C": c, "KSIZE": 7, "BLOCK_L": max(1, 4096 // bc), "BLOCK_C": bc}, num_warps=4)
-compile_(_fp32_linear_kernel, {"x_ptr": f32, "w_ptr": f32, "wl_ptr": f32, "b_ptr": f32, "r_ptr": f32, "y_ptr": f32},
-         {"K": 1536, "HAS_BIAS": True, "GELU": False, "HAS_RESIDUAL": True, "PRECISION": "tf32", "PRESPLIT": True,
-          "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3)
+for split_k in (1, 3):  # session 9: split-K (partial products to scratch, then the sum kernel's epilogue)
+    compile_(_fp32_linear_kernel, {"x_ptr": f32, "w_ptr": f32, "wl_ptr": f32, "b_ptr": f32, "r_ptr": f32, "y_ptr": f32,
+                                   "part_ptr": f32},
+             {"K": 1536, "HAS_BIAS": True, "GELU": False, "HAS_RESIDUAL": True, "PRECISION": "tf32", "PRESPLIT": True,
+              "SPLIT_K": split_k, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3)
+compile_(_split_k_sum_kernel, {"part_ptr": f32, "b_ptr": f32, "r_ptr": f32, "y_ptr": f32},
+         {"SPLIT_K": 3, "HAS_BIAS": True, "GELU": True, "HAS_RESIDUAL": False, "BLOCK_M": 32, "BLOCK_N": 128},
+         num_warps=4)
+# The talker's decode attention with its rows known 16-byte aligned must load 16 bytes at a time (session 9: the
+# 72-element key stride left Triton with 2-byte loads; docs/performance.md). Strides as runtime ints, as served.
+for aligned in (False, True):
+    ptx = compile_(_decode_attention_vector_kernel,
+                   {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "out_ptr": bf16, "slots_ptr": "*i64",
+                    "seq_lens_ptr": "*i64", "part_acc_ptr": f32, "part_ml_ptr": f32, "qk_scale": "fp32"},
+                   {"NUM_HEADS": 16, "HEAD_DIM": 72, "NUM_SPLITS": 2, "HAS_WINDOW": False, "HAS_TAIL": True,
+                    "ROWS_ALIGNED": aligned, "PIPELINED": True, "BLOCK_N": 16, "BLOCK_DA": 64, "BLOCK_DB": 8},
+                   num_warps=1)
+    wide = load_widths(ptx).get(16, 0)
+    if aligned and wide < 8:
+        raise SystemExit(f"decode attention with ROWS_ALIGNED: {wide} 16-byte loads in the PTX, want >= 8")
+    print(f"  16-byte loads: {wide}", flush=True)
 for store in (False, True):
     compile_(_rms_norm_rope_kernel, {"x_ptr": bf16, "w_ptr": bf16, "cos_ptr": bf16, "sin_ptr": bf16, "out_ptr": bf16,
                                      "eps": "fp32", "offset": "fp32", "v_ptr": bf16, "v_out_ptr": bf16,

@@ -124,7 +124,10 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
                         "loadtest.stagger_s=0.5", "loadtest.lead_s=0.5", "loadtest.max_call_s=5",
                         # then the staggered run again beside uploads, on the same server
                         "loadtest.upload_runs=[2]", "loadtest.upload_s=1.2", "loadtest.upload_every_s=0.6",
-                        "loadtest.extra_calls=2",
+                        # 3 slots for uploads: one every 0.6 s, each 1.2 s of audio, so two overlap in real
+                        # time and a third when the CPU runs them slower than that (on this 2-core machine they
+                        # sometimes do, and the full server then refused the third: "failed 1")
+                        "loadtest.extra_calls=3",
                         # every caller in a process of its own: the sharded path (scripts/bench.py)
                         "loadtest.callers_per_process=1",
                         "wandb.mode=offline", f"loadtest.out={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
@@ -139,7 +142,8 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
     assert [(x["start"], x["n_calls"]) for x in result["runs"]] == [("lockstep", 2), ("staggered", 2),
                                                                      ("staggered+uploads", 2)]
     with_uploads = result["runs"][2]
-    assert with_uploads["uploads"]["started"] >= 1 and with_uploads["uploads"]["failed"] == 0
+    assert with_uploads["uploads"]["started"] >= 1 and with_uploads["uploads"]["failed"] == 0, with_uploads["uploads"]
+    assert with_uploads["uploads"]["errors"] == []
     assert with_uploads["lag_p99_vs_without_uploads"] == pytest.approx(
         with_uploads["server_lag_ms"]["p99"] / result["runs"][1]["server_lag_ms"]["p99"], rel=1e-2)
     assert set(result["sustained"]) == {"lockstep", "staggered"}   # the uploads run is not part of the sweep
@@ -151,7 +155,7 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
             assert all(run[key][q] is not None for q in ("p50", "p95", "p99", "max")), key
         assert run["drain_ms"]["p50"] is not None and run["first_packet_ms"]["p50"] is not None
         # an upload is one more row of the batch while it runs (at most loadtest.extra_calls at a time)
-        assert run["step_ms"]["mean"] > 0 and 1.0 <= run["batch"]["mean"] <= 2.0 + 2 * ("uploads" in run)
+        assert run["step_ms"]["mean"] > 0 and 1.0 <= run["batch"]["mean"] <= 2.0 + 3 * ("uploads" in run)
         # the phases are parts of the step (eager on the CPU: no padding)
         assert run["device_ms"] > 0 and run["prep_ms"] > 0 and run["dispatch_ms"] >= 0 and run["gather_ms"] >= 0
         assert run["prep_ms"] + run["device_ms"] + run["dispatch_ms"] <= run["step_ms"]["mean"] * 1.05 + 1
