@@ -3,8 +3,8 @@ kernel's whole GPU build (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs here. CPU 
 through the interpreter, which accepts some code the GPU build rejects (and the reverse); this catches the
 build errors before a device is lent. Covered: the kernels added in session 5 and the variants they added
 to older ones, session 9's split-K GEMM and its sum, and the talker's decode attention (whose PTX must have
-16-byte loads where its rows are aligned), at the full model's shapes. Run without TRITON_INTERPRET (tests/test_compile_kernels.py
-runs it in a subprocess).
+16-byte loads where its rows are aligned), at the full model's shapes. Run without TRITON_INTERPRET
+(tests/test_compile_kernels.py runs it in a subprocess).
 
     python scripts/compile_kernels.py
 """
