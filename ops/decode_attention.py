@@ -299,7 +299,6 @@ def _rows_aligned(cache: torch.Tensor) -> bool:
             and all(stride % 8 == 0 for stride in cache.stride()[:3]))
 
 
-
 def pick_num_splits(programs: int, max_len: int, block_n: int, num_sms: int, num_warps: int = 4,
                     min_splits: int = 1) -> int:
     """Splits per row so that programs x splits put about 8 warps per SM (2 programs of 4 warps, 8 of one),

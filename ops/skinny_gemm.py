@@ -103,7 +103,6 @@ def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
              mask=mask)
 
 
-
 def pick_split_k(n_blocks: int, k: int, block_k: int, num_sms: int) -> int:
     """K slices so that column blocks x slices give ~4 programs per SM, each slice at least 4 K blocks long
     (shorter slices spend more on the partial sums than they gain)."""

@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
 #   bash scripts/gpu_check.sh step            # bench_step N=1/32/128 at position 1000
 #   bash scripts/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
-#                                             # graphs and eager (~100 s warm)
+#                                             # graphs and eager (its command: 99 s, session 9)
 #   bash scripts/gpu_check.sh profile         # the captured step's kernels at N=32/128, then every compiled
 #                                             # Triton kernel's loads by width (scripts/ptx_loads.py)
 #   bash scripts/gpu_check.sh load [seconds] [server overrides...]
