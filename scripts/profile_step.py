@@ -90,7 +90,8 @@ def main(cfg: DictConfig) -> None:
         forced = torch.full((n,), -1, dtype=torch.int64, device=device)
         if on_graphs:
             runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
-                                side_stream=cfg.engine.side_stream)
+                                side_stream=cfg.engine.side_stream,
+                                talker_halves_from=cfg.engine.talker_halves_from)
             runner.capture()
             step = lambda: runner(slots, audio, forced)  # noqa: E731
         else:

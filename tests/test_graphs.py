@@ -195,6 +195,93 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("n_calls", [6, 7])
+def test_talker_halves_match_the_whole_batch(tiny, n_calls):
+    """frame_step's `talker_halves` (the talker and codec as two halves of the rows, speak_in_halves) on
+    the CPU, where the halves run one after the other: 6 calls (3 + 3) and 7 (3 + 4), fp32, 6 frames from
+    twin states. The LLM's outputs are the same computation (bit for bit); the codes equal; the PCM and
+    every real slot's state within 1e-5 relative (a GEMM of 3 rows may round differently from one of 6).
+    The sink row is included as a padding row, so each half's state writes stay on its own rows."""
+    model = tiny[0]
+    states = [_admitted_state(model, n_calls, 10) for _ in range(2)]
+    specials = special_ids(model, torch.device("cpu"))
+    slots = torch.cat([torch.arange(n_calls - 1), torch.tensor([states[0].sink])])  # one padding row
+    forced = torch.full((n_calls,), -1)
+    g = torch.Generator().manual_seed(7)
+    for t in range(6):
+        chunk = torch.randn(n_calls, 1280, generator=g) * 0.1
+        whole, halves = [frame_step(model, st, slots, chunk, forced, specials, talker_halves=h)
+                         for st, h in zip(states, (False, True))]
+        real = slice(0, n_calls - 1)
+        for name in ("text", "func", "top2", "user", "enc"):
+            assert torch.equal(getattr(whole, name)[real], getattr(halves, name)[real]), (t, name)
+        assert torch.equal(whole.codes[real], halves.codes[real]), t
+        assert _rel(halves.pcm[real], whole.pcm[real]) < 1e-5, t
+        assert whole.pcm.abs().max() > 1e-3  # the codec produced a signal, not silence
+    real = torch.arange(n_calls - 1)
+    expected = dict(state_tensors(states[0]))
+    compared = 0
+    for name, v in state_tensors(states[1]):
+        for d in [d for d, size in enumerate(v.shape) if size == n_calls + 1]:
+            a, b = v.index_select(d, real), expected[name].index_select(d, real)
+            if a.is_floating_point():
+                assert _rel(a, b) < 1e-5, name
+            else:
+                assert torch.equal(a, b), name
+            compared += 1
+    assert compared >= 10
+
+
+@torch.no_grad()
+@pytest.mark.gpu
+def test_talker_halves_on_their_stream_match_eager_bit_for_bit():
+    """`engine.talker_halves_from` on the GPU: full size, bf16, 12 calls in a bucket of 16, the halves'
+    second half on its own stream, captured: every output and, at the end, every real slot's state
+    identical to the same halves run eagerly one after the other on one stream (a twin state), over 20
+    captured and 3 eager frames; and the halves' codes agree with the whole batch's on >= 99% of codes
+    (other GEMM shapes in bf16 may flip a near tie)."""
+    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.config import ModelConfig
+
+    cfg = ModelConfig()
+    cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
+    dev = torch.device("cuda")
+    model, _, _ = random_model(cfg, dev, seed=0)
+    model.cast_for_inference().eval()
+    n_calls, frames = 12, 20
+    states = [_admitted_state(model, n_calls, frames + 8, dev) for _ in range(3)]
+    specials = special_ids(model, dev)
+    halves = StepRunner(model, states[0], specials, [16], graphs=True, backend="cudagraph-eager",
+                        talker_halves_from=16)
+    assert halves.half_stream is not None
+    halves.capture()
+    slots = torch.arange(n_calls)
+    forced = torch.full((n_calls,), -1)
+    g = torch.Generator().manual_seed(11)
+    same_codes = total_codes = 0
+    for t in range(frames + 3):
+        chunk = torch.randn(n_calls, 1280, generator=g) * 0.1
+        s, a, f = halves._padded_inputs(16, slots, chunk, forced)
+        s, a, f = s.to(dev), a.to(dev), f.to(dev)
+        if t < frames:
+            out = halves(slots, chunk, forced)
+        else:
+            out = frame_step(model, states[0], s, a, f, specials, side_stream=halves.side_stream,
+                             talker_halves=True, half_stream=halves.half_stream)
+        ref = frame_step(model, states[1], s, a, f, specials, talker_halves=True)
+        whole = frame_step(model, states[2], s, a, f, specials)
+        for name in ("text", "func", "top2", "codes", "pcm", "user", "enc"):
+            assert torch.equal(getattr(out, name)[:n_calls], getattr(ref, name)[:n_calls]), (t, name)
+        same_codes += int((whole.codes[:n_calls] == ref.codes[:n_calls]).sum())
+        total_codes += whole.codes[:n_calls].numel()
+        _restore(states[2], _snapshot(states[1]))  # teacher-forced: the whole batch continues from the halves
+    _assert_real_slots_equal(state_tensors(states[0]), dict(state_tensors(states[1])), n_calls, dev)
+    assert same_codes >= 0.99 * total_codes, (same_codes, total_codes)
+    print(f"talker halves: bit for bit over {frames} captured + 3 eager frames; "
+          f"{same_codes}/{total_codes} codes as the whole batch's")
+
+
+@torch.no_grad()
 @pytest.mark.gpu
 def test_buckets_sharing_one_graph_pool_match_eager(tiny):
     """Every bucket's graph is captured into one memory pool (graphs/capture.py), so a replay may
