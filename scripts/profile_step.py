@@ -65,7 +65,7 @@ def print_graph_profile(prof, n: int, pos: int) -> None:
     for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"{k:>20}: {t:8.2f} ms  {count[k] / STEPS:6.0f} kernels")
     print("busiest kernels (ms per step):")
-    for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:30]:
+    for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:45]:
         print(f"{t:8.3f}  {name[:150]}")
 
 
@@ -89,11 +89,13 @@ def main(cfg: DictConfig) -> None:
         audio = torch.randn(n, mcfg.samples_per_frame_in, device=device) * 0.1
         forced = torch.full((n,), -1, dtype=torch.int64, device=device)
         if on_graphs:
+            # +profile_greedy=true: the greedy-only graph (engine.greedy_graphs), what bench_step times
+            greedy = bool(cfg.get("profile_greedy", False))
             runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
-                                side_stream=cfg.engine.side_stream,
+                                side_stream=cfg.engine.side_stream, greedy_graphs=greedy,
                                 talker_halves_from=cfg.engine.talker_halves_from)
             runner.capture()
-            step = lambda: runner(slots, audio, forced)  # noqa: E731
+            step = lambda: runner(slots, audio, forced, sampling=not greedy)  # noqa: E731
         else:
             step = lambda: frame_step(model, st, slots, audio, forced, specials)  # noqa: E731
         with torch.no_grad():
