@@ -64,7 +64,7 @@ class StepRunner:
 
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
-                 side_stream: bool = True, talker_halves_from: int = 0):
+                 side_stream: bool = True):
         self.model, self.state, self.specials = model, state, specials
         # greedy_graphs: every bucket also gets a variant for batches of greedy calls only (frame_step's
         # sampling=False: no sort over the vocabulary), at twice the captures; the general one serves all
@@ -91,11 +91,6 @@ class StepRunner:
         hand_run = not self.graphs or backend.startswith("cudagraph")
         self.side_stream = (torch.cuda.Stream(self.device) if side_stream and hand_run and self.device.type == "cuda"
                             else None)
-        # batches of at least this many rows run the talker and codec as two overlapped halves
-        # (frame_step.speak_in_halves), the second half on a stream of its own; 0 = never
-        self.talker_halves_from = int(talker_halves_from)
-        self.half_stream = (torch.cuda.Stream(self.device) if self.talker_halves_from and hand_run
-                            and self.device.type == "cuda" else None)
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if self.graphs and backend == "cudagraph-eager":
@@ -117,9 +112,8 @@ class StepRunner:
         return self._step(slots, audio, forced, sampling)
 
     def _step(self, slots, audio, forced, sampling: bool) -> StepOutput:
-        halves = 0 < self.talker_halves_from <= slots.shape[0]
         return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling,
-                          side_stream=self.side_stream, talker_halves=halves, half_stream=self.half_stream)
+                          side_stream=self.side_stream)
 
     def padded_rows(self, n: int) -> int:
         """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager."""

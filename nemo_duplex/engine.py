@@ -85,10 +85,6 @@ class EngineConfig:
     # Run the step's off-critical-path work (the RNN-T, the text's bookkeeping) on a second CUDA stream,
     # a parallel branch of each captured graph (frame_step.branch); false = one stream, the plain order.
     side_stream: bool = True
-    # Batches of at least this many rows (their capture bucket) run the talker and codec as two halves,
-    # the second on a third stream, so one half's compute-bound codec overlaps the other's memory-bound
-    # talker (frame_step.speak_in_halves); 0 = never.
-    talker_halves_from: int = 0
     idle_wait_s: float = 0.005
     # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
     # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
@@ -270,8 +266,7 @@ class Engine:
         self.step_runner = StepRunner(model, self.state, self.specials,
                                       buckets_for(self.cfg.capture_buckets, self.cfg.max_calls),
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend,
-                                      greedy_graphs=self.cfg.greedy_graphs, side_stream=self.cfg.side_stream,
-                                      talker_halves_from=self.cfg.talker_halves_from)
+                                      greedy_graphs=self.cfg.greedy_graphs, side_stream=self.cfg.side_stream)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)

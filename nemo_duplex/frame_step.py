@@ -57,50 +57,15 @@ def join(side_stream: torch.cuda.Stream | None) -> None:
         torch.cuda.current_stream().wait_stream(side_stream)
 
 
-def speak(model, st: CallState, text: torch.Tensor, prev_codes: torch.Tensor, slots: torch.Tensor,
-          positions: torch.Tensor, uniform: torch.Tensor, normal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The talker's 31 codes for this frame and the codec's 1764 samples of them, rows `slots`."""
-    with record_function("talker"):
-        codes = model.talker.step(text, prev_codes, st.talker, slots, positions, uniform, normal, model.silence_codes)
-    with record_function("codec"):
-        return codes, model.codec.decode_step(codes, st.codec, slots)
-
-
-def speak_in_halves(model, st: CallState, args: tuple[torch.Tensor, ...],
-                    half_stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`speak` for the first half of the rows, then the second half on `half_stream` while the first
-    half's codec runs on the current stream. Why: at large batches the codec is compute-bound (3xTF32
-    GEMMs) and the talker memory-bound (its KV cache), so one half's codec can overlap the other half's
-    talker; in one chain each waits for the other. The price is the talker's weights read twice. Every
-    row's arithmetic is the same as in `speak` at the half's batch size (rows never mix), and each half
-    touches only its own rows' state (padding rows share the sink, whose state is never read for a call).
-    None: the halves run one after the other on the current stream (the CPU; the same results)."""
-    half = args[0].shape[0] // 2
-    first, second = [a[:half] for a in args], [a[half:] for a in args]
-    text, prev_codes, slots, positions, uniform, normal = first
-    with record_function("talker"):
-        codes_a = model.talker.step(text, prev_codes, st.talker, slots, positions, uniform, normal,
-                                    model.silence_codes)
-    with branch(half_stream):  # after the first half's talker: its KV writes are queued before
-        codes_b, pcm_b = speak(model, st, *second)
-    with record_function("codec"):
-        pcm_a = model.codec.decode_step(codes_a, st.codec, slots)
-    join(half_stream)
-    return torch.cat([codes_a, codes_b]), torch.cat([pcm_a, pcm_b])
-
-
 def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, forced_func: torch.Tensor,
                special_ids: torch.Tensor, sampling: bool = True,
-               side_stream: torch.cuda.Stream | None = None, talker_halves: bool = False,
-               half_stream: torch.cuda.Stream | None = None) -> StepOutput:
+               side_stream: torch.cuda.Stream | None = None) -> StepOutput:
     """slots [B] int64, audio [B, 1280] float32, forced_func [B] int64 (-1 = use the head; else the
     tool-result token to force, with the text channel forced to PAD, spec 3.9). `sampling=False` when the
     caller knows every row is greedy: the text token is then the argmax, which is what `sample_text`
     returns for greedy rows, without its sort and cumulative sums over the vocabulary. `side_stream`
     (CUDA): the work off the step's critical path (the RNN-T; the text's bookkeeping) runs there, beside
-    the rest (`branch`); the results are the same bit for bit, only the kernels' order changes.
-    `talker_halves`: the talker and codec run as two halves of the rows, overlapped on `half_stream`
-    (`speak_in_halves`)."""
+    the rest (`branch`); the results are the same bit for bit, only the kernels' order changes."""
     cfg = model.cfg
     pad = cfg.tokens.pad_id
     # Padding rows all point at the sink: it must never advance, or after max_frames padded steps its
@@ -144,12 +109,10 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
         u, z = rng.talker_draws(st.seed[slots], frame, model.talker.num_passes, cfg.talker.mog.num_predictions,
                                 cfg.talker.latent_size)
         positions = st.talker_pos[slots]
-    args = (text, st.prev_codes[slots], slots, positions, u, z)
-    if talker_halves and slots.shape[0] > 1:
-        codes, pcm = speak_in_halves(model, st, args, half_stream)
-    else:
-        codes, pcm = speak(model, st, *args)
-    st.talker_pos.index_copy_(0, slots, positions + advance)
+        codes = model.talker.step(text, st.prev_codes[slots], st.talker, slots, positions, u, z, model.silence_codes)
+        st.talker_pos.index_copy_(0, slots, positions + advance)
+    with record_function("codec"):
+        pcm = model.codec.decode_step(codes, st.codec, slots)
 
     st.prev_codes.index_copy_(0, slots, codes)
     st.frame.index_copy_(0, slots, frame + advance)

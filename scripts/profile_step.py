@@ -92,8 +92,7 @@ def main(cfg: DictConfig) -> None:
             # +profile_greedy=true: the greedy-only graph (engine.greedy_graphs), what bench_step times
             greedy = bool(cfg.get("profile_greedy", False))
             runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
-                                side_stream=cfg.engine.side_stream, greedy_graphs=greedy,
-                                talker_halves_from=cfg.engine.talker_halves_from)
+                                side_stream=cfg.engine.side_stream, greedy_graphs=greedy)
             runner.capture()
             step = lambda: runner(slots, audio, forced, sampling=not greedy)  # noqa: E731
         else:
