@@ -14,8 +14,8 @@ and `torch.backends.cudnn.conv.fp32_precision` to "ieee" before compiling. The p
 goes through `ops.dft` (IEEE fp32 whatever the flags). The decoder's pointwise and transposed convs are
 GEMMs (`linear`, CodecConfig.gemm / `codec.gemm`): "ieee" fp32; "tf32x3", three TF32 tensor-core
 products per fp32 product, as accurate as fp32 (ops/fp32_linear.py; "tf32x3w": the weight split
-beforehand); "bf16x3", three bf16 products, ~1e-5 relative; "auto" (default): tf32x3w on CUDA, ieee
-elsewhere. Plain TF32 or bf16 never.
+beforehand, for decode_step's GEMMs once at load: RVQCodec.presplit_weights); "bf16x3", three bf16
+products, ~1e-5 relative; "auto" (default): tf32x3w on CUDA, ieee elsewhere. Plain TF32 or bf16 never.
 
 Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
 each causal ConvNeXt keeps its last 6 input frames; the overlap-add keeps the 12 samples (and their
@@ -31,16 +31,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ops import use_triton
 from ops.codebook_sum import codebook_sum
 from ops.dft import irdft
 from ops.dwconv_layernorm import dwconv_layer_norm
-from ops.fp32_linear import fp32_linear
+from ops.fp32_linear import fp32_linear, split_tf32
 
 from .config import CodecConfig
 
@@ -80,25 +82,64 @@ GEMMS = ("auto", "ieee", "tf32x3", "tf32x3w", "bf16x3")
 SPLIT_GEMM_MIN_ROWS = 64
 
 
+def resolve_gemm(gemm: str, device: torch.device) -> str:
+    """"auto" -> 3xTF32 with the weight split first where there are tensor cores (docs/performance.md),
+    IEEE fp32 elsewhere; any other choice as it is."""
+    if gemm == "auto":
+        return "tf32x3w" if torch.device(device).type == "cuda" else "ieee"
+    return gemm
+
+
+def gemm_path(gemm: str, x: torch.Tensor) -> str:
+    """The GEMM `linear` runs for x [..., K]: `resolve_gemm`, then "ieee" for the split GEMMs below
+    SPLIT_GEMM_MIN_ROWS rows."""
+    gemm = resolve_gemm(gemm, x.device)
+    if gemm in ("tf32x3", "tf32x3w", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
+        return "ieee"
+    return gemm
+
+
+def takes_split(gemm: str, x: torch.Tensor) -> bool:
+    """Whether `linear` of x multiplies by a pre-split weight (its `split`) where one is given: only the
+    Triton tf32x3w kernel does; every other path reads the weight itself."""
+    return gemm_path(gemm, x) == "tf32x3w" and use_triton(x)
+
+
+def presplit_used(gemm: str, device: torch.device) -> bool:
+    """Whether decode_step's GEMMs on `device` can take pre-split weights, so RVQCodec.presplit_weights
+    builds them: `gemm` resolves to "tf32x3w" there and the Triton kernel runs there (CUDA, or the CPU
+    under TRITON_INTERPRET=1: the tests). Elsewhere nothing would read them. Every GEMM gets its split:
+    whether its rows reach SPLIT_GEMM_MIN_ROWS depends on the batch bucket. memory.derived_table_bytes
+    counts them under the same condition."""
+    device = torch.device(device)
+    triton_there = device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return resolve_gemm(gemm, device) == "tf32x3w" and triton_there
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str,
-           gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+           gelu: bool = False, residual: torch.Tensor | None = None,
+           split: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias [N]), then exact GELU if `gelu`, then + `residual` [..., N];
     fp32 in and out. The split GEMMs add the bias, GELU and residual in their epilogue.
 
     "ieee": an fp32 GEMM with IEEE products (under exact_fp32: cuBLAS SGEMM, no tensor cores).
     "tf32x3": ops/fp32_linear.py, three TF32 tensor-core products per fp32 product (hi/lo split in
       registers), as accurate as "ieee" (~1e-7 relative); bias and GELU fused. Plain TF32 is never used.
-    "tf32x3w": the same products with the weight split first (one kernel, split_tf32), so the GEMM
-      kernel splits only x: as accurate, ~20% faster at the decoder's shapes (docs/performance.md).
+    "tf32x3w": the same products with the weight split beforehand, so the GEMM kernel splits only x: as
+      accurate, ~20% faster at the decoder's shapes (docs/performance.md). `split` = (w_hi, w_lo) =
+      split_tf32(weight), e.g. a [2, N, K] tensor, is that split made once (RVQCodec.presplit_weights
+      keeps decode_step's); without it one split_tf32 kernel splits the weight on every call. `split` is
+      read only where this path runs the Triton kernel (`takes_split`): every other path, the "ieee"
+      fallback below SPLIT_GEMM_MIN_ROWS included, reads `weight`.
     "bf16x3": every fp32 value v is split v = hi + lo with hi = bf16(v), lo = bf16(v - hi) (16 of fp32's 24
       mantissa bits), and x w ~ x_hi w_hi + x_lo w_hi + x_hi w_lo (x_lo w_lo dropped): ONE cuBLAS bf16 GEMM
       over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.
       ~1e-5 relative per product (bf16 alone: ~4e-3); tests/test_codec.py states the bounds. Off CUDA the
       same products run as an fp32 matmul of the bf16 parts (exact products, fp32 sums)."""
-    if gemm == "auto":  # 3xTF32, weight split first, where there are tensor cores (docs/performance.md)
-        gemm = "tf32x3w" if x.is_cuda else "ieee"
-    if gemm in ("tf32x3", "tf32x3w", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
-        gemm = "ieee"
+    if split is not None and takes_split(gemm, x):
+        w_hi, w_lo = split
+        return fp32_linear(x, w_hi, bias, gelu, presplit=True, residual=residual, weight_lo=w_lo)
+    gemm = gemm_path(gemm, x)
     if gemm in ("tf32x3", "tf32x3w"):
         return fp32_linear(x, weight, bias, gelu, presplit=gemm == "tf32x3w", residual=residual)
     if gemm == "ieee":
@@ -150,14 +191,27 @@ def upsample(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
     return y.view(batch, length, c_out, k).permute(0, 2, 1, 3).reshape(batch, c_out, length * k)
 
 
-def upsample_channels_last(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
+def channels_last_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A ConvTranspose1d weight [C_in, C_out, k] as `upsample_channels_last` multiplies by it, [k C_out,
+    C_in]: row j C_out + o is tap j of output channel o (a copy)."""
+    c_in, c_out, k = weight.shape
+    return weight.permute(2, 1, 0).reshape(k * c_out, c_in)
+
+
+def upsample_channels_last(x: torch.Tensor, weight: torch.Tensor, gemm: str,
+                           split: torch.Tensor | None = None) -> torch.Tensor:
     """`upsample` channels-last: x [B, L, C_in] -> [B, L k, C_out]. The weight's rows are ordered (tap j,
     output channel o), so the GEMM's output [B, L, k C_out] already is [B, L k, C_out] in memory (no
-    permute of the activations; the weight reorder is one copy of a few MB)."""
+    permute of the activations). `split`: split_tf32(channels_last_weight(weight)), [2, k C_out, C_in],
+    built once (RVQCodec.presplit_weights); where the GEMM takes it (`takes_split`) neither the reorder
+    nor the split runs per call, elsewhere the weight is reordered here (one copy of a few MB)."""
     batch, length, c_in = x.shape
     c_out, k = weight.shape[1], weight.shape[2]
-    w = weight.permute(2, 1, 0).reshape(k * c_out, c_in)  # row j C_out + o: tap j of output channel o
-    return linear(x, w, None, gemm).view(batch, length * k, c_out)
+    if split is not None and takes_split(gemm, x):
+        y = fp32_linear(x, split[0], None, presplit=True, weight_lo=split[1])
+    else:
+        y = linear(x, channels_last_weight(weight), None, gemm)
+    return y.view(batch, length * k, c_out)
 
 
 def replace_control_codes(codes: torch.Tensor, silence_codes: torch.Tensor, codebook_size: int) -> torch.Tensor:
@@ -188,6 +242,10 @@ class ConvNeXtBlock(nn.Module):
         self.norm = nn.LayerNorm(channels, eps=1e-6)
         self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
+        # split_tf32 of pwconv1/pwconv2's weight, [2, N, K], for `step` (decoder blocks only): derived, so
+        # not in the state_dict; empty unless RVQCodec.presplit_weights built them.
+        self.register_buffer("pwconv1_split", torch.empty(0), persistent=False)
+        self.register_buffer("pwconv2_split", torch.empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
         """x [B, C, L] from the start of the signal: zeros before it (the causal pad)."""
@@ -207,7 +265,8 @@ class ConvNeXtBlock(nn.Module):
         """Streaming, channels-last: x [B, L, C] new frames, history [S, k-1, C] the last k-1 input frames of
         each slot (rows `slots` precede x, then are moved on in place) -> [B, L, C]. The conv and the
         LayerNorm are one kernel reading the history where it is (ops/dwconv_layernorm.py); the skip is
-        added in the second GEMM's epilogue. Same sums as `forward_padded` up to their order."""
+        added in the second GEMM's epilogue. Same sums as `forward_padded` up to their order. The k=1
+        convs take their weights' pre-split halves where built (RVQCodec.presplit_weights)."""
         y = dwconv_layer_norm(x, history, slots, self.dwconv.weight, self.dwconv.bias, self.norm.weight,
                               self.norm.bias, self.norm.eps)
         # after the read above: the last k-1 input frames (fewer new frames than that: some old ones stay)
@@ -215,8 +274,10 @@ class ConvNeXtBlock(nn.Module):
             history.index_copy_(0, slots, x[:, x.shape[1] - self.history:])
         else:
             history.index_copy_(0, slots, torch.cat([history.index_select(0, slots), x], 1)[:, -self.history:])
-        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True)
-        return linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm, residual=x)
+        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True,
+                   split=_built(self.pwconv1_split))
+        return linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm, residual=x,
+                      split=_built(self.pwconv2_split))
 
     def init_weights(self, generator: torch.Generator) -> None:
         channels, kernel = self.dwconv.weight.shape[0], self.dwconv.weight.shape[-1]
@@ -229,6 +290,19 @@ class ConvNeXtBlock(nn.Module):
         # Small residual branch: nine blocks in a row must not blow the activations up.
         _normal_(self.pwconv2.weight, generator, 0.5 * (4 * channels) ** -0.5)
         _normal_(self.pwconv2.bias, generator, 0.05)
+
+
+def _built(table: torch.Tensor) -> torch.Tensor | None:
+    """A derived buffer, or None while it is empty (not built)."""
+    return table if table.numel() else None
+
+
+def gemm_weight(layer: nn.Module) -> torch.Tensor:
+    """A decoder GEMM layer's weight [N, K] in the row order `Latent2Wav.step` multiplies by: a k=1
+    Conv1d's [N, K, 1] as a view, a ConvTranspose1d's reordered channels-last (a copy)."""
+    if isinstance(layer, nn.ConvTranspose1d):
+        return channels_last_weight(layer.weight)
+    return layer.weight[:, :, 0]
 
 
 def _init_conv(conv: nn.Module, generator: torch.Generator) -> None:
@@ -346,6 +420,11 @@ class Latent2Wav(nn.Module):
             width_in = width
         layers.append(nn.Conv1d(width_in, cfg.n_fft + 2, 1, bias=False))
         self.layers = nn.ModuleList(layers)
+        # split_{i}: split_tf32(gemm_weight(layers[i])), [2, N, K], for the upsampling layers and the final
+        # conv in `step` (the ConvNeXt blocks hold their own); empty unless RVQCodec.presplit_weights built them.
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, ConvNeXtBlock):
+                self.register_buffer(f"split_{i}", torch.empty(0), persistent=False)
 
     def forward(self, latent: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
         """latent [B, latent, T] -> iSTFT head input [B, n_fft + 2, 441 T]. `gemm`: see `linear`."""
@@ -365,22 +444,34 @@ class Latent2Wav(nn.Module):
     def convnext_blocks(self) -> list[ConvNeXtBlock]:
         return [layer for layer in self.layers if isinstance(layer, ConvNeXtBlock)]
 
+    def step_gemms(self) -> list[tuple[nn.Module, str, nn.Module]]:
+        """(holder, buffer name, layer) for every GEMM of `step`, in order: the buffer of `holder` that keeps
+        the split of gemm_weight(layer) (RVQCodec.presplit_weights)."""
+        gemms: list[tuple[nn.Module, str, nn.Module]] = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, ConvNeXtBlock):
+                gemms += [(layer, "pwconv1_split", layer.pwconv1), (layer, "pwconv2_split", layer.pwconv2)]
+            else:
+                gemms.append((self, f"split_{i}", layer))
+        return gemms
+
     def step(self, latent: torch.Tensor, history: list[torch.Tensor], slots: torch.Tensor,
              gemm: str = "ieee") -> torch.Tensor:
         """One code frame per row, channels-last throughout (every GEMM's rows are frames, so no transpose
         between layers): latent [B, 1, latent] -> head input [B, 441, n_fft + 2]. history[i] [S, k-1, C_i]
         holds the last k-1 input frames of ConvNeXt block i per slot; rows `slots` are read and then
-        overwritten in place. `forward` (channels-first, one-shot) is the reference it is tested against."""
+        overwritten in place. `forward` (channels-first, one-shot) is the reference it is tested against.
+        The GEMMs take the pre-split weights where built (RVQCodec.presplit_weights)."""
         x = latent
         block = 0
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if isinstance(layer, ConvNeXtBlock):
                 x = layer.step(x, history[block], slots, gemm)
                 block += 1
             elif isinstance(layer, nn.ConvTranspose1d):
-                x = upsample_channels_last(x, layer.weight, gemm)
+                x = upsample_channels_last(x, layer.weight, gemm, split=_built(getattr(self, f"split_{i}")))
             else:
-                x = linear(x, layer.weight[:, :, 0], None, gemm)
+                x = linear(x, layer.weight[:, :, 0], None, gemm, split=_built(getattr(self, f"split_{i}")))
         return x
 
     def init_weights(self, generator: torch.Generator) -> None:
@@ -473,11 +564,14 @@ class RVQCodec(nn.Module):
         if cfg.gemm not in GEMMS:
             raise ValueError(f"codec gemm must be one of {GEMMS}; got {cfg.gemm!r}")
         self.cfg = cfg
-        # The decoder's GEMM numerics (`linear`); a plain attribute so a caller can switch it.
+        # The decoder's GEMM numerics (`linear`); a plain attribute so a caller can switch it (the pre-split
+        # weights are read only where the GEMM runs tf32x3w, so a switch never reads them wrongly).
         self.gemm = cfg.gemm
         self.encoder = Wav2Latent(cfg)
         self.decoder = Latent2Wav(cfg)
         self.prvq = ResidualVQ(cfg)
+        self.keep_presplit = False  # presplit_weights was called: keep them built and current
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module.weights_loaded())
 
     @property
     def samples_per_frame(self) -> int:  # 1764
@@ -602,3 +696,55 @@ class RVQCodec(nn.Module):
         self.encoder.init_weights(generator)
         self.decoder.init_weights(generator)
         self.prvq.init_weights(generator)
+        self.weights_loaded()
+
+    @torch.no_grad()
+    def presplit_weights(self) -> None:
+        """Split every decoder GEMM weight of decode_step (ConvNeXt pwconv1/pwconv2, the upsampling layers
+        in their channels-last row order, the final k=1 conv) into its TF32 halves once, split_tf32 ->
+        [2, N, K] buffers (Latent2Wav.step_gemms), so the tf32x3w GEMMs take them as they are: without
+        them every step runs split_tf32 over the ~92 M weights (0.26 ms in an H200 profile) and copies the
+        upsampling weights into their row order. With them the step took 0.38 / 0.36 / 0.47 / 0.44 ms less
+        at 8 / 32 / 64 / 128 calls on the H200, bit for bit the same output (scripts/bench_ops.py --only
+        codec, "tf32x3w split once"; 0.02 ms at 1 call, whose stage-1 and -2 GEMMs run IEEE). 2 x 4 bytes
+        per weight: 700 MiB at full size, counted by memory.derived_table_bytes. Built only where
+        decode_step reads them (`presplit_used`: tf32x3w on CUDA, or on the CPU under TRITON_INTERPRET=1)
+        and kept current from then on: re-split in place when weights are loaded (`weights_loaded`:
+        load_state_dict, checkpoint.load_state, init_weights), rebuilt from the new weights after a cast
+        or move, or dropped where no longer read (`_apply`). VoiceChat.cast_for_inference calls it.
+        Weights written in place any other way need `weights_loaded`."""
+        self.keep_presplit = True
+        self._build_presplit()
+
+    def weights_loaded(self) -> None:
+        """The weights were overwritten in place: the splits are re-made, into the same memory where the
+        shapes allow (a captured graph keeps reading them)."""
+        if self.keep_presplit:
+            self._build_presplit()
+
+    @torch.no_grad()
+    def _build_presplit(self) -> None:
+        """Split where `presplit_used` (into the tables already there when they fit: a captured graph keeps
+        its pointers), else drop."""
+        device = self.decoder.layers[-1].weight.device
+        build = presplit_used(self.gemm, device) and all(
+            layer.weight.dtype == torch.float32 for _, _, layer in self.decoder.step_gemms())
+        for holder, name, layer in self.decoder.step_gemms():
+            if not build:
+                setattr(holder, name, torch.empty(0, device=device))
+                continue
+            weight = gemm_weight(layer)
+            table = getattr(holder, name)
+            if table.shape != (2, *weight.shape) or table.device != weight.device:
+                table = torch.empty(2, *weight.shape, device=weight.device, dtype=torch.float32)
+            split_tf32(weight, out=table)
+            setattr(holder, name, table)
+
+    def _apply(self, fn, *args, **kwargs):
+        if self.keep_presplit:  # not moved or cast: made again from the moved or cast weights below
+            for holder, name, layer in self.decoder.step_gemms():
+                setattr(holder, name, torch.empty(0, device=layer.weight.device))
+        out = super()._apply(fn, *args, **kwargs)
+        if self.keep_presplit:
+            self._build_presplit()
+        return out

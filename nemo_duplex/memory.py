@@ -105,8 +105,9 @@ def prefix_cache_bytes(cfg: ModelConfig, entries: int, max_prompt_tokens: int = 
     return entries * (llm_only.mamba_ssm + llm_only.mamba_conv + llm_only.llm_kv + talker_warmup)
 
 
-def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1) -> int:
-    """Parameters and buffers of the model cast to its inference dtypes, counted on the meta device.
+def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1, device: str | torch.device = "cuda") -> int:
+    """Parameters and buffers of the model cast to its inference dtypes, counted on the meta device, plus
+    the tables derived from them on `device` (where the model is served: `derived_table_bytes`).
     The talker's char table (spec 4.2.2) is [vocab, longest token in characters] int64 once the tokenizer
     is set; without the tokenizer pass its longest token (tens of MiB at full size: the reserve covers it)."""
     from .model import VoiceChat
@@ -116,19 +117,40 @@ def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1) -> int:
         model.perception.prepare_stream()  # the streaming encoder's per-layer tables (relative positions, stacked q/k/v)
         model.codec.prvq.stacked()  # the codec's stacked codebooks (ops/codebook_sum.py)
     built = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return (built + derived_table_bytes(cfg)
+    return (built + derived_table_bytes(cfg, device)
             + cfg.llm.vocab_size * (max_token_chars - model.talker.embed_subword.char_ids.shape[1]) * INT64)
 
 
-def derived_table_bytes(cfg: ModelConfig) -> int:
-    """The talker's tables derived from its weights (EarTTS.build_tables, not built on meta): a text row
-    per token id and the padded code table in the talker's dtype, the codebooks and their norms in fp32."""
+def derived_table_bytes(cfg: ModelConfig, device: str | torch.device = "cuda") -> int:
+    """Tables derived from the weights by VoiceChat.cast_for_inference (not built on meta), exact for a
+    model it made ready on `device` (runtime.load):
+    - the talker's (EarTTS.build_tables): a text row per token id and the padded code table in the
+      talker's dtype, the codebooks and their norms in fp32;
+    - the codec's pre-split decoder GEMM weights (RVQCodec.presplit_weights), where they are built:
+      codec.presplit_used(cfg.codec.gemm, device), i.e. gemm "auto" or "tf32x3w" on CUDA, "tf32x3w" on the
+      CPU under TRITON_INTERPRET=1, nothing elsewhere (`codec_presplit_bytes`)."""
+    from .codec import presplit_used
+
     t = cfg.talker
     size = dtype_bytes(cfg.dtype.talker)
     text = cfg.llm.vocab_size * t.backbone.hidden_size * size
     code_table = t.num_quantizers * (t.codebook_size + 1) * t.latent_size * size
     books = t.num_quantizers * t.codebook_size * (t.latent_size + 1) * FLOAT32
-    return text + code_table + books
+    codec = codec_presplit_bytes(cfg) if presplit_used(cfg.codec.gemm, torch.device(device)) else 0
+    return text + code_table + books + codec
+
+
+def codec_presplit_bytes(cfg: ModelConfig) -> int:
+    """w_hi and w_lo in fp32 for every weight of the codec decoder's GEMMs in decode_step: per stage the
+    upsampling ConvTranspose1d (C_in x C_out x rate) and num_blocks ConvNeXt blocks' pwconv1 and pwconv2
+    (4 C^2 each); then the final k=1 conv (C x (n_fft + 2)). 700 MiB at full size."""
+    c = cfg.codec
+    weights, width_in = 0, c.latent_size
+    for width, rate in zip([c.base_hidden_size * m for m in reversed(c.channel_mult)], reversed(c.rates)):
+        weights += width_in * width * rate + c.num_blocks * 2 * 4 * width * width
+        width_in = width
+    weights += width_in * (c.n_fft + 2)
+    return 2 * FLOAT32 * weights
 
 
 class MemoryPlanError(ValueError):
@@ -186,7 +208,7 @@ def plan(cfg: ModelConfig, max_calls: int, max_call_s: float, device_memory: int
          prefix_cache_entries: int = 0) -> MemoryPlan:
     """The memory of a server with these limits; raises MemoryPlanError naming serve.max_calls and
     serve.max_call_s, the numbers, and what would fit, when it exceeds device_memory."""
-    weights = weight_bytes(cfg) if weights is None else weights
+    weights = weight_bytes(cfg) if weights is None else weights   # served on CUDA (derived_table_bytes)
     p = MemoryPlan(max_calls, max_call_s, bytes_per_call(cfg, max_call_s, max_prompt_tokens), weights, reserve,
                    device_memory, prefix_cache_bytes(cfg, prefix_cache_entries, max_prompt_tokens))
     if p.fits:

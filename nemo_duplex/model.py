@@ -143,6 +143,7 @@ class VoiceChat(nn.Module):
             self.stt_model.rnnt_joint.pad_output()
         if not self.talker.bos_emb.is_meta:   # (build_empty_model casts on meta, before any weight exists)
             self.talker.build_tables()
+            self.codec.presplit_weights()  # after the codec's cast: its GEMM weights split once, where used
         return self
 
     # ---- the channel fusion (spec 1.3) ---------------------------------------------------------------

@@ -164,17 +164,26 @@ def _split_tf32_kernel(w_ptr, hi_ptr, lo_ptr, numel, K, stride_wn, stride_wk, BL
     tl.store(lo_ptr + offs, _round_tf32(w - hi), mask=mask)
 
 
-def split_tf32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_tf32(weight: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 w [N, K] -> (w_hi, w_lo), both [N, K] contiguous fp32 TF32 values (what the tensor cores take
     exactly): w_hi = w rounded to TF32's 10 mantissa bits, w_lo = w - w_hi (exact in fp32, |w_lo| <=
     2^-11 |w|, signed) rounded to TF32 again. One kernel on CUDA (or under the interpreter): in torch
-    the split is five elementwise kernels and ~11 passes over the weight, and `tf32x3w` splits the codec's
-    ~92 M decoder weights on every frame step (the pre-split GEMM kernel takes them as given)."""
-    if not use_triton(weight):
-        return split_tf32_reference(weight)
+    the split is five elementwise kernels and ~11 passes over the weight. `out` [2, N, K] fp32, if given,
+    receives (w_hi, w_lo) in place (the codec keeps its decoder's ~92 M weights split this way, built
+    once: RVQCodec.presplit_weights; re-splitting into the same memory keeps a captured graph's pointers
+    valid); without it `tf32x3w` splits a weight on every call."""
     n, k = weight.shape
-    hi = torch.empty(n, k, device=weight.device, dtype=torch.float32)
-    lo = torch.empty_like(hi)
+    if out is not None:
+        assert out.shape == (2, n, k) and out.dtype == torch.float32 and out.is_contiguous(), out.shape
+    if not use_triton(weight):
+        hi, lo = split_tf32_reference(weight)
+        if out is None:
+            return hi, lo
+        out[0].copy_(hi)
+        out[1].copy_(lo)
+        return out[0], out[1]
+    hi = torch.empty(n, k, device=weight.device, dtype=torch.float32) if out is None else out[0]
+    lo = torch.empty_like(hi) if out is None else out[1]
     block = 1024
     _split_tf32_kernel[(triton.cdiv(n * k, block),)](weight, hi, lo, n * k, k, weight.stride(0), weight.stride(1),
                                                       BLOCK=block)
@@ -224,9 +233,11 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     `residual` [..., N] (or None) is added last, in the epilogue.
     `precision` is tl.dot's input precision ("tf32x3"; "ieee" for comparisons), or "tf32x3w": the same
     products with the weight split beforehand (split_tf32, one pass over the weight) and only x split in
-    the kernel; with `weight_lo` given, `weight` is taken as already split (split_tf32(w) =
-    (weight, weight_lo)). `tiles` overrides GPU_TILES; `split_k` the split count (`pick_split_k`)."""
+    the kernel; with `weight_lo` given (tf32x3w only), `weight` is taken as already split (split_tf32(w) =
+    (weight, weight_lo)) and no split runs here. `tiles` overrides GPU_TILES; `split_k` the split count
+    (`pick_split_k`)."""
     assert x.dtype == weight.dtype == torch.float32
+    assert weight_lo is None or precision == "tf32x3w", "weight_lo is the pre-split weight's tail: tf32x3w only"
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -255,7 +266,9 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     part = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # y: unread
     presplit = precision == "tf32x3w"
     if presplit:
-        w, w_lo = (weight, weight_lo.contiguous()) if weight_lo is not None else split_tf32(weight)
+        # both contiguous: the kernel reads w_lo with w's row stride
+        w, w_lo = (weight.contiguous(), weight_lo.contiguous()) if weight_lo is not None else split_tf32(weight)
+        assert w_lo.shape == w.shape, (w_lo.shape, w.shape)
     else:
         w, w_lo = weight, weight  # w_lo unread
     b = bias if bias is not None else y  # unread without a bias
@@ -284,21 +297,28 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 # Opaque to torch.compile (see ops/decode_attention.py).
 @torch.library.custom_op("nemo_duplex::fp32_linear", mutates_args=())
 def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
-                   presplit: bool = False, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   presplit: bool = False, residual: Optional[torch.Tensor] = None,
+                   weight_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
     return fp32_linear_triton(x, weight, bias, gelu, precision="tf32x3w" if presplit else "tf32x3",
-                              residual=residual)
+                              residual=residual, weight_lo=weight_lo)
 
 
 @fp32_linear_op.register_fake
-def _(x, weight, bias, gelu, presplit=False, residual=None):
+def _(x, weight, bias, gelu, presplit=False, residual=None, weight_lo=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
-                presplit: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                presplit: bool = False, residual: torch.Tensor | None = None,
+                weight_lo: torch.Tensor | None = None) -> torch.Tensor:
     """fp32-accurate x @ weight^T + bias (then exact GELU if `gelu`, then + `residual`): the 3xTF32 kernel
     on CUDA or under TRITON_INTERPRET=1 (`presplit`: the variant with the weight split beforehand), else the
-    torch reference."""
+    torch reference. `weight_lo` (with `presplit`): `weight` is w_hi and this w_lo, split_tf32 of the real
+    weight done once by the caller, so no split runs per call; Triton only, since the torch reference
+    needs the unsplit weight (the caller keeps it for that path: codec.linear's `split`)."""
     if use_triton(x):
-        return fp32_linear_op(x, weight, bias, gelu, presplit, residual)
+        return fp32_linear_op(x, weight, bias, gelu, presplit, residual, weight_lo)
+    if weight_lo is not None:
+        raise ValueError("a pre-split weight (weight_lo) runs only in the Triton kernel (CUDA or TRITON_INTERPRET=1); "
+                         "off Triton pass the unsplit weight")
     return fp32_linear_reference(x, weight, bias, gelu, residual)

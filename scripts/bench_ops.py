@@ -246,7 +246,9 @@ def bench_codec(device, smoke, quick, sweep):
     batches = [1, 8, 32, 64, 128] if not (quick or smoke) else ([128] if quick else [2])
     # (label, gemm, SPLIT_GEMM_MIN_ROWS): below that many rows a split GEMM falls back to the IEEE SGEMM;
     # the "min_rows" variants measure where the fallback should start (stage 1 has 9 rows per call)
-    # ("no split-K": ops/fp32_linear.py's SPLIT_K_MAX = 1, every GEMM in one pass over K)
+    # ("no split-K": ops/fp32_linear.py's SPLIT_K_MAX = 1, every GEMM in one pass over K). The tf32x3w
+    # variants split the weights on every step, except "split once", last (the codec then keeps them):
+    # RVQCodec.presplit_weights, what serving does (VoiceChat.cast_for_inference).
     default_min_rows, default_split = codec_module.SPLIT_GEMM_MIN_ROWS, fp32_linear_module.SPLIT_K_MAX
     variants = [("ieee", "ieee", default_min_rows, default_split),
                 ("tf32x3", "tf32x3", default_min_rows, default_split),
@@ -256,8 +258,11 @@ def bench_codec(device, smoke, quick, sweep):
     if not smoke:
         variants += [(f"tf32x3w min_rows={r}", "tf32x3w", r, default_split)
                      for r in (0, 64, 256, 512) if r != default_min_rows]
+    variants.append(("tf32x3w split once", "tf32x3w", default_min_rows, default_split))
     for label, gemm, min_rows, split_max in variants:
         codec.gemm = gemm
+        if label.endswith("split once"):
+            codec.presplit_weights()
         codec_module.SPLIT_GEMM_MIN_ROWS = min_rows
         fp32_linear_module.SPLIT_K_MAX = split_max
         try:

@@ -468,6 +468,34 @@ def test_in_place_writer_gives_the_same_checkpoint(tiny_checkpoint, tmp_path):
     assert torch.equal(model.state_dict()["stt_model.lm_head.weight"], b["stt_model.lm_head.weight"])
 
 
+def test_load_state_re_splits_the_codecs_gemm_weights(tiny_checkpoint, monkeypatch):
+    """The codec's pre-split decoder GEMM weights (RVQCodec.presplit_weights, which cast_for_inference calls;
+    built where decode_step's GEMMs run tf32x3w: here the CPU under TRITON_INTERPRET=1) follow
+    checkpoint.load_state: re-split in place from the loaded weights, never the random ones left."""
+    from ops.fp32_linear import split_tf32_reference
+
+    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.codec import gemm_weight
+    from nemo_duplex.config import tiny_config
+
+    cfg = tiny_config()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = random_model(replace(cfg, codec=replace(cfg.codec, gemm="tf32x3w")), device, seed=3)[0]
+    model.cast_for_inference()
+    if device == "cpu":   # the interpreter only now: the talker's tables through it take half a minute
+        assert all(getattr(holder, name).numel() == 0 for holder, name, _ in model.codec.decoder.step_gemms())
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        model.codec.presplit_weights()
+    gemms = model.codec.decoder.step_gemms()
+    before = [getattr(holder, name).clone() for holder, name, _ in gemms]
+    pointers = [getattr(holder, name).data_ptr() for holder, name, _ in gemms]
+    load_state(model, tiny_checkpoint)
+    for (holder, name, layer), old, pointer in zip(gemms, before, pointers):
+        table = getattr(holder, name)
+        assert table.data_ptr() == pointer and not torch.equal(table, old), name
+        assert torch.equal(table, torch.stack(split_tf32_reference(gemm_weight(layer)))), name
+
+
 def test_load_state_drops_tables_derived_from_the_old_weights(tiny_checkpoint):
     """checkpoint.load_state overwrites the weights in place and then calls every module's
     weights_loaded: the talker's text table, built from the random weights, is dropped, and the next

@@ -1,5 +1,6 @@
 """RVQ codec (nemo_duplex/codec.py, spec 5): checkpoint keys, iSTFT head vs torch.istft, shape law,
-causality, streaming == one-shot (delayed by 6 samples), control codes, encoder and silence codes, fp32 guard.
+causality, streaming == one-shot (delayed by 6 samples), the decoder's GEMMs with their weights split once
+(RVQCodec.presplit_weights), control codes, encoder and silence codes, fp32 guard.
 
 CPU, tiny config (C = 16, latent 32, 64 codewords x 31 quantisers; 1764 samples per code frame), fp32.
 The codec's output is bounded by 1 in magnitude (|w clamp(x, -w, w)| <= w^2, divided by sum w^2), so
@@ -7,6 +8,7 @@ tolerances are absolute."""
 import collections
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -232,6 +234,145 @@ def test_gemm_choice_comes_from_the_config():
         RVQCodec(cfg)
 
 
+# ---- pre-split GEMM weights (RVQCodec.presplit_weights) ---------------------------------------------
+# On the CPU through the interpreter (TRITON_INTERPRET=1, tiny sizes); where there is a GPU, on it with the
+# compiled kernels (the full-size check is test_gpu_full_size_presplit_step_equals_the_per_step_split).
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _splits(codec: RVQCodec) -> list[torch.Tensor]:
+    """The split of every GEMM of decode_step, in step order (empty where not built)."""
+    return [getattr(holder, name) for holder, name, _ in codec.decoder.step_gemms()]
+
+
+def _assert_splits_current(codec: RVQCodec) -> None:
+    """Every GEMM of decode_step has its split, the halves of its weight as the step multiplies by it
+    (upsampling weights reordered channels-last), from the weights as they are now."""
+    from ops.fp32_linear import split_tf32_reference
+
+    for holder, name, layer in codec.decoder.step_gemms():
+        hi, lo = split_tf32_reference(codec_module.gemm_weight(layer))
+        table = getattr(holder, name)
+        assert table.shape == (2, *hi.shape) and torch.equal(table[0], hi) and torch.equal(table[1], lo), name
+
+
+def _no_splits(codec: RVQCodec) -> bool:
+    return all(table.numel() == 0 for table in _splits(codec))
+
+
+@pytest.mark.triton_interpret
+def test_a_split_is_read_only_where_the_gemm_takes_it(monkeypatch):
+    """linear and upsample_channels_last read `split` only in the Triton tf32x3w GEMM; every other path
+    reads the unsplit weight, bit for bit as without a split: the other gemm choices, the IEEE fallback
+    below SPLIT_GEMM_MIN_ROWS, and tf32x3w off Triton (the torch reference on the CPU without the
+    interpreter). A NaN split shows any read."""
+    gen = torch.Generator().manual_seed(23)
+    min_rows = codec_module.SPLIT_GEMM_MIN_ROWS
+    x = torch.randn(min_rows + 36, 24, generator=gen)
+    w, b = torch.randn(40, 24, generator=gen) / 5, torch.randn(40, generator=gen)
+    up = torch.randn(24, 8, 5, generator=gen) / 5   # ConvTranspose1d weight [C_in, C_out, k]
+    nan = torch.full((2, 40, 24), float("nan"))     # also [2, k C_out, C_in] for `up`
+    for device, triton in ((KERNEL_DEVICE, True), ("cpu", False)):
+        if not triton:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        xd, wd, bd, upd, nand = (t.to(device) for t in (x, w, b, up, nan))
+        with codec_module.exact_fp32(xd.device):
+            for gemm in GEMMS:
+                for rows in (min_rows - 1, min_rows + 36):
+                    read = triton and codec_module.resolve_gemm(gemm, xd.device) == "tf32x3w" and rows >= min_rows
+                    out = codec_module.linear(xd[:rows], wd, bd, gemm, split=nand)
+                    up_out = codec_module.upsample_channels_last(xd[None, :rows], upd, gemm, split=nand)
+                    if read:
+                        assert torch.isnan(out).all() and torch.isnan(up_out).all(), (gemm, rows, device)
+                    else:
+                        assert torch.equal(out, codec_module.linear(xd[:rows], wd, bd, gemm)), (gemm, rows, device)
+                        assert torch.equal(up_out, codec_module.upsample_channels_last(xd[None, :rows], upd, gemm))
+
+
+@pytest.mark.triton_interpret
+def test_presplit_decode_step_equals_the_per_step_split_bit_for_bit(monkeypatch):
+    """With the decoder's GEMM weights split once (presplit_weights), decode_step gives the per-step split
+    path's output bit for bit (the same products) and runs no split kernel; 2 rows per step put stage 1
+    (2 and 18 rows) below SPLIT_GEMM_MIN_ROWS, where the IEEE fallback must read the unsplit weights:
+    NaN in those splits changes nothing, NaN in a split the step takes shows up."""
+    from ops import fp32_linear as fp32_linear_module
+
+    codec = _codec().to(KERNEL_DEVICE)
+    codec.gemm = "tf32x3w"
+    per_step = copy.deepcopy(codec)
+    codec.presplit_weights()
+    _assert_splits_current(codec)
+    assert _no_splits(per_step)
+    splits = []
+    real_split = fp32_linear_module.split_tf32
+    monkeypatch.setattr(fp32_linear_module, "split_tf32", lambda w, out=None: splits.append(1) or real_split(w, out))
+    gen = torch.Generator().manual_seed(24)
+    codes = _codes(gen, 2, 2, 31).to(KERNEL_DEVICE)
+    slots = torch.tensor([2, 0], device=KERNEL_DEVICE)
+    state = codec.allocate_stream_state(3, KERNEL_DEVICE)
+    state_per_step = per_step.allocate_stream_state(3, KERNEL_DEVICE)
+    for t in range(2):
+        splits.clear()
+        want = per_step.decode_step(codes[:, t], state_per_step, slots)
+        # at or above 64 rows: stage 2's and 3's six pwconvs each, their upsampling layer, the final conv
+        assert len(splits) == 14
+        before = copy.deepcopy(state)
+        splits.clear()
+        got = codec.decode_step(codes[:, t], state, slots)
+        assert splits == [] and torch.equal(got, want), t
+    blocks = codec.decoder.layers[1:4]   # stage 1; layers 0 and 4 are the upsampling GEMMs around it
+    below = [b.pwconv1_split for b in blocks] + [b.pwconv2_split for b in blocks] + \
+        [codec.decoder.split_0, codec.decoder.split_4]
+    for table in below:
+        table.fill_(float("nan"))
+    assert torch.equal(codec.decode_step(codes[:, 1], copy.deepcopy(before), slots), want)
+    codec.decoder.split_12.fill_(float("nan"))
+    assert torch.isnan(codec.decode_step(codes[:, 1], copy.deepcopy(before), slots)).all()
+    codec.weights_loaded()   # re-split: every table current again
+    _assert_splits_current(codec)
+
+
+@pytest.mark.triton_interpret
+def test_presplit_weights_follow_loads_and_casts(monkeypatch):
+    """The splits are never stale: load_state_dict and init_weights re-split them in place (the same
+    memory, so a captured graph keeps reading them) and the step follows the new weights; a cast rebuilds
+    them from the cast weights (none while not fp32); they exist only where a GEMM reads them."""
+    codec = _codec(0).to(KERNEL_DEVICE)
+    codec.gemm = "tf32x3w"
+    codec.presplit_weights()
+    pointers = [table.data_ptr() for table in _splits(codec)]
+    codec.load_state_dict(_codec(1).state_dict())
+    _assert_splits_current(codec)
+    assert [table.data_ptr() for table in _splits(codec)] == pointers
+    loaded = _codec(1).to(KERNEL_DEVICE)
+    loaded.gemm = "tf32x3w"
+    codes = _codes(torch.Generator().manual_seed(25), 2, 31).to(KERNEL_DEVICE)
+    slots = torch.tensor([0, 1], device=KERNEL_DEVICE)
+    assert torch.equal(codec.decode_step(codes, codec.allocate_stream_state(3, KERNEL_DEVICE), slots),
+                       loaded.decode_step(codes, loaded.allocate_stream_state(3, KERNEL_DEVICE), slots))
+    codec.init_weights(torch.Generator().manual_seed(2))
+    _assert_splits_current(codec)
+    codec.double()
+    assert _no_splits(codec)
+    with torch.no_grad():
+        codec.decoder.layers[0].weight.mul_(2)   # changed while not split
+    codec.float()
+    _assert_splits_current(codec)
+    interpreter = "TRITON_INTERPRET" in os.environ
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    codec.cpu()   # the CPU without the interpreter: fp32_linear's torch reference, which reads no split
+    assert _no_splits(codec)
+    if interpreter:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    codec.to(KERNEL_DEVICE)
+    _assert_splits_current(codec)
+    ieee = _codec().to(KERNEL_DEVICE)
+    ieee.gemm = "ieee"
+    ieee.presplit_weights()
+    assert _no_splits(ieee)
+
+
 # ---- streaming ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.triton_interpret)])
@@ -444,6 +585,43 @@ def test_gpu_full_size_streaming_in_a_cuda_graph(full_codec_cuda, gemm):
     finally:
         codec.gemm = "ieee"
         codec.cpu()
+
+
+@pytest.mark.gpu
+def test_gpu_full_size_presplit_step_equals_the_per_step_split(full_codec_cuda):
+    """Full size, gemm "auto" (tf32x3w on CUDA): decode_step with the decoder's GEMM weights split once
+    (presplit_weights, ~700 MiB) gives the per-step split's output bit for bit, at 1 call (stage 1 below
+    SPLIT_GEMM_MIN_ROWS: the IEEE fallback on the unsplit weights) and at 128 (every GEMM 3xTF32), eagerly
+    and replayed from a CUDA graph."""
+    per_step = full_codec_cuda.cuda()
+    split = copy.deepcopy(per_step)
+    try:
+        per_step.gemm = split.gemm = "auto"
+        split.presplit_weights()
+        _assert_splits_current(split)
+        gen = torch.Generator().manual_seed(13)
+        for calls in (1, 128):
+            codes = _codes(gen, calls, 3, 31, codebook=1024).cuda()
+            slots = torch.arange(calls, device="cuda")
+            state_per_step, state_split, state_graph = (c.allocate_stream_state(calls + 1, "cuda")
+                                                        for c in (per_step, split, split))
+            codes_in = codes[:, 0].clone()
+            split.decode_step(codes_in, state_graph, slots)  # warm-up outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wav_graph = split.decode_step(codes_in, state_graph, slots)
+            split.reset_slots(state_graph, slots)
+            for t in range(3):
+                want = per_step.decode_step(codes[:, t], state_per_step, slots)
+                assert torch.equal(split.decode_step(codes[:, t], state_split, slots), want), (calls, t)
+                codes_in.copy_(codes[:, t])
+                graph.replay()
+                assert torch.equal(wav_graph, want), (calls, t)
+    finally:
+        per_step.gemm = "ieee"
+        per_step.cpu()
+        del split
 
 
 # Full-size decode on the H200 against a float64 decode (|wav| <= 1), per GEMM choice.

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from nemo_duplex.config import tiny_config
-from nemo_duplex.memory import (GiB, MemoryPlanError, _full_size_config, bytes_per_call, frames_per_call,
-                                inference_config, max_call_s_that_fits, max_calls_that_fit, plan, weight_bytes)
+from nemo_duplex.memory import (GiB, MemoryPlanError, _full_size_config, bytes_per_call, codec_presplit_bytes,
+                                derived_table_bytes, frames_per_call, inference_config, max_call_s_that_fits,
+                                max_calls_that_fit, plan, weight_bytes)
 from nemo_duplex.model import VoiceChat
 from nemo_duplex.state import allocate_call_state
 
@@ -73,21 +74,47 @@ def test_weight_bytes_match_a_real_model(tiny):
     model.codec.prvq.stacked()          # the stacked codebooks (built with the codec's stream state otherwise)
     real = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     longest_token = model.talker.embed_subword.char_ids.shape[1]   # set from the tokenizer (spec 4.2.2)
-    assert weight_bytes(tiny_config(), longest_token) == real
-    assert weight_bytes(tiny_config()) < real
+    # on the CPU (no interpreter here) gemm "auto" is IEEE: the codec keeps no pre-split weights
+    assert weight_bytes(tiny_config(), longest_token, device="cpu") == real
+    assert weight_bytes(tiny_config(), device="cpu") < real
+    assert weight_bytes(tiny_config(), longest_token) == real + codec_presplit_bytes(tiny_config())   # on CUDA
+
+
+@pytest.mark.triton_interpret
+def test_weight_bytes_count_the_codecs_presplit_weights():
+    """Where decode_step's GEMMs run the pre-split 3xTF32 kernel (gemm tf32x3w on the CPU under the
+    interpreter here; "auto" or "tf32x3w" on CUDA), cast_for_inference keeps every decoder GEMM weight split
+    in two fp32 halves (RVQCodec.presplit_weights), and weight_bytes counts them exactly."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_config()
+    cfg = replace(cfg, codec=replace(cfg.codec, gemm="tf32x3w"))
+    model = VoiceChat(cfg).to(device).cast_for_inference()
+    model.perception.prepare_stream()
+    model.codec.prvq.stacked()
+    real = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    splits = [getattr(holder, name) for holder, name, _ in model.codec.decoder.step_gemms()]
+    split_bytes = sum(t.numel() * t.element_size() for t in splits)
+    assert split_bytes == codec_presplit_bytes(cfg) > 0 and all(t.numel() for t in splits)
+    assert weight_bytes(cfg, device=device) == real
 
 
 def test_full_size_weights_match_the_step_benchmark():
     """bench_step counted parameters only (bf16 parts, fp32 codec); buffers add under 1 %, besides the
     talker's derived tables (EarTTS.build_tables): a bf16 row per token id (131072 x 1152 x 2 bytes), the
-    bf16 code table (31 x 1025 x 512 x 2) and the fp32 codebooks with their norms (31 x 1024 x 513 x 4)."""
-    from nemo_duplex.memory import derived_table_bytes
-
+    bf16 code table (31 x 1025 x 512 x 2) and the fp32 codebooks with their norms (31 x 1024 x 513 x 4);
+    and the codec's pre-split decoder GEMM weights on CUDA (RVQCodec.presplit_weights)."""
     run = json.loads((REPO / "docs/runs/bench_step_2026-11-29_cudagraph-eager.json").read_text())
     params = run["rows"][0]["weight_bytes"]
     cfg = inference_config(_full_size_config(), "bf16")
     tables = derived_table_bytes(cfg)
-    assert tables == 131072 * 1152 * 2 + 31 * 1025 * 512 * 2 + 31 * 1024 * 513 * 4
+    talker = 131072 * 1152 * 2 + 31 * 1025 * 512 * 2 + 31 * 1024 * 513 * 4
+    # the codec's decoder GEMM weights split in two fp32 halves on CUDA (RVQCodec.presplit_weights): per
+    # stage the upsampling layer and three ConvNeXt blocks' pwconv1 + pwconv2, then the final conv
+    presplit = 2 * 4 * (512 * 1536 * 9 + 3 * 2 * 6144 * 1536 + 1536 * 768 * 7 + 3 * 2 * 3072 * 768
+                        + 768 * 384 * 7 + 3 * 2 * 1536 * 384 + 384 * 18)
+    assert presplit == 733_796_352
+    assert tables == talker + presplit
+    assert derived_table_bytes(cfg, "cpu") == talker   # the CPU without the interpreter: gemm "auto" is IEEE
     w = weight_bytes(cfg)
     assert params + tables <= w < params * 1.01 + tables
 

@@ -10,7 +10,7 @@ import torch
 from ops.bounded_attention import bounded_attention, bounded_attention_op
 from ops.decode_attention import decode_attention, decode_attention_op
 from ops.dft import basis_matmul, basis_matmul_op, irdft_basis
-from ops.fp32_linear import fp32_linear, fp32_linear_op
+from ops.fp32_linear import fp32_linear, fp32_linear_op, split_tf32
 from ops.mamba_step import mamba_step, mamba_step_op
 from tests.ops.support import OPCHECK_TESTS
 
@@ -44,10 +44,13 @@ def _inputs(gen):
 def test_opcheck():
     gen = torch.Generator().manual_seed(0)
     mamba, decode, bounded, linear, dft = _inputs(gen)
+    split = split_tf32(linear["weight"])
     for op, kwargs in ((mamba_step_op, mamba), (decode_attention_op, decode), (bounded_attention_op, bounded),
                        (fp32_linear_op, linear), (fp32_linear_op, dict(linear, presplit=True)),
                        (fp32_linear_op, dict(linear, gelu=False, presplit=True,
                                              residual=torch.randn(2, 5, 16, generator=gen).to(DEVICE))),
+                       (fp32_linear_op, dict(linear, weight=split[0], presplit=True, residual=None,
+                                             weight_lo=split[1])),   # the weight split beforehand
                        (basis_matmul_op, dft)):
         args = tuple(v.clone() if torch.is_tensor(v) else v for v in kwargs.values())
         torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS)

@@ -121,6 +121,47 @@ def test_split_kernel_equals_the_torch_split():
         assert hi.is_contiguous() and torch.equal(hi, ref_hi) and torch.equal(lo, ref_lo)
 
 
+def test_split_into_out_and_the_pre_split_weight_through_the_op():
+    """split_tf32(w, out=) writes the same halves into the caller's [2, N, K] memory (the codec keeps its
+    decoder's weights split there, re-split in place), and fp32_linear with weight_lo (the custom op's
+    pre-split argument) gives the per-call split's result bit for bit: same products, no split kernel run.
+    A wrong w_lo changes the result, so the argument is read."""
+    from ops import fp32_linear as module
+    from ops.fp32_linear import split_tf32
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 11, 40, generator=gen).to(DEVICE)
+    w = (torch.randn(27, 40, generator=gen) / 6).to(DEVICE)
+    b = torch.randn(27, generator=gen).to(DEVICE)
+    r = torch.randn(3, 11, 27, generator=gen).to(DEVICE)
+    table = torch.full((2, 27, 40), float("nan"), device=DEVICE)
+    pointer = table.data_ptr()
+    hi, lo = split_tf32(w, out=table)
+    assert table.data_ptr() == pointer and hi.data_ptr() == pointer
+    assert all(torch.equal(a, e) for a, e in zip(split_tf32(w), table))
+    per_call = fp32_linear(x, w, b, True, presplit=True, residual=r)
+    calls = []
+    real_split = module.split_tf32
+    module.split_tf32 = lambda *a, **k: calls.append(1) or real_split(*a, **k)
+    try:
+        pre_split = fp32_linear(x, table[0], b, True, presplit=True, residual=r, weight_lo=table[1])
+    finally:
+        module.split_tf32 = real_split
+    assert calls == [] and torch.equal(pre_split, per_call)
+    assert not torch.equal(fp32_linear(x, table[0], b, True, presplit=True, residual=r, weight_lo=2 * table[1]),
+                           per_call)
+
+
+def test_pre_split_weight_needs_the_kernel(monkeypatch):
+    """Off Triton the torch reference needs the unsplit weight: a pre-split one is refused, not multiplied."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if DEVICE == "cuda":
+        pytest.skip("the kernel always runs on CUDA")
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="unsplit"):
+        fp32_linear(torch.randn(2, 8), w, None, presplit=True, weight_lo=w)
+
+
 def test_strided_weight_and_launcher():
     """A transposed weight view (the codec's upsampling matmul) and a non-contiguous x are accepted."""
     gen = torch.Generator().manual_seed(5)
