@@ -342,24 +342,6 @@ def bench_other_ops(device, smoke, quick, sweep):
                 lambda br=block_r, w=warps: mamba_step_triton(xbc, dt_raw, cs3, ss3, slots, *margs, block_r=br,
                                                               num_warps=w), smoke), nbytes, err3)
 
-    # the talker's RVQ: 31 codebooks of 1024 x 512, fp32 (spec 4.6), at 32 and 128 calls; err = codes that differ
-    from ops.residual_vq import residual_vq_reference, residual_vq_triton
-    k, cw, width = (3, 64, 32) if smoke else (31, 1024, 512)
-    books = (torch.randn(k, cw, width, generator=gen) * width ** -0.5).to(device)
-    norms = books.pow(2).sum(-1)
-    for calls in ((2,) if smoke else (32, 128)):
-        z = torch.randn(calls, width, generator=gen).to(device)
-        ref = residual_vq_reference(z, books, norms)
-        nbytes = books.numel() * 4 * -(-calls // 16)  # each 16-row block reads every book
-        case = f"rvq {k} x {cw} x {width} N={calls}"
-        record("residual_vq", case, "torch reference (addmm + argmin per book)",
-               timed(lambda: residual_vq_reference(z, books, norms), smoke), nbytes, 0.0)
-        for blocks in ([None] + ([(16, 64, 64), (16, 16, 64), (32, 32, 64), (16, 32, 128)] if sweep else [])):
-            out = residual_vq_triton(z, books, norms, blocks)
-            record("residual_vq", case, f"triton blocks {blocks or 'default'}",
-                   timed(lambda b=blocks: residual_vq_triton(z, books, norms, b), smoke), nbytes,
-                   float((out != ref).sum()))
-
     # DFT by matmul: the codec's per-frame inverse DFT (n 16) and the mel front end's forward (n 512), fp32
     for name, rows, basis in (("codec irdft n=16", n * 441, irdft_basis(16, device)),
                               ("mel rdft n=512", n * 17, rdft_basis(512, device))):

@@ -2,7 +2,7 @@
 kernel's whole GPU build (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs here. CPU tests run the kernels
 through the interpreter, which accepts some code the GPU build rejects (and the reverse); this catches the
 build errors before a device is lent. Covered: the kernels added in session 5 and the variants they added
-to older ones, session 9's split-K GEMM and its sum, session 10's RVQ kernel, and the talker's decode attention (whose PTX must have
+to older ones, session 9's split-K GEMM and its sum, and the talker's decode attention (whose PTX must have
 16-byte loads where its rows are aligned), at the full model's shapes. Run without TRITON_INTERPRET
 (tests/test_compile_kernels.py runs it in a subprocess).
 
@@ -19,12 +19,12 @@ from triton.compiler import ASTSource
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels it compiles")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ops.argmin_residual import _argmin_residual_kernel  # noqa: E402
 from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
 from ops.codebook_sum import _codebook_sum_kernel  # noqa: E402
 from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
 from ops.decode_attention import _decode_attention_vector_kernel  # noqa: E402
 from ops.fp32_linear import _fp32_linear_kernel, _split_k_sum_kernel  # noqa: E402
-from ops.residual_vq import GPU_BLOCKS, _residual_vq_book_kernel  # noqa: E402
 from ops.rmsnorm import _rms_norm_rope_kernel  # noqa: E402
 from ops.rnnt_commit import _rnnt_commit_kernel  # noqa: E402
 from ops.top_p_sample import _top_p_gumbel_argmax_kernel  # noqa: E402
@@ -45,11 +45,8 @@ def compile_(kernel, sig, constexprs, **options):
 
 
 f32, bf16 = "*fp32", "*bf16"
-for has_prev in (False, True):  # session 10: the talker's RVQ, one kernel per codebook (64-bit atomic min)
-    compile_(_residual_vq_book_kernel, {n: f32 for n in ("src_ptr", "prev_book_ptr", "book_ptr", "norm_ptr", "res_ptr")}
-             | {"prev_packed_ptr": "*i64", "packed_ptr": "*i64"},
-             {"C": 1024, "D": 512, "HAS_PREV": has_prev, "BLOCK_R": GPU_BLOCKS[0], "BLOCK_C": GPU_BLOCKS[1],
-              "BLOCK_D": GPU_BLOCKS[2]}, num_warps=4)
+compile_(_argmin_residual_kernel, {"dist_ptr": f32, "res_ptr": f32, "book_ptr": f32, "idx_ptr": "*i64", "out_ptr": f32},
+         {"BLOCK_C": 1024, "BLOCK_D": 512}, num_warps=4)
 for store in (False, True):
     compile_(_bounded_attention_kernel, {n: bf16 for n in ("q_ptr", "k_new_ptr", "v_new_ptr", "keys_ptr", "values_ptr",
                                                             "pos_ptr", "u_ptr", "vb_ptr", "out_ptr")}
