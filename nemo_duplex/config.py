@@ -194,9 +194,9 @@ class CodecConfig:
     codebook_size: int = 1024
     wav_to_token_ratio: int = 1764
     # How the decoder's GEMMs (pointwise and transposed convs) run, codec.linear: "ieee" (fp32 SGEMM),
-    # "tf32x3" (3xTF32 Triton GEMM, fp32-accurate; "tf32x3w": weight split beforehand, not measured yet),
-    # "bf16x3" (~1e-5 relative), or "auto": tf32x3 on CUDA
-    # (measured faster at N >= 32, docs/performance.md), ieee elsewhere. Not in config.json.
+    # "tf32x3" (3xTF32 Triton GEMM, fp32-accurate; "tf32x3w": the weight split beforehand, for decode_step
+    # once at load, RVQCodec.presplit_weights), "bf16x3" (~1e-5 relative), or "auto": tf32x3w on CUDA
+    # (measured fastest from 8 calls, docs/performance.md), ieee elsewhere. Not in config.json.
     gemm: str = "auto"
 
 
