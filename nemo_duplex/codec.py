@@ -704,7 +704,7 @@ class RVQCodec(nn.Module):
         in their channels-last row order, the final k=1 conv) into its TF32 halves once, split_tf32 ->
         [2, N, K] buffers (Latent2Wav.step_gemms), so the tf32x3w GEMMs take them as they are: without
         them every step runs split_tf32 over the ~92 M weights (0.26 ms in an H200 profile) and copies the
-        upsampling weights into their row order. With them the step took 0.38 / 0.36 / 0.47 / 0.44 ms less
+        upsampling weights into their row order. With them decode_step took 0.38 / 0.36 / 0.47 / 0.44 ms less
         at 8 / 32 / 64 / 128 calls on the H200, bit for bit the same output (scripts/bench_ops.py --only
         codec, "tf32x3w split once"; 0.02 ms at 1 call, whose stage-1 and -2 GEMMs run IEEE). 2 x 4 bytes
         per weight: 700 MiB at full size, counted by memory.derived_table_bytes. Built only where
