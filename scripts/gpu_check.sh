@@ -9,7 +9,7 @@
 #   bash scripts/gpu_check.sh step            # bench_step N=1/32/128 at position 1000
 #   bash scripts/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
 #                                             # graphs and eager (its command: 99 s, session 9)
-#   bash scripts/gpu_check.sh profile         # the captured step's kernels at N=32/128, then every compiled
+#   bash scripts/gpu_check.sh profile         # the captured greedy step's kernels at N=32/128 (what `step` times), then every compiled
 #                                             # Triton kernel's loads by width (scripts/ptx_loads.py)
 #   bash scripts/gpu_check.sh load [seconds] [server overrides...]
 #                                             # the load sweep (both start modes, N up to 160) and the uploads run
@@ -37,7 +37,7 @@ elif [ "$PART" = table ]; then
         bench.compare_eager=true hydra.run.dir=/tmp/gpu_check_table > "$OUT/table.log" 2>&1; tail -n 17 "$OUT/table.log"
 elif [ "$PART" = profile ]; then
     export TRITON_CACHE_DIR=/tmp/gpu_check_triton_cache
-    timeout 200 python3 scripts/profile_step.py $M +profile_graphs=true 'bench.batch_sizes=[32,128]' \
+    timeout 200 python3 scripts/profile_step.py $M +profile_graphs=true +profile_greedy=true 'bench.batch_sizes=[32,128]' \
         'bench.positions=[1000]' hydra.run.dir=/tmp/gpu_check_profile > "$OUT/profile.log" 2>&1
     python3 scripts/ptx_loads.py "$TRITON_CACHE_DIR" > "$OUT/ptx_loads.txt" 2>&1
     grep -A12 "====" "$OUT/profile.log"; head -n 12 "$OUT/ptx_loads.txt"
