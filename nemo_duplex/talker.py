@@ -521,7 +521,7 @@ def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor, norms: torch.Ten
     norms = books.pow(2).sum(-1) if norms is None else norms
     codes = []
     for book, norm in zip(books, norms):
-        # one GEMM for the distances; the 1-D bias lets cuBLAS add the norms in its epilogue, where the
+        # one GEMM for the distances. With the norms as a 1-D bias cuBLAS adds them in its epilogue; a
         # [1, codebook] view was first copied into every output row (H200, 31 books: 435 -> 382 us at 32
         # calls, 706 -> 637 at 128, bit for bit the same; docs/performance.md, session 10)
         distances = torch.addmm(norm, r, book.T, alpha=-2)
