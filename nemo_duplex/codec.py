@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ops import use_triton
+from ops import interpreting, use_triton
 from ops.codebook_sum import codebook_sum
 from ops.dft import irdft
 from ops.dwconv_layernorm import dwconv_layer_norm
@@ -112,7 +111,7 @@ def presplit_used(gemm: str, device: torch.device) -> bool:
     whether its rows reach SPLIT_GEMM_MIN_ROWS depends on the batch bucket. memory.derived_table_bytes
     counts them under the same condition."""
     device = torch.device(device)
-    triton_there = device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    triton_there = device.type == "cuda" or (device.type == "cpu" and interpreting())
     return resolve_gemm(gemm, device) == "tf32x3w" and triton_there
 
 

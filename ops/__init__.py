@@ -4,10 +4,15 @@ import os
 import torch
 
 
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run on the CPU through Triton's interpreter (the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """A kernel's launcher runs the Triton kernel for CUDA tensors, or anywhere under TRITON_INTERPRET=1
     (the CPU tests); otherwise its torch reference."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_cuda or interpreting()
 
 
 def sm_count(device: torch.device) -> int:

@@ -18,14 +18,13 @@ length, so a pool sized for long calls costs nothing while calls are short. The 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ops import sm_count, use_triton
+from ops import interpreting, sm_count, use_triton
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -324,7 +323,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert q.dtype == k_cache.dtype == v_cache.dtype
     group = num_heads // kv_heads
     if pipelined is None:
-        pipelined = os.environ.get("TRITON_INTERPRET") != "1"
+        pipelined = not interpreting()
     if group == 1:
         # One warp per (row, head, split) and 16 keys per block: the reductions over keys stay inside a
         # warp (no barriers) and many small programs keep enough loads in flight; at least two splits per

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ops import interpreting, use_triton
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def basis_matmul_triton(x: torch.Tensor, basis: torch.Tensor,
     if R == 0:
         return out
     if tiles is None:  # the interpreter pays per program and per loop step: big tiles on the CPU
-        tiles = (1024, 1024, 512) if os.environ.get("TRITON_INTERPRET") == "1" else GPU_TILES
+        tiles = (1024, 1024, 512) if interpreting() else GPU_TILES
     block_r, block_n, block_k = tiles[0], _block(N, tiles[1]), _block(K, tiles[2])
     grid = (triton.cdiv(R, block_r), triton.cdiv(N, block_n))
     _basis_matmul_kernel[grid](x, basis, out, R, x.stride(0), basis.stride(0), out.stride(0), K=K, N=N,
@@ -159,7 +160,7 @@ def _(x, basis):
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return x.dtype == torch.float32 and use_triton(x)
 
 
 def basis_matmul(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ Tiles are grouped along M so consecutive programs reuse the same weight columns 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ops import sm_count, use_triton
+from ops import interpreting, sm_count, use_triton
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -224,7 +223,6 @@ def pick_split_k(tiles: int, k: int, block_k: int, num_sms: int, max_splits: int
     return best
 
 
-
 def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
                        precision: str = "tf32x3", tiles: tuple[int, int, int, int, int] | None = None,
                        weight_lo: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -255,7 +253,7 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if m == 0:
         return y.view(*lead, n)
     if tiles is None:  # the interpreter pays per program: large tiles on the CPU
-        tiles = ((1024, 128, 64, 4, 1) if os.environ.get("TRITON_INTERPRET") == "1"
+        tiles = ((1024, 128, 64, 4, 1) if interpreting()
                  else PRESPLIT_TILES if precision == "tf32x3w" else GPU_TILES)
     block_m, block_n, block_k, num_warps, num_stages = tiles
     output_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)

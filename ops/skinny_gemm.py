@@ -19,7 +19,6 @@ Layout: x [M, K] and w [N, K] both K-contiguous (nn.Linear's weight), y [M, N] c
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ops import sm_count, use_triton
+from ops import interpreting, sm_count, use_triton
 from ops.rmsnorm import _round_to
 
 MAX_ROWS = 64  # rows one program holds (BLOCK_M); above it the GEMM is no longer weight-streaming-bound
@@ -127,7 +126,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y.view(*lead, n)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     if tiles is None:  # the interpreter pays per program: wide tiles on the CPU
         tiles = (128, 128, 4, 1) if interpret else GPU_TILES
     block_n, block_k, num_warps, num_stages = tiles
