@@ -14,8 +14,10 @@ and `torch.backends.cudnn.conv.fp32_precision` to "ieee" before compiling. The p
 goes through `ops.dft` (IEEE fp32 whatever the flags). The decoder's pointwise and transposed convs are
 GEMMs (`linear`, CodecConfig.gemm / `codec.gemm`): "ieee" fp32; "tf32x3", three TF32 tensor-core
 products per fp32 product, as accurate as fp32 (ops/fp32_linear.py; "tf32x3w": the weight split
-beforehand, for decode_step's GEMMs once at load: RVQCodec.presplit_weights); "bf16x3", three bf16
-products, ~1e-5 relative; "auto" (default): tf32x3w on CUDA, ieee elsewhere. Plain TF32 or bf16 never.
+beforehand, for decode_step's GEMMs once at load: RVQCodec.presplit_weights); "fp16x3w", three fp16
+products of power-of-two-scaled halves, as accurate and ~40% faster on an H200 (ops/fp16x3_linear.py;
+weights split once at load the same way); "bf16x3", three bf16 products, ~1e-5 relative; "auto"
+(default): fp16x3w on CUDA, ieee elsewhere. Plain TF32 or bf16 never.
 
 Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
 each causal ConvNeXt keeps its last 6 input frames; the overlap-add keeps the 12 samples (and their
@@ -41,6 +43,8 @@ from ops import interpreting, use_triton
 from ops.codebook_sum import codebook_sum
 from ops.dft import irdft
 from ops.dwconv_layernorm import dwconv_layer_norm
+from ops.fp16x3_linear import Fp16Split, fp16x3_linear, split_fp16_rows, split_fp16_weight, unpack_weight_split
+from ops.fp16x3_linear import weight_split_numel
 from ops.fp32_linear import fp32_linear, split_tf32
 
 from .config import CodecConfig
@@ -71,7 +75,8 @@ def exact_fp32(device: torch.device):
 # GEMMs in fp32, or fp32-accurate from bf16 tensor cores
 # ----------------------------------------------------------------------------------------------------
 
-GEMMS = ("auto", "ieee", "tf32x3", "tf32x3w", "bf16x3")
+GEMMS = ("auto", "ieee", "tf32x3", "tf32x3w", "fp16x3w", "bf16x3")
+PRESPLIT_GEMMS = ("tf32x3w", "fp16x3w")  # the paths whose weights RVQCodec.presplit_weights splits once
 # Below this many rows the split GEMMs lose to the IEEE SGEMM (too few tiles to fill the GPU), so "tf32x3" /
 # "bf16x3" fall back to "ieee" there. Row counts are static per batch bucket, so a captured graph keeps one
 # path. Session 5's sweep of decode_step (stage 1 has 9 rows per call, stage 2 63, stage 3 441) chose 512;
@@ -82,10 +87,11 @@ SPLIT_GEMM_MIN_ROWS = 64
 
 
 def resolve_gemm(gemm: str, device: torch.device) -> str:
-    """"auto" -> 3xTF32 with the weight split first where there are tensor cores (docs/performance.md),
-    IEEE fp32 elsewhere; any other choice as it is."""
+    """"auto" -> the fp16x3 GEMM (weights split first) where there are tensor cores (docs/performance.md,
+    session 11: the codec's GEMMs 1.9 ms against 3.2 for tf32x3w at 128 calls), IEEE fp32 elsewhere; any
+    other choice as it is."""
     if gemm == "auto":
-        return "tf32x3w" if torch.device(device).type == "cuda" else "ieee"
+        return "fp16x3w" if torch.device(device).type == "cuda" else "ieee"
     return gemm
 
 
@@ -93,26 +99,55 @@ def gemm_path(gemm: str, x: torch.Tensor) -> str:
     """The GEMM `linear` runs for x [..., K]: `resolve_gemm`, then "ieee" for the split GEMMs below
     SPLIT_GEMM_MIN_ROWS rows."""
     gemm = resolve_gemm(gemm, x.device)
-    if gemm in ("tf32x3", "tf32x3w", "bf16x3") and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
+    if gemm in ("tf32x3", "bf16x3", *PRESPLIT_GEMMS) and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
         return "ieee"
     return gemm
 
 
 def takes_split(gemm: str, x: torch.Tensor) -> bool:
     """Whether `linear` of x multiplies by a pre-split weight (its `split`) where one is given: only the
-    Triton tf32x3w kernel does; every other path reads the weight itself."""
-    return gemm_path(gemm, x) == "tf32x3w" and use_triton(x)
+    Triton tf32x3w and fp16x3w kernels do; every other path reads the weight itself."""
+    return gemm_path(gemm, x) in PRESPLIT_GEMMS and use_triton(x)
 
 
 def presplit_used(gemm: str, device: torch.device) -> bool:
     """Whether decode_step's GEMMs on `device` can take pre-split weights, so RVQCodec.presplit_weights
-    builds them: `gemm` resolves to "tf32x3w" there and the Triton kernel runs there (CUDA, or the CPU
+    builds them: `gemm` resolves to "tf32x3w" or "fp16x3w" there and the Triton kernel runs there (CUDA, or the CPU
     under TRITON_INTERPRET=1: the tests). Elsewhere nothing would read them. Every GEMM gets its split:
     whether its rows reach SPLIT_GEMM_MIN_ROWS depends on the batch bucket. memory.derived_table_bytes
     counts them under the same condition."""
     device = torch.device(device)
     triton_there = device.type == "cuda" or (device.type == "cpu" and interpreting())
-    return resolve_gemm(gemm, device) == "tf32x3w" and triton_there
+    return resolve_gemm(gemm, device) in PRESPLIT_GEMMS and triton_there
+
+
+def split_weight(weight: torch.Tensor, gemm: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A decoder GEMM weight [N, K] split once for `gemm`'s kernel, as RVQCodec.presplit_weights keeps it:
+    "tf32x3w": split_tf32, [2, N, K] fp32; "fp16x3w": split_fp16_weight packed flat, [2 N K + 2 N] fp16.
+    Into `out` where it has that shape and device (a captured graph keeps its pointers)."""
+    n, k = weight.shape
+    shape, dtype = ((2, n, k), torch.float32) if gemm == "tf32x3w" else ((weight_split_numel(n, k),), torch.float16)
+    if out is None or out.shape != shape or out.dtype != dtype or out.device != weight.device:
+        out = torch.empty(shape, device=weight.device, dtype=dtype)
+    if gemm == "tf32x3w":
+        split_tf32(weight, out=out)
+    else:
+        split_fp16_weight(weight, out=out)
+    return out
+
+
+def _fp16_weight(split: torch.Tensor | None, weight: torch.Tensor) -> Fp16Split:
+    """`weight`'s fp16x3 split: the packed one built at load (`split_weight`), or made now."""
+    return unpack_weight_split(split, *weight.shape) if split is not None else split_fp16_weight(weight)
+
+
+def _linear_2d(x: torch.Tensor, weight_shape: tuple[int, int], gemm: str, split: torch.Tensor, bias, gelu,
+               residual) -> torch.Tensor:
+    """x [M, K] times a weight pre-split for `gemm` (tf32x3w / fp16x3w), in the Triton kernels."""
+    if gemm_path(gemm, x) == "fp16x3w":
+        weight = unpack_weight_split(split, *weight_shape)
+        return fp16x3_linear(split_fp16_rows(x), weight, bias, gelu, residual)
+    return fp32_linear(x, split[0], bias, gelu, presplit=True, residual=residual, weight_lo=split[1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str,
@@ -130,15 +165,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
       keeps decode_step's); without it one split_tf32 kernel splits the weight on every call. `split` is
       read only where this path runs the Triton kernel (`takes_split`): every other path, the "ieee"
       fallback below SPLIT_GEMM_MIN_ROWS included, reads `weight`.
+    "fp16x3w": ops/fp16x3_linear.py: x and w brought into fp16's range by powers of two and split into fp16
+      halves (x per row and 64-column block, in a pass before the GEMM; w per output channel), three fp16
+      tensor-core products per product, as accurate as "tf32x3w" at twice its tensor-core rate. `split` =
+      split_weight(weight, "fp16x3w"), packed; without it the weight is split on every call (in torch).
+      Off Triton the same splits multiply in an fp32 matmul.
     "bf16x3": every fp32 value v is split v = hi + lo with hi = bf16(v), lo = bf16(v - hi) (16 of fp32's 24
       mantissa bits), and x w ~ x_hi w_hi + x_lo w_hi + x_hi w_lo (x_lo w_lo dropped): ONE cuBLAS bf16 GEMM
       over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.
       ~1e-5 relative per product (bf16 alone: ~4e-3); tests/test_codec.py states the bounds. Off CUDA the
       same products run as an fp32 matmul of the bf16 parts (exact products, fp32 sums)."""
+    lead, k = x.shape[:-1], x.shape[-1]
     if split is not None and takes_split(gemm, x):
-        w_hi, w_lo = split
-        return fp32_linear(x, w_hi, bias, gelu, presplit=True, residual=residual, weight_lo=w_lo)
+        r2 = None if residual is None else residual.reshape(-1, weight.shape[0])
+        return _linear_2d(x.reshape(-1, k), weight.shape, gemm, split, bias, gelu, r2).view(*lead, -1)
     gemm = gemm_path(gemm, x)
+    if gemm == "fp16x3w":
+        r2 = None if residual is None else residual.reshape(-1, weight.shape[0])
+        y = fp16x3_linear(split_fp16_rows(x), _fp16_weight(None, weight), bias, gelu, r2)
+        return y.view(*lead, -1)
     if gemm in ("tf32x3", "tf32x3w"):
         return fp32_linear(x, weight, bias, gelu, presplit=gemm == "tf32x3w", residual=residual)
     if gemm == "ieee":
@@ -201,13 +246,13 @@ def upsample_channels_last(x: torch.Tensor, weight: torch.Tensor, gemm: str,
                            split: torch.Tensor | None = None) -> torch.Tensor:
     """`upsample` channels-last: x [B, L, C_in] -> [B, L k, C_out]. The weight's rows are ordered (tap j,
     output channel o), so the GEMM's output [B, L, k C_out] already is [B, L k, C_out] in memory (no
-    permute of the activations). `split`: split_tf32(channels_last_weight(weight)), [2, k C_out, C_in],
-    built once (RVQCodec.presplit_weights); where the GEMM takes it (`takes_split`) neither the reorder
-    nor the split runs per call, elsewhere the weight is reordered here (one copy of a few MB)."""
+    permute of the activations). `split`: split_weight(channels_last_weight(weight), gemm), built once
+    (RVQCodec.presplit_weights); where the GEMM takes it (`takes_split`) neither the reorder nor the split
+    runs per call, elsewhere the weight is reordered here (one copy of a few MB)."""
     batch, length, c_in = x.shape
     c_out, k = weight.shape[1], weight.shape[2]
     if split is not None and takes_split(gemm, x):
-        y = fp32_linear(x, split[0], None, presplit=True, weight_lo=split[1])
+        y = _linear_2d(x.reshape(-1, c_in), (k * c_out, c_in), gemm, split, None, False, None)
     else:
         y = linear(x, channels_last_weight(weight), None, gemm)
     return y.view(batch, length * k, c_out)
@@ -241,8 +286,8 @@ class ConvNeXtBlock(nn.Module):
         self.norm = nn.LayerNorm(channels, eps=1e-6)
         self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
-        # split_tf32 of pwconv1/pwconv2's weight, [2, N, K], for `step` (decoder blocks only): derived, so
-        # not in the state_dict; empty unless RVQCodec.presplit_weights built them.
+        # split_weight of pwconv1/pwconv2's weight for `step` (decoder blocks only): derived, so not in the
+        # state_dict; empty unless RVQCodec.presplit_weights built them.
         self.register_buffer("pwconv1_split", torch.empty(0), persistent=False)
         self.register_buffer("pwconv2_split", torch.empty(0), persistent=False)
 
@@ -273,10 +318,18 @@ class ConvNeXtBlock(nn.Module):
             history.index_copy_(0, slots, x[:, x.shape[1] - self.history:])
         else:
             history.index_copy_(0, slots, torch.cat([history.index_select(0, slots), x], 1)[:, -self.history:])
-        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True,
-                   split=_built(self.pwconv1_split))
-        return linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm, residual=x,
-                      split=_built(self.pwconv2_split))
+        split1, split2 = _built(self.pwconv1_split), _built(self.pwconv2_split)
+        if split1 is not None and split2 is not None and takes_split(gemm, y) and gemm_path(gemm, y) == "fp16x3w":
+            # pwconv1's epilogue writes its output split, which is what pwconv2 reads: the 4C-wide
+            # activations never exist in fp32
+            w1, w2 = self.pwconv1.weight[:, :, 0], self.pwconv2.weight[:, :, 0]
+            h = fp16x3_linear(split_fp16_rows(y), unpack_weight_split(split1, *w1.shape), self.pwconv1.bias, gelu=True,
+                              split_out=True)
+            out = fp16x3_linear(h, unpack_weight_split(split2, *w2.shape), self.pwconv2.bias,
+                                residual=x.reshape(-1, x.shape[-1]))
+            return out.view(x.shape)
+        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True, split=split1)
+        return linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm, residual=x, split=split2)
 
     def init_weights(self, generator: torch.Generator) -> None:
         channels, kernel = self.dwconv.weight.shape[0], self.dwconv.weight.shape[-1]
@@ -419,7 +472,7 @@ class Latent2Wav(nn.Module):
             width_in = width
         layers.append(nn.Conv1d(width_in, cfg.n_fft + 2, 1, bias=False))
         self.layers = nn.ModuleList(layers)
-        # split_{i}: split_tf32(gemm_weight(layers[i])), [2, N, K], for the upsampling layers and the final
+        # split_{i}: split_weight(gemm_weight(layers[i]), gemm) for the upsampling layers and the final
         # conv in `step` (the ConvNeXt blocks hold their own); empty unless RVQCodec.presplit_weights built them.
         for i, layer in enumerate(layers):
             if not isinstance(layer, ConvNeXtBlock):
@@ -700,14 +753,16 @@ class RVQCodec(nn.Module):
     @torch.no_grad()
     def presplit_weights(self) -> None:
         """Split every decoder GEMM weight of decode_step (ConvNeXt pwconv1/pwconv2, the upsampling layers
-        in their channels-last row order, the final k=1 conv) into its TF32 halves once, split_tf32 ->
-        [2, N, K] buffers (Latent2Wav.step_gemms), so the tf32x3w GEMMs take them as they are: without
-        them every step runs split_tf32 over the ~92 M weights (0.26 ms in an H200 profile) and copies the
-        upsampling weights into their row order. With them decode_step took 0.38 / 0.36 / 0.47 / 0.44 ms less
-        at 8 / 32 / 64 / 128 calls on the H200, bit for bit the same output (scripts/bench_ops.py --only
-        codec, "tf32x3w split once"; 0.02 ms at 1 call, whose stage-1 and -2 GEMMs run IEEE). 2 x 4 bytes
-        per weight: 700 MiB at full size, counted by memory.derived_table_bytes. Built only where
-        decode_step reads them (`presplit_used`: tf32x3w on CUDA, or on the CPU under TRITON_INTERPRET=1)
+        in their channels-last row order, the final k=1 conv) once for the GEMM kernel that multiplies by it
+        (`split_weight`: TF32 halves for tf32x3w, scaled fp16 halves for fp16x3w) into buffers
+        (Latent2Wav.step_gemms), so the GEMMs take them as they are: for tf32x3w, without them every step
+        ran split_tf32 over the ~92 M weights (0.26 ms in an H200 profile) and copied the upsampling weights
+        into their row order; with them decode_step took 0.38 / 0.36 / 0.47 / 0.44 ms less at 8 / 32 / 64 /
+        128 calls on the H200, bit for bit the same output (scripts/bench_ops.py --only codec, session 10).
+        fp16x3w has no per-step split kernel (its weight split is torch code). Bytes per weight: 2 x 4
+        (tf32x3w: 700 MiB at full size) or 2 x 2 plus 4 per output channel (fp16x3w: 350 MiB), counted by
+        memory.derived_table_bytes. Built only where decode_step reads them (`presplit_used`: tf32x3w or
+        fp16x3w on CUDA, or on the CPU under TRITON_INTERPRET=1)
         and kept current from then on: re-split in place when weights are loaded (`weights_loaded`:
         load_state_dict, checkpoint.load_state, init_weights), rebuilt from the new weights after a cast
         or move, or dropped where no longer read (`_apply`). VoiceChat.cast_for_inference calls it.
@@ -728,16 +783,12 @@ class RVQCodec(nn.Module):
         device = self.decoder.layers[-1].weight.device
         build = presplit_used(self.gemm, device) and all(
             layer.weight.dtype == torch.float32 for _, _, layer in self.decoder.step_gemms())
+        gemm = resolve_gemm(self.gemm, device)
         for holder, name, layer in self.decoder.step_gemms():
             if not build:
                 setattr(holder, name, torch.empty(0, device=device))
                 continue
-            weight = gemm_weight(layer)
-            table = getattr(holder, name)
-            if table.shape != (2, *weight.shape) or table.device != weight.device:
-                table = torch.empty(2, *weight.shape, device=weight.device, dtype=torch.float32)
-            split_tf32(weight, out=table)
-            setattr(holder, name, table)
+            setattr(holder, name, split_weight(gemm_weight(layer), gemm, out=getattr(holder, name)))
 
     def _apply(self, fn, *args, **kwargs):
         if self.keep_presplit:  # not moved or cast: made again from the moved or cast weights below

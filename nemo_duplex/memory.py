@@ -127,30 +127,37 @@ def derived_table_bytes(cfg: ModelConfig, device: str | torch.device = "cuda") -
     - the talker's (EarTTS.build_tables): a text row per token id and the padded code table in the
       talker's dtype, the codebooks and their norms in fp32;
     - the codec's pre-split decoder GEMM weights (RVQCodec.presplit_weights), where they are built:
-      codec.presplit_used(cfg.codec.gemm, device), i.e. gemm "auto" or "tf32x3w" on CUDA, "tf32x3w" on the
-      CPU under TRITON_INTERPRET=1, nothing elsewhere (`codec_presplit_bytes`)."""
-    from .codec import presplit_used
+      codec.presplit_used(cfg.codec.gemm, device), i.e. gemm "auto", "tf32x3w" or "fp16x3w" on CUDA,
+      "tf32x3w" or "fp16x3w" on the CPU under TRITON_INTERPRET=1, nothing elsewhere (`codec_presplit_bytes`)."""
+    from .codec import presplit_used, resolve_gemm
 
     t = cfg.talker
     size = dtype_bytes(cfg.dtype.talker)
     text = cfg.llm.vocab_size * t.backbone.hidden_size * size
     code_table = t.num_quantizers * (t.codebook_size + 1) * t.latent_size * size
     books = t.num_quantizers * t.codebook_size * (t.latent_size + 1) * FLOAT32
-    codec = codec_presplit_bytes(cfg) if presplit_used(cfg.codec.gemm, torch.device(device)) else 0
+    device = torch.device(device)
+    codec = codec_presplit_bytes(cfg, resolve_gemm(cfg.codec.gemm, device)) if presplit_used(cfg.codec.gemm, device) else 0
     return text + code_table + books + codec
 
 
-def codec_presplit_bytes(cfg: ModelConfig) -> int:
-    """w_hi and w_lo in fp32 for every weight of the codec decoder's GEMMs in decode_step: per stage the
-    upsampling ConvTranspose1d (C_in x C_out x rate) and num_blocks ConvNeXt blocks' pwconv1 and pwconv2
-    (4 C^2 each); then the final k=1 conv (C x (n_fft + 2)). 700 MiB at full size."""
+def codec_presplit_bytes(cfg: ModelConfig, gemm: str) -> int:
+    """The split of every weight of the codec decoder's GEMMs in decode_step (codec.split_weight): per
+    stage the upsampling ConvTranspose1d (C_in x C_out x rate) and num_blocks ConvNeXt blocks' pwconv1 and
+    pwconv2 (4 C^2 each); then the final k=1 conv (C x (n_fft + 2)). "tf32x3w": w_hi and w_lo in fp32
+    (700 MiB at full size); "fp16x3w": both in fp16 and an fp32 scale per output channel (350 MiB)."""
     c = cfg.codec
-    weights, width_in = 0, c.latent_size
+    weights, channels, width_in = 0, 0, c.latent_size
     for width, rate in zip([c.base_hidden_size * m for m in reversed(c.channel_mult)], reversed(c.rates)):
         weights += width_in * width * rate + c.num_blocks * 2 * 4 * width * width
+        channels += width * rate + c.num_blocks * (4 * width + width)  # outputs: upsampling, pwconv1, pwconv2
         width_in = width
     weights += width_in * (c.n_fft + 2)
-    return 2 * FLOAT32 * weights
+    channels += c.n_fft + 2
+    if gemm == "tf32x3w":
+        return 2 * FLOAT32 * weights
+    assert gemm == "fp16x3w", gemm
+    return 2 * 2 * weights + FLOAT32 * channels
 
 
 class MemoryPlanError(ValueError):

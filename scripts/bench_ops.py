@@ -247,7 +247,8 @@ def bench_codec(device, smoke, quick, sweep):
     # (label, gemm, SPLIT_GEMM_MIN_ROWS): below that many rows a split GEMM falls back to the IEEE SGEMM;
     # the "min_rows" variants measure where the fallback should start (stage 1 has 9 rows per call)
     # ("no split-K": ops/fp32_linear.py's SPLIT_K_MAX = 1, every GEMM in one pass over K). The tf32x3w
-    # variants split the weights on every step, except "split once", last (the codec then keeps them):
+    # variants split the weights on every step, except "split once", last (the codec then keeps them; fp16x3w
+    # only that way, its per-step weight split being torch code):
     # RVQCodec.presplit_weights, what serving does (VoiceChat.cast_for_inference).
     default_min_rows, default_split = codec_module.SPLIT_GEMM_MIN_ROWS, fp32_linear_module.SPLIT_K_MAX
     variants = [("ieee", "ieee", default_min_rows, default_split),
@@ -259,6 +260,7 @@ def bench_codec(device, smoke, quick, sweep):
         variants += [(f"tf32x3w min_rows={r}", "tf32x3w", r, default_split)
                      for r in (0, 64, 256, 512) if r != default_min_rows]
     variants.append(("tf32x3w split once", "tf32x3w", default_min_rows, default_split))
+    variants.append(("fp16x3w split once", "fp16x3w", default_min_rows, default_split))  # session 11: the default
     for label, gemm, min_rows, split_max in variants:
         codec.gemm = gemm
         if label.endswith("split once"):

@@ -24,6 +24,8 @@ from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
 from ops.codebook_sum import _codebook_sum_kernel  # noqa: E402
 from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
 from ops.decode_attention import _decode_attention_vector_kernel  # noqa: E402
+from ops.fp16x3_linear import _fp16x3_kernel, _split_rows_kernel  # noqa: E402
+from ops.fp16x3_linear import _split_k_sum_kernel as _fp16x3_split_k_sum_kernel  # noqa: E402
 from ops.fp32_linear import _fp32_linear_kernel, _split_k_sum_kernel  # noqa: E402
 from ops.rmsnorm import _rms_norm_rope_kernel  # noqa: E402
 from ops.rnnt_commit import _rnnt_commit_kernel  # noqa: E402
@@ -66,6 +68,20 @@ for split_k in (1, 3):  # session 9: split-K (partial products to scratch, then 
               "SPLIT_K": split_k, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3)
 compile_(_split_k_sum_kernel, {"part_ptr": f32, "b_ptr": f32, "r_ptr": f32, "y_ptr": f32},
          {"SPLIT_K": 3, "HAS_BIAS": True, "GELU": True, "HAS_RESIDUAL": False, "BLOCK_M": 32, "BLOCK_N": 128},
+         num_warps=4)
+# Session 11: the codec's fp16x3 GEMM (split-K, and the epilogue that writes its output split), its split-K sum
+# and the activations' split.
+f16 = "*fp16"
+fp16x3_ptrs = {"xh_ptr": f16, "xl_ptr": f16, "xinv_ptr": f32, "wh_ptr": f16, "wl_ptr": f16, "winv_ptr": f32,
+               "b_ptr": f32, "r_ptr": f32, "y_ptr": f32, "yh_ptr": f16, "yl_ptr": f16, "yinv_ptr": f32, "part_ptr": f32}
+for split_k, split_out in ((1, True), (3, False)):
+    compile_(_fp16x3_kernel, fp16x3_ptrs,
+             {"K": 1536, "HAS_BIAS": True, "GELU": split_out, "HAS_RESIDUAL": not split_out, "SPLIT_OUT": split_out,
+              "SPLIT_K": split_k, "BLOCK_M": 128, "BLOCK_N": 128, "SCALE": 64, "GROUP_M": 8}, num_warps=8, num_stages=3)
+compile_(_fp16x3_split_k_sum_kernel, {n: t for n, t in fp16x3_ptrs.items() if not n[0] in "xw"},
+         {"SPLIT_K": 3, "HAS_BIAS": True, "GELU": True, "HAS_RESIDUAL": False, "SPLIT_OUT": True, "BLOCK_M": 32,
+          "BLOCK_N": 128, "SCALE": 64}, num_warps=4)
+compile_(_split_rows_kernel, {"x_ptr": f32, "hi_ptr": f16, "lo_ptr": f16, "inv_ptr": f32}, {"BLOCK_M": 32, "SCALE": 64},
          num_warps=4)
 # The talker's decode attention with its rows known 16-byte aligned must load 16 bytes at a time (session 9: the
 # 72-element key stride left Triton with 2-byte loads; docs/performance.md). Strides as runtime ints, as served.

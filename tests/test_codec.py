@@ -24,7 +24,7 @@ STREAM_ATOL = 1e-5  # stream vs one-shot, fp32 (only the summation order differs
 # Decode error against a float64 decode, per GEMM choice (|wav| <= 1). The iSTFT head amplifies the
 # decoder's relative error (magnitudes up to 100, phases), so the wav error is ~30x the per-GEMM error:
 # ieee / tf32x3 ~3e-6 measured on the tiny codec, bf16x3 ~1.4e-4 (per-GEMM ~5e-6 of sum |x w|).
-DECODE_ATOL = {"ieee": 2e-5, "tf32x3": 2e-5, "tf32x3w": 2e-5, "bf16x3": 1e-3}
+DECODE_ATOL = {"ieee": 2e-5, "tf32x3": 2e-5, "tf32x3w": 2e-5, "fp16x3w": 2e-5, "bf16x3": 1e-3}
 
 
 def _codec(seed: int = 0) -> RVQCodec:
@@ -206,7 +206,8 @@ def _decode_fp64(codec: RVQCodec, codes: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("gemm", ["ieee", pytest.param("tf32x3", marks=pytest.mark.triton_interpret),
-                                  pytest.param("tf32x3w", marks=pytest.mark.triton_interpret), "bf16x3"])
+                                  pytest.param("tf32x3w", marks=pytest.mark.triton_interpret),
+                                  pytest.param("fp16x3w", marks=pytest.mark.triton_interpret), "bf16x3"])
 def test_decode_error_per_gemm(gemm, monkeypatch):
     """One-shot decode and the stream against a float64 decode (DECODE_ATOL). tf32x3 runs the Triton
     kernel (through the interpreter on CPU: slow, so one call of one frame). The split GEMMs run at every
@@ -215,7 +216,7 @@ def test_decode_error_per_gemm(gemm, monkeypatch):
     codec = _codec()
     codec.gemm = gemm
     gen = torch.Generator().manual_seed(22)
-    codes = _codes(gen, 1, 1, 31) if gemm.startswith("tf32x3") else _codes(gen, 2, 3, 31)
+    codes = _codes(gen, 1, 1, 31) if gemm in ("tf32x3", "tf32x3w", "fp16x3w") else _codes(gen, 2, 3, 31)
     ref = _decode_fp64(codec, codes)
     assert (codec.decode(codes).double() - ref).abs().max() <= DECODE_ATOL[gemm]
     state = codec.allocate_stream_state(codes.shape[0] + 1, "cpu")
@@ -247,14 +248,22 @@ def _splits(codec: RVQCodec) -> list[torch.Tensor]:
 
 
 def _assert_splits_current(codec: RVQCodec) -> None:
-    """Every GEMM of decode_step has its split, the halves of its weight as the step multiplies by it
-    (upsampling weights reordered channels-last), from the weights as they are now."""
+    """Every GEMM of decode_step has its split for the codec's gemm, the halves of its weight as the step
+    multiplies by it (upsampling weights reordered channels-last), from the weights as they are now."""
+    from ops.fp16x3_linear import split_fp16_weight, unpack_weight_split
     from ops.fp32_linear import split_tf32_reference
 
+    gemm = codec_module.resolve_gemm(codec.gemm, codec.decoder.layers[-1].weight.device)
     for holder, name, layer in codec.decoder.step_gemms():
-        hi, lo = split_tf32_reference(codec_module.gemm_weight(layer))
+        weight = codec_module.gemm_weight(layer)
         table = getattr(holder, name)
-        assert table.shape == (2, *hi.shape) and torch.equal(table[0], hi) and torch.equal(table[1], lo), name
+        if gemm == "tf32x3w":
+            hi, lo = split_tf32_reference(weight)
+            assert table.shape == (2, *hi.shape) and torch.equal(table[0], hi) and torch.equal(table[1], lo), name
+        else:
+            assert gemm == "fp16x3w" and table.dtype == torch.float16, (gemm, table.dtype)
+            want = split_fp16_weight(weight)
+            assert all(torch.equal(a, e) for a, e in zip(unpack_weight_split(table, *weight.shape), want)), name
 
 
 def _no_splits(codec: RVQCodec) -> bool:
@@ -263,24 +272,29 @@ def _no_splits(codec: RVQCodec) -> bool:
 
 @pytest.mark.triton_interpret
 def test_a_split_is_read_only_where_the_gemm_takes_it(monkeypatch):
-    """linear and upsample_channels_last read `split` only in the Triton tf32x3w GEMM; every other path
-    reads the unsplit weight, bit for bit as without a split: the other gemm choices, the IEEE fallback
-    below SPLIT_GEMM_MIN_ROWS, and tf32x3w off Triton (the torch reference on the CPU without the
+    """linear and upsample_channels_last read `split` only in the Triton tf32x3w and fp16x3w GEMMs; every
+    other path reads the unsplit weight, bit for bit as without a split: the other gemm choices, the IEEE
+    fallback below SPLIT_GEMM_MIN_ROWS, and both off Triton (the torch reference on the CPU without the
     interpreter). A NaN split shows any read."""
+    from ops.fp16x3_linear import weight_split_numel
+
     gen = torch.Generator().manual_seed(23)
     min_rows = codec_module.SPLIT_GEMM_MIN_ROWS
     x = torch.randn(min_rows + 36, 24, generator=gen)
     w, b = torch.randn(40, 24, generator=gen) / 5, torch.randn(40, generator=gen)
     up = torch.randn(24, 8, 5, generator=gen) / 5   # ConvTranspose1d weight [C_in, C_out, k]
-    nan = torch.full((2, 40, 24), float("nan"))     # also [2, k C_out, C_in] for `up`
+    nan = {"tf32x3w": torch.full((2, 40, 24), float("nan")),   # also [2, k C_out, C_in] for `up`
+           "fp16x3w": torch.full((weight_split_numel(40, 24),), float("nan"), dtype=torch.float16)}
     for device, triton in ((KERNEL_DEVICE, True), ("cpu", False)):
         if not triton:
             monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        xd, wd, bd, upd, nand = (t.to(device) for t in (x, w, b, up, nan))
+        xd, wd, bd, upd = (t.to(device) for t in (x, w, b, up))
         with codec_module.exact_fp32(xd.device):
             for gemm in GEMMS:
                 for rows in (min_rows - 1, min_rows + 36):
-                    read = triton and codec_module.resolve_gemm(gemm, xd.device) == "tf32x3w" and rows >= min_rows
+                    resolved = codec_module.resolve_gemm(gemm, xd.device)
+                    read = triton and resolved in codec_module.PRESPLIT_GEMMS and rows >= min_rows
+                    nand = nan.get(resolved, nan["tf32x3w"]).to(device)
                     out = codec_module.linear(xd[:rows], wd, bd, gemm, split=nand)
                     up_out = codec_module.upsample_channels_last(xd[None, :rows], upd, gemm, split=nand)
                     if read:
@@ -291,22 +305,25 @@ def test_a_split_is_read_only_where_the_gemm_takes_it(monkeypatch):
 
 
 @pytest.mark.triton_interpret
-def test_presplit_decode_step_equals_the_per_step_split_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("gemm", ["tf32x3w", "fp16x3w"])
+def test_presplit_decode_step_equals_the_per_step_split_bit_for_bit(gemm, monkeypatch):
     """With the decoder's GEMM weights split once (presplit_weights), decode_step gives the per-step split
-    path's output bit for bit (the same products) and runs no split kernel; 2 rows per step put stage 1
-    (2 and 18 rows) below SPLIT_GEMM_MIN_ROWS, where the IEEE fallback must read the unsplit weights:
-    NaN in those splits changes nothing, NaN in a split the step takes shows up."""
+    path's output bit for bit (the same products; for fp16x3w also with pwconv1's output handed to pwconv2
+    split, against split again from fp32) and runs no weight split; 2 rows per step put stage 1 (2 and 18
+    rows) below SPLIT_GEMM_MIN_ROWS, where the IEEE fallback must read the unsplit weights: NaN in those
+    splits changes nothing, NaN in a split the step takes shows up."""
     from ops import fp32_linear as fp32_linear_module
 
     codec = _codec().to(KERNEL_DEVICE)
-    codec.gemm = "tf32x3w"
+    codec.gemm = gemm
     per_step = copy.deepcopy(codec)
     codec.presplit_weights()
     _assert_splits_current(codec)
     assert _no_splits(per_step)
     splits = []
-    real_split = fp32_linear_module.split_tf32
-    monkeypatch.setattr(fp32_linear_module, "split_tf32", lambda w, out=None: splits.append(1) or real_split(w, out))
+    module, name = (fp32_linear_module, "split_tf32") if gemm == "tf32x3w" else (codec_module, "split_fp16_weight")
+    real_split = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda w, out=None: splits.append(1) or real_split(w, out))
     gen = torch.Generator().manual_seed(24)
     codes = _codes(gen, 2, 2, 31).to(KERNEL_DEVICE)
     slots = torch.tensor([2, 0], device=KERNEL_DEVICE)
@@ -334,19 +351,20 @@ def test_presplit_decode_step_equals_the_per_step_split_bit_for_bit(monkeypatch)
 
 
 @pytest.mark.triton_interpret
-def test_presplit_weights_follow_loads_and_casts(monkeypatch):
+@pytest.mark.parametrize("gemm", ["tf32x3w", "fp16x3w"])
+def test_presplit_weights_follow_loads_and_casts(gemm, monkeypatch):
     """The splits are never stale: load_state_dict and init_weights re-split them in place (the same
     memory, so a captured graph keeps reading them) and the step follows the new weights; a cast rebuilds
     them from the cast weights (none while not fp32); they exist only where a GEMM reads them."""
     codec = _codec(0).to(KERNEL_DEVICE)
-    codec.gemm = "tf32x3w"
+    codec.gemm = gemm
     codec.presplit_weights()
     pointers = [table.data_ptr() for table in _splits(codec)]
     codec.load_state_dict(_codec(1).state_dict())
     _assert_splits_current(codec)
     assert [table.data_ptr() for table in _splits(codec)] == pointers
     loaded = _codec(1).to(KERNEL_DEVICE)
-    loaded.gemm = "tf32x3w"
+    loaded.gemm = gemm
     codes = _codes(torch.Generator().manual_seed(25), 2, 31).to(KERNEL_DEVICE)
     slots = torch.tensor([0, 1], device=KERNEL_DEVICE)
     assert torch.equal(codec.decode_step(codes, codec.allocate_stream_state(3, KERNEL_DEVICE), slots),
@@ -375,18 +393,19 @@ def test_presplit_weights_follow_loads_and_casts(monkeypatch):
 
 # ---- streaming ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.triton_interpret)])
+@pytest.mark.parametrize("kernels", [None, pytest.param("tf32x3w", marks=pytest.mark.triton_interpret),
+                                     pytest.param("fp16x3w", marks=pytest.mark.triton_interpret)])
 def test_streaming_equals_one_shot_delayed(kernels, monkeypatch):
     """Three calls starting at different steps in one batch (plus a padding row on the sink, rows in a
     shuffled order each step), then a fourth call re-using the first call's slot after a reset. The state
     starts full of garbage: admission's reset must be enough. Each call's stream + flush must equal
     6 zeros followed by its one-shot decode. With `kernels`, decode_step runs the Triton kernels the GPU
-    runs (the fused depthwise conv + LayerNorm, the 3xTF32 GEMMs with their epilogues) through the
-    interpreter."""
+    runs (the fused depthwise conv + LayerNorm, the 3xTF32 or fp16x3 GEMMs with their epilogues) through
+    the interpreter."""
     codec = _codec()
     if kernels:
         monkeypatch.setattr(codec_module, "SPLIT_GEMM_MIN_ROWS", 0)
-        codec.gemm = "tf32x3w"
+        codec.gemm = kernels
     gen = torch.Generator().manual_seed(6)
     num_slots = 4
     sink = num_slots - 1
@@ -588,15 +607,16 @@ def test_gpu_full_size_streaming_in_a_cuda_graph(full_codec_cuda, gemm):
 
 
 @pytest.mark.gpu
-def test_gpu_full_size_presplit_step_equals_the_per_step_split(full_codec_cuda):
-    """Full size, gemm "auto" (tf32x3w on CUDA): decode_step with the decoder's GEMM weights split once
-    (presplit_weights, ~700 MiB) gives the per-step split's output bit for bit, at 1 call (stage 1 below
-    SPLIT_GEMM_MIN_ROWS: the IEEE fallback on the unsplit weights) and at 128 (every GEMM 3xTF32), eagerly
-    and replayed from a CUDA graph."""
+@pytest.mark.parametrize("gemm", ["auto", "tf32x3w"])
+def test_gpu_full_size_presplit_step_equals_the_per_step_split(full_codec_cuda, gemm):
+    """Full size, gemm "auto" (fp16x3w on CUDA) and tf32x3w: decode_step with the decoder's GEMM weights
+    split once (presplit_weights, ~350 / ~700 MiB) gives the per-step split's output bit for bit, at 1 call
+    (stage 1 below SPLIT_GEMM_MIN_ROWS: the IEEE fallback on the unsplit weights) and at 128 (every GEMM
+    split), eagerly and replayed from a CUDA graph."""
     per_step = full_codec_cuda.cuda()
     split = copy.deepcopy(per_step)
     try:
-        per_step.gemm = split.gemm = "auto"
+        per_step.gemm = split.gemm = gemm
         split.presplit_weights()
         _assert_splits_current(split)
         gen = torch.Generator().manual_seed(13)
@@ -625,7 +645,8 @@ def test_gpu_full_size_presplit_step_equals_the_per_step_split(full_codec_cuda):
 
 
 # Full-size decode on the H200 against a float64 decode (|wav| <= 1), per GEMM choice.
-GPU_DECODE_ATOL = {"ieee": 1e-4, "tf32x3": 1e-4, "tf32x3w": 1e-4, "auto": 1e-4, "bf16x3": 3e-3}  # auto = tf32x3 on CUDA
+GPU_DECODE_ATOL = {"ieee": 1e-4, "tf32x3": 1e-4, "tf32x3w": 1e-4, "fp16x3w": 1e-4, "auto": 1e-4,  # auto = fp16x3w on CUDA
+                   "bf16x3": 3e-3}
 
 
 @pytest.mark.gpu

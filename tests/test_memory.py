@@ -77,24 +77,27 @@ def test_weight_bytes_match_a_real_model(tiny):
     # on the CPU (no interpreter here) gemm "auto" is IEEE: the codec keeps no pre-split weights
     assert weight_bytes(tiny_config(), longest_token, device="cpu") == real
     assert weight_bytes(tiny_config(), device="cpu") < real
-    assert weight_bytes(tiny_config(), longest_token) == real + codec_presplit_bytes(tiny_config())   # on CUDA
+    # on CUDA "auto" is fp16x3w, whose weights are split once
+    assert weight_bytes(tiny_config(), longest_token) == real + codec_presplit_bytes(tiny_config(), "fp16x3w")
 
 
 @pytest.mark.triton_interpret
-def test_weight_bytes_count_the_codecs_presplit_weights():
-    """Where decode_step's GEMMs run the pre-split 3xTF32 kernel (gemm tf32x3w on the CPU under the
-    interpreter here; "auto" or "tf32x3w" on CUDA), cast_for_inference keeps every decoder GEMM weight split
-    in two fp32 halves (RVQCodec.presplit_weights), and weight_bytes counts them exactly."""
+@pytest.mark.parametrize("gemm", ["tf32x3w", "fp16x3w"])
+def test_weight_bytes_count_the_codecs_presplit_weights(gemm):
+    """Where decode_step's GEMMs run a pre-split kernel (gemm tf32x3w or fp16x3w on the CPU under the
+    interpreter here; also "auto" on CUDA), cast_for_inference keeps every decoder GEMM weight split (two
+    fp32 halves, or two fp16 halves and a scale per output channel: RVQCodec.presplit_weights), and
+    weight_bytes counts them exactly."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = tiny_config()
-    cfg = replace(cfg, codec=replace(cfg.codec, gemm="tf32x3w"))
+    cfg = replace(cfg, codec=replace(cfg.codec, gemm=gemm))
     model = VoiceChat(cfg).to(device).cast_for_inference()
     model.perception.prepare_stream()
     model.codec.prvq.stacked()
     real = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     splits = [getattr(holder, name) for holder, name, _ in model.codec.decoder.step_gemms()]
     split_bytes = sum(t.numel() * t.element_size() for t in splits)
-    assert split_bytes == codec_presplit_bytes(cfg) > 0 and all(t.numel() for t in splits)
+    assert split_bytes == codec_presplit_bytes(cfg, gemm) > 0 and all(t.numel() for t in splits)
     assert weight_bytes(cfg, device=device) == real
 
 
@@ -108,12 +111,14 @@ def test_full_size_weights_match_the_step_benchmark():
     cfg = inference_config(_full_size_config(), "bf16")
     tables = derived_table_bytes(cfg)
     talker = 131072 * 1152 * 2 + 31 * 1025 * 512 * 2 + 31 * 1024 * 513 * 4
-    # the codec's decoder GEMM weights split in two fp32 halves on CUDA (RVQCodec.presplit_weights): per
-    # stage the upsampling layer and three ConvNeXt blocks' pwconv1 + pwconv2, then the final conv
-    presplit = 2 * 4 * (512 * 1536 * 9 + 3 * 2 * 6144 * 1536 + 1536 * 768 * 7 + 3 * 2 * 3072 * 768
-                        + 768 * 384 * 7 + 3 * 2 * 1536 * 384 + 384 * 18)
-    assert presplit == 733_796_352
-    assert tables == talker + presplit
+    # the codec's decoder GEMM weights split on CUDA ("auto" = fp16x3w: two fp16 halves per weight and an
+    # fp32 scale per output channel; RVQCodec.presplit_weights): per stage the upsampling layer and three
+    # ConvNeXt blocks' pwconv1 + pwconv2, then the final conv
+    weights = (512 * 1536 * 9 + 3 * 2 * 6144 * 1536 + 1536 * 768 * 7 + 3 * 2 * 3072 * 768
+               + 768 * 384 * 7 + 3 * 2 * 1536 * 384 + 384 * 18)
+    channels = 1536 * 9 + 3 * (6144 + 1536) + 768 * 7 + 3 * (3072 + 768) + 384 * 7 + 3 * (1536 + 384) + 18
+    assert 2 * 4 * weights == 733_796_352 == codec_presplit_bytes(cfg, "tf32x3w")
+    assert tables == talker + 2 * 2 * weights + 4 * channels
     assert derived_table_bytes(cfg, "cpu") == talker   # the CPU without the interpreter: gemm "auto" is IEEE
     w = weight_bytes(cfg)
     assert params + tables <= w < params * 1.01 + tables
