@@ -311,20 +311,22 @@ class ConvNeXtBlock(nn.Module):
         LayerNorm are one kernel reading the history where it is (ops/dwconv_layernorm.py); the skip is
         added in the second GEMM's epilogue. Same sums as `forward_padded` up to their order. The k=1
         convs take their weights' pre-split halves where built (RVQCodec.presplit_weights)."""
+        split1, split2 = _built(self.pwconv1_split), _built(self.pwconv2_split)
+        # fp16x3w with the splits built: the conv + norm kernel writes its output split for pwconv1, and
+        # pwconv1's epilogue writes its output split for pwconv2, so neither activation is split by a pass
+        # of its own (and the 4C-wide one never exists in fp32)
+        fp16_chain = (split1 is not None and split2 is not None and takes_split(gemm, x)
+                      and gemm_path(gemm, x) == "fp16x3w")
         y = dwconv_layer_norm(x, history, slots, self.dwconv.weight, self.dwconv.bias, self.norm.weight,
-                              self.norm.bias, self.norm.eps)
+                              self.norm.bias, self.norm.eps, split=fp16_chain)
         # after the read above: the last k-1 input frames (fewer new frames than that: some old ones stay)
         if x.shape[1] >= self.history:
             history.index_copy_(0, slots, x[:, x.shape[1] - self.history:])
         else:
             history.index_copy_(0, slots, torch.cat([history.index_select(0, slots), x], 1)[:, -self.history:])
-        split1, split2 = _built(self.pwconv1_split), _built(self.pwconv2_split)
-        if split1 is not None and split2 is not None and takes_split(gemm, y) and gemm_path(gemm, y) == "fp16x3w":
-            # pwconv1's epilogue writes its output split, which is what pwconv2 reads: the 4C-wide
-            # activations never exist in fp32
+        if fp16_chain:
             w1, w2 = self.pwconv1.weight[:, :, 0], self.pwconv2.weight[:, :, 0]
-            h = fp16x3_linear(split_fp16_rows(y), unpack_weight_split(split1, *w1.shape), self.pwconv1.bias, gelu=True,
-                              split_out=True)
+            h = fp16x3_linear(y, unpack_weight_split(split1, *w1.shape), self.pwconv1.bias, gelu=True, split_out=True)
             out = fp16x3_linear(h, unpack_weight_split(split2, *w2.shape), self.pwconv2.bias,
                                 residual=x.reshape(-1, x.shape[-1]))
             return out.view(x.shape)

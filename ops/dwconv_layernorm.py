@@ -11,6 +11,10 @@ and four round trips through memory per block, ~2.5 ms of a 52 ms step at N=128 
 docs/performance.md, session 5 profile). Here each program reads its BLOCK_L output frames' k input frames
 straight from x or the history (no cat), and writes y channels-last, ready for the pointwise GEMMs.
 
+With `split` (the codec's fp16x3w GEMMs, ops/fp16x3_linear.py) y is written as the next GEMM reads it:
+fp16 halves and a power-of-two scale per 64 channels, the same bits as splitting the fp32 y afterwards,
+without the pass over y that splitting it would take.
+
 Layout: x [B, L, C], history [S, k-1, C], y [B, L, C], all channels-contiguous fp32. The history is only
 read; the caller moves it on afterwards (so no program reads a row another one has already overwritten).
 Sums in fp32 in the order j = 0..k-1 (cuDNN's order is its own: the test states the tolerance).
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
+from ops.fp16x3_linear import SCALE_BLOCK, Fp16Split, _pow2_scale, split_fp16_rows_reference
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -45,12 +50,14 @@ def dwconv_layer_norm_reference(x: torch.Tensor, history: torch.Tensor, slots: t
 
 @triton.jit
 def _dwconv_layer_norm_kernel(
-    x_ptr, hist_ptr, slots_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, y_ptr, L, eps,
+    x_ptr, hist_ptr, slots_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, y_ptr, yh_ptr, yl_ptr, yinv_ptr, L, eps,
     stride_xb, stride_xl, stride_hs, stride_hl, stride_yb, stride_yl,
-    C: tl.constexpr, KSIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+    C: tl.constexpr, KSIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     """Program (row b, block of BLOCK_L output frames): all C channels of each frame, so the LayerNorm's
-    reductions stay in the program."""
+    reductions stay in the program. SPLIT: y to yh / yl [B L, C] fp16 and yinv [B L, ceil(C / SCALE)]
+    (BLOCK_C a multiple of SCALE; padding channels are 0, so they change no scale)."""
     b = tl.program_id(0).to(tl.int64)
     ls = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     cs = tl.arange(0, BLOCK_C)
@@ -76,33 +83,58 @@ def _dwconv_layer_norm_kernel(
     nw = tl.load(nw_ptr + cs, mask=c_mask, other=0.0)
     nb = tl.load(nb_ptr + cs, mask=c_mask, other=0.0)
     y = centred * rstd[:, None] * nw[None, :] + nb[None, :]
-    tl.store(y_ptr + b * stride_yb + ls[:, None] * stride_yl + cs[None, :], y,
-             mask=l_mask[:, None] & c_mask[None, :])
+    mask = l_mask[:, None] & c_mask[None, :]
+    if SPLIT:
+        SCALES: tl.constexpr = BLOCK_C // SCALE
+        blocks = tl.reshape(y, (BLOCK_L, SCALES, SCALE))
+        scale, inv = _pow2_scale(tl.max(tl.abs(blocks), axis=2))
+        scaled = tl.reshape(blocks * scale[:, :, None], (BLOCK_L, BLOCK_C))
+        hi = scaled.to(tl.float16)
+        rows = b * L + ls  # row of the [B L, C] split
+        tl.store(yh_ptr + rows[:, None] * C + cs[None, :], hi, mask=mask)
+        tl.store(yl_ptr + rows[:, None] * C + cs[None, :], (scaled - hi.to(tl.float32)).to(tl.float16), mask=mask)
+        n_blocks: tl.constexpr = (C + SCALE - 1) // SCALE
+        block_ids = tl.arange(0, SCALES)
+        tl.store(yinv_ptr + rows[:, None] * n_blocks + block_ids[None, :], inv,
+                 mask=l_mask[:, None] & (block_ids < n_blocks)[None, :])
+    else:
+        tl.store(y_ptr + b * stride_yb + ls[:, None] * stride_yl + cs[None, :], y, mask=mask)
 
 
 def dwconv_layer_norm_triton(x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor,
                              conv_weight: torch.Tensor, conv_bias: torch.Tensor, norm_weight: torch.Tensor,
-                             norm_bias: torch.Tensor, eps: float) -> torch.Tensor:
+                             norm_bias: torch.Tensor, eps: float, split: bool = False) -> torch.Tensor | Fp16Split:
     batch, length, channels = x.shape
     ksize = conv_weight.shape[-1]
     assert x.dtype == history.dtype == conv_weight.dtype == torch.float32
     assert history.shape[1:] == (ksize - 1, channels) and conv_weight.shape == (channels, 1, ksize)
     x = x if x.stride(-1) == 1 else x.contiguous()
     history = history if history.stride(-1) == 1 else history.contiguous()
-    y = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
+    if split:
+        rows = batch * length
+        y = torch.empty(0, device=x.device)  # unwritten
+        out = Fp16Split(torch.empty(rows, channels, device=x.device, dtype=torch.float16),
+                        torch.empty(rows, channels, device=x.device, dtype=torch.float16),
+                        torch.empty(rows, triton.cdiv(channels, SCALE_BLOCK), device=x.device, dtype=torch.float32))
+    else:
+        y = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
+        out = Fp16Split(y, y, y)  # unwritten
     if batch == 0 or length == 0:
-        return y
+        return out if split else y
     block_c = triton.next_power_of_2(channels)
+    if split:
+        block_c = max(block_c, SCALE_BLOCK)
     # ~4096 fp32 values per tile: 32 per thread at 4 warps, for the accumulator and each loaded tap
     block_l = max(1, min(triton.next_power_of_2(length), 4096 // block_c))
     grid = (batch, triton.cdiv(length, block_l))
     _dwconv_layer_norm_kernel[grid](
         x, history, slots, conv_weight.reshape(channels, ksize).contiguous(), conv_bias.contiguous(),
-        norm_weight.contiguous(), norm_bias.contiguous(), y, length, eps,
-        x.stride(0), x.stride(1), history.stride(0), history.stride(1), y.stride(0), y.stride(1),
-        C=channels, KSIZE=ksize, BLOCK_L=block_l, BLOCK_C=block_c, num_warps=4,
+        norm_weight.contiguous(), norm_bias.contiguous(), y, out.hi, out.lo, out.inv, length, eps,
+        x.stride(0), x.stride(1), history.stride(0), history.stride(1), y.stride(0) if not split else 0,
+        y.stride(1) if not split else 0,
+        C=channels, KSIZE=ksize, BLOCK_L=block_l, BLOCK_C=block_c, SPLIT=split, SCALE=SCALE_BLOCK, num_warps=4,
     )
-    return y
+    return out if split else y
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,11 +154,32 @@ def _(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op("nemo_duplex::dwconv_layer_norm_split", mutates_args=())
+def dwconv_layer_norm_split_op(x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
+                               conv_bias: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(dwconv_layer_norm_triton(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps,
+                                          split=True))
+
+
+@dwconv_layer_norm_split_op.register_fake
+def _(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps):
+    rows, channels = x.shape[0] * x.shape[1], x.shape[2]
+    return (x.new_empty(rows, channels, dtype=torch.float16), x.new_empty(rows, channels, dtype=torch.float16),
+            x.new_empty(rows, triton.cdiv(channels, SCALE_BLOCK)))
+
+
 def dwconv_layer_norm(x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
                       conv_bias: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
-                      eps: float) -> torch.Tensor:
+                      eps: float, split: bool = False) -> torch.Tensor | Fp16Split:
     """x [B, L, C] new frames, history [S, k-1, C] (row slots[b] precedes x[b]), conv_weight [C, 1, k],
-    conv_bias / norm_weight / norm_bias [C] -> LayerNorm(causal depthwise conv) [B, L, C], fp32."""
+    conv_bias / norm_weight / norm_bias [C] -> LayerNorm(causal depthwise conv) [B, L, C], fp32; with
+    `split`, its fp16x3 split with rows flattened (ops/fp16x3_linear.py: [B L, C] halves, [B L, C / 64]
+    scales), as split_fp16_rows of the fp32 result gives it."""
     if use_triton(x):
+        if split:
+            return Fp16Split(*dwconv_layer_norm_split_op(x, history, slots, conv_weight, conv_bias, norm_weight,
+                                                         norm_bias, float(eps)))
         return dwconv_layer_norm_op(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, float(eps))
-    return dwconv_layer_norm_reference(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps)
+    y = dwconv_layer_norm_reference(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps)
+    return split_fp16_rows_reference(y.reshape(-1, y.shape[-1])) if split else y

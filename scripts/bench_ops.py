@@ -261,6 +261,9 @@ def bench_codec(device, smoke, quick, sweep):
                      for r in (0, 64, 256, 512) if r != default_min_rows]
     variants.append(("tf32x3w split once", "tf32x3w", default_min_rows, default_split))
     variants.append(("fp16x3w split once", "fp16x3w", default_min_rows, default_split))  # session 11: the default
+    if not smoke:
+        variants += [(f"fp16x3w min_rows={r} split once", "fp16x3w", r, default_split)
+                     for r in (0, 256, 512) if r != default_min_rows]
     for label, gemm, min_rows, split_max in variants:
         codec.gemm = gemm
         if label.endswith("split once"):
