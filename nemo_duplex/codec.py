@@ -84,6 +84,15 @@ PRESPLIT_GEMMS = ("tf32x3w", "fp16x3w")  # the paths whose weights RVQCodec.pres
 # same sweep (docs/performance.md) puts the line at 64: N=1 / 8 / 32 / 64 / 128 = 1.15 / 1.63 / 3.65 / 6.16
 # / 10.89 ms against 1.20 / 2.31 / 4.15 / 6.19 / 10.90 at 512; 0 loses at N=1 (1.36: 9-row GEMMs).
 SPLIT_GEMM_MIN_ROWS = 64
+# The same line for "fp16x3w": none. The session-11 sweep (scripts/bench_ops.py --only codec, H200,
+# docs/performance.md): decode_step at N=1 / 8 / 32 / 64 / 128 = 0.65 / 0.87 / 2.08 / 3.59 / 6.63 ms with
+# every GEMM on the fp16 kernel, against 1.08 / 0.93 / 2.14 / 3.59 / 6.61 with the IEEE SGEMM below 64 rows.
+FP16X3_MIN_ROWS = 0
+
+
+def split_min_rows(gemm: str) -> int:
+    """Rows below which the split GEMM `gemm` falls back to the IEEE SGEMM."""
+    return FP16X3_MIN_ROWS if gemm == "fp16x3w" else SPLIT_GEMM_MIN_ROWS
 
 
 def resolve_gemm(gemm: str, device: torch.device) -> str:
@@ -97,9 +106,9 @@ def resolve_gemm(gemm: str, device: torch.device) -> str:
 
 def gemm_path(gemm: str, x: torch.Tensor) -> str:
     """The GEMM `linear` runs for x [..., K]: `resolve_gemm`, then "ieee" for the split GEMMs below
-    SPLIT_GEMM_MIN_ROWS rows."""
+    `split_min_rows` rows."""
     gemm = resolve_gemm(gemm, x.device)
-    if gemm in ("tf32x3", "bf16x3", *PRESPLIT_GEMMS) and x.numel() // x.shape[-1] < SPLIT_GEMM_MIN_ROWS:
+    if gemm in ("tf32x3", "bf16x3", *PRESPLIT_GEMMS) and x.numel() // x.shape[-1] < split_min_rows(gemm):
         return "ieee"
     return gemm
 
@@ -312,11 +321,12 @@ class ConvNeXtBlock(nn.Module):
         added in the second GEMM's epilogue. Same sums as `forward_padded` up to their order. The k=1
         convs take their weights' pre-split halves where built (RVQCodec.presplit_weights)."""
         split1, split2 = _built(self.pwconv1_split), _built(self.pwconv2_split)
-        # fp16x3w with the splits built: the conv + norm kernel writes its output split for pwconv1, and
+        # fp16x3w in the Triton kernels: the conv + norm kernel writes its output split for pwconv1, and
         # pwconv1's epilogue writes its output split for pwconv2, so neither activation is split by a pass
-        # of its own (and the 4C-wide one never exists in fp32)
-        fp16_chain = (split1 is not None and split2 is not None and takes_split(gemm, x)
-                      and gemm_path(gemm, x) == "fp16x3w")
+        # of its own (and the 4C-wide one never exists in fp32). The same with or without the weights split
+        # beforehand, so both give the same bits (the GPU's conv + norm reduces in another order when it
+        # writes the split: its fp32 output is not the same to the last bit).
+        fp16_chain = takes_split(gemm, x) and gemm_path(gemm, x) == "fp16x3w"
         y = dwconv_layer_norm(x, history, slots, self.dwconv.weight, self.dwconv.bias, self.norm.weight,
                               self.norm.bias, self.norm.eps, split=fp16_chain)
         # after the read above: the last k-1 input frames (fewer new frames than that: some old ones stay)
@@ -326,9 +336,8 @@ class ConvNeXtBlock(nn.Module):
             history.index_copy_(0, slots, torch.cat([history.index_select(0, slots), x], 1)[:, -self.history:])
         if fp16_chain:
             w1, w2 = self.pwconv1.weight[:, :, 0], self.pwconv2.weight[:, :, 0]
-            h = fp16x3_linear(y, unpack_weight_split(split1, *w1.shape), self.pwconv1.bias, gelu=True, split_out=True)
-            out = fp16x3_linear(h, unpack_weight_split(split2, *w2.shape), self.pwconv2.bias,
-                                residual=x.reshape(-1, x.shape[-1]))
+            h = fp16x3_linear(y, _fp16_weight(split1, w1), self.pwconv1.bias, gelu=True, split_out=True)
+            out = fp16x3_linear(h, _fp16_weight(split2, w2), self.pwconv2.bias, residual=x.reshape(-1, x.shape[-1]))
             return out.view(x.shape)
         y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True, split=split1)
         return linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm, residual=x, split=split2)

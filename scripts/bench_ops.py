@@ -251,6 +251,7 @@ def bench_codec(device, smoke, quick, sweep):
     # only that way, its per-step weight split being torch code):
     # RVQCodec.presplit_weights, what serving does (VoiceChat.cast_for_inference).
     default_min_rows, default_split = codec_module.SPLIT_GEMM_MIN_ROWS, fp32_linear_module.SPLIT_K_MAX
+    default_fp16_rows = codec_module.FP16X3_MIN_ROWS
     variants = [("ieee", "ieee", default_min_rows, default_split),
                 ("tf32x3", "tf32x3", default_min_rows, default_split),
                 ("tf32x3w", "tf32x3w", default_min_rows, default_split),
@@ -260,15 +261,15 @@ def bench_codec(device, smoke, quick, sweep):
         variants += [(f"tf32x3w min_rows={r}", "tf32x3w", r, default_split)
                      for r in (0, 64, 256, 512) if r != default_min_rows]
     variants.append(("tf32x3w split once", "tf32x3w", default_min_rows, default_split))
-    variants.append(("fp16x3w split once", "fp16x3w", default_min_rows, default_split))  # session 11: the default
+    variants.append(("fp16x3w split once", "fp16x3w", default_fp16_rows, default_split))  # session 11: the default
     if not smoke:
         variants += [(f"fp16x3w min_rows={r} split once", "fp16x3w", r, default_split)
-                     for r in (0, 256, 512) if r != default_min_rows]
+                     for r in (0, 64, 256) if r != default_fp16_rows]
     for label, gemm, min_rows, split_max in variants:
         codec.gemm = gemm
         if label.endswith("split once"):
             codec.presplit_weights()
-        codec_module.SPLIT_GEMM_MIN_ROWS = min_rows
+        codec_module.SPLIT_GEMM_MIN_ROWS = codec_module.FP16X3_MIN_ROWS = min_rows
         fp32_linear_module.SPLIT_K_MAX = split_max
         try:
             error = max_err(stream(), ref64)
@@ -280,7 +281,7 @@ def bench_codec(device, smoke, quick, sweep):
                 fn()
                 record("codec decode_step", f"N={n}", label, timed(fn, smoke), 0.0, error)
         finally:
-            codec_module.SPLIT_GEMM_MIN_ROWS = default_min_rows
+            codec_module.SPLIT_GEMM_MIN_ROWS, codec_module.FP16X3_MIN_ROWS = default_min_rows, default_fp16_rows
             fp32_linear_module.SPLIT_K_MAX = default_split
     codec.gemm = "ieee"
 

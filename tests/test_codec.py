@@ -274,9 +274,12 @@ def _no_splits(codec: RVQCodec) -> bool:
 def test_a_split_is_read_only_where_the_gemm_takes_it(monkeypatch):
     """linear and upsample_channels_last read `split` only in the Triton tf32x3w and fp16x3w GEMMs; every
     other path reads the unsplit weight, bit for bit as without a split: the other gemm choices, the IEEE
-    fallback below SPLIT_GEMM_MIN_ROWS, and both off Triton (the torch reference on the CPU without the
-    interpreter). A NaN split shows any read."""
+    fallback below `split_min_rows` (64 rows for tf32x3w; fp16x3w has none, so it is set to 64 here to test
+    its fallback too), and both off Triton (the torch reference on the CPU without the interpreter). A NaN
+    split shows any read."""
     from ops.fp16x3_linear import weight_split_numel
+
+    monkeypatch.setattr(codec_module, "FP16X3_MIN_ROWS", codec_module.SPLIT_GEMM_MIN_ROWS)
 
     gen = torch.Generator().manual_seed(23)
     min_rows = codec_module.SPLIT_GEMM_MIN_ROWS
@@ -308,10 +311,11 @@ def test_a_split_is_read_only_where_the_gemm_takes_it(monkeypatch):
 @pytest.mark.parametrize("gemm", ["tf32x3w", "fp16x3w"])
 def test_presplit_decode_step_equals_the_per_step_split_bit_for_bit(gemm, monkeypatch):
     """With the decoder's GEMM weights split once (presplit_weights), decode_step gives the per-step split
-    path's output bit for bit (the same products; for fp16x3w also with pwconv1's output handed to pwconv2
-    split, against split again from fp32) and runs no weight split; 2 rows per step put stage 1 (2 and 18
-    rows) below SPLIT_GEMM_MIN_ROWS, where the IEEE fallback must read the unsplit weights: NaN in those
-    splits changes nothing, NaN in a split the step takes shows up."""
+    path's output bit for bit (the same products; for fp16x3w the same chain of split activations, the
+    conv + norm's and pwconv1's outputs written split) and runs no weight split. tf32x3w: 2 rows per step
+    put stage 1 (2 and 18 rows) below SPLIT_GEMM_MIN_ROWS, where the IEEE fallback must read the unsplit
+    weights: NaN in those splits changes nothing; fp16x3w (no fallback) reads every split. NaN in a split
+    the step takes shows up."""
     from ops import fp32_linear as fp32_linear_module
 
     codec = _codec().to(KERNEL_DEVICE)
@@ -332,8 +336,9 @@ def test_presplit_decode_step_equals_the_per_step_split_bit_for_bit(gemm, monkey
     for t in range(2):
         splits.clear()
         want = per_step.decode_step(codes[:, t], state_per_step, slots)
-        # at or above 64 rows: stage 2's and 3's six pwconvs each, their upsampling layer, the final conv
-        assert len(splits) == 14
+        # tf32x3w, at or above 64 rows: stage 2's and 3's six pwconvs each, their upsampling layer, the final
+        # conv; fp16x3w: also stage 1's six and its upsampling layer
+        assert len(splits) == (14 if gemm == "tf32x3w" else 22)
         before = copy.deepcopy(state)
         splits.clear()
         got = codec.decode_step(codes[:, t], state, slots)
@@ -343,7 +348,12 @@ def test_presplit_decode_step_equals_the_per_step_split_bit_for_bit(gemm, monkey
         [codec.decoder.split_0, codec.decoder.split_4]
     for table in below:
         table.fill_(float("nan"))
-    assert torch.equal(codec.decode_step(codes[:, 1], copy.deepcopy(before), slots), want)
+    stage_1_nan = codec.decode_step(codes[:, 1], copy.deepcopy(before), slots)
+    if gemm == "tf32x3w":
+        assert torch.equal(stage_1_nan, want)   # below SPLIT_GEMM_MIN_ROWS: not read
+    else:
+        assert torch.isnan(stage_1_nan).all()   # no fallback: read
+        codec.weights_loaded()
     codec.decoder.split_12.fill_(float("nan"))
     assert torch.isnan(codec.decode_step(codes[:, 1], copy.deepcopy(before), slots)).all()
     codec.weights_loaded()   # re-split: every table current again
@@ -611,8 +621,8 @@ def test_gpu_full_size_streaming_in_a_cuda_graph(full_codec_cuda, gemm):
 def test_gpu_full_size_presplit_step_equals_the_per_step_split(full_codec_cuda, gemm):
     """Full size, gemm "auto" (fp16x3w on CUDA) and tf32x3w: decode_step with the decoder's GEMM weights
     split once (presplit_weights, ~350 / ~700 MiB) gives the per-step split's output bit for bit, at 1 call
-    (stage 1 below SPLIT_GEMM_MIN_ROWS: the IEEE fallback on the unsplit weights) and at 128 (every GEMM
-    split), eagerly and replayed from a CUDA graph."""
+    (tf32x3w: stage 1 below SPLIT_GEMM_MIN_ROWS, the IEEE fallback on the unsplit weights; fp16x3w has no
+    fallback) and at 128 (every GEMM split), eagerly and replayed from a CUDA graph."""
     per_step = full_codec_cuda.cuda()
     split = copy.deepcopy(per_step)
     try:
