@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
-from ops.fp16x3_linear import SCALE_BLOCK, Fp16Split, _pow2_scale, split_fp16_rows_reference
+from ops.fp16x3_linear import SCALE_BLOCK, Fp16Split, split_fp16_rows_reference, split_tile
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -85,16 +85,12 @@ def _dwconv_layer_norm_kernel(
     y = centred * rstd[:, None] * nw[None, :] + nb[None, :]
     mask = l_mask[:, None] & c_mask[None, :]
     if SPLIT:
-        SCALES: tl.constexpr = BLOCK_C // SCALE
-        blocks = tl.reshape(y, (BLOCK_L, SCALES, SCALE))
-        scale, inv = _pow2_scale(tl.max(tl.abs(blocks), axis=2))
-        scaled = tl.reshape(blocks * scale[:, :, None], (BLOCK_L, BLOCK_C))
-        hi = scaled.to(tl.float16)
+        hi, lo, inv = split_tile(y, BLOCK_L, BLOCK_C, SCALE)
         rows = b * L + ls  # row of the [B L, C] split
         tl.store(yh_ptr + rows[:, None] * C + cs[None, :], hi, mask=mask)
-        tl.store(yl_ptr + rows[:, None] * C + cs[None, :], (scaled - hi.to(tl.float32)).to(tl.float16), mask=mask)
+        tl.store(yl_ptr + rows[:, None] * C + cs[None, :], lo, mask=mask)
         n_blocks: tl.constexpr = (C + SCALE - 1) // SCALE
-        block_ids = tl.arange(0, SCALES)
+        block_ids = tl.arange(0, BLOCK_C // SCALE)
         tl.store(yinv_ptr + rows[:, None] * n_blocks + block_ids[None, :], inv,
                  mask=l_mask[:, None] & (block_ids < n_blocks)[None, :])
     else:

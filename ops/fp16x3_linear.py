@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ops import interpreting, sm_count, use_triton
-from ops.fp32_linear import pick_split_k
+from ops.fp32_linear import grouped_tile, pick_split_k
 
 # Columns of x per scale; the GEMM's K block (each block's three products are summed with one x scale).
 SCALE_BLOCK = 64
@@ -110,6 +110,19 @@ def _pow2_scale(amax):
 
 
 @triton.jit
+def split_tile(v, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE: tl.constexpr):
+    """An fp32 tile [ROWS, COLS] (COLS a multiple of SCALE) -> its halves [ROWS, COLS] fp16 and inverse
+    scales [ROWS, COLS // SCALE], one per SCALE columns: what a kernel writes where its output is the next
+    fp16x3 GEMM's x."""
+    SCALES: tl.constexpr = COLS // SCALE
+    blocks = tl.reshape(v, (ROWS, SCALES, SCALE))
+    scale, inv = _pow2_scale(tl.max(tl.abs(blocks), axis=2))
+    scaled = tl.reshape(blocks * scale[:, :, None], (ROWS, COLS))
+    hi = scaled.to(tl.float16)
+    return hi, (scaled - hi.to(tl.float32)).to(tl.float16), inv
+
+
+@triton.jit
 def _split_rows_kernel(x_ptr, hi_ptr, lo_ptr, inv_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr,
                        SCALE: tl.constexpr):
     """One BLOCK_M x SCALE tile: its rows' scales, then both halves."""
@@ -136,16 +149,7 @@ def _fp16x3_kernel(
 ):
     """One BLOCK_M x BLOCK_N tile of y, or with SPLIT_K > 1 its share of the K blocks (program axis 1) to
     part_ptr [SPLIT_K, M, N] for `_split_k_sum_kernel`. The K block is the x scale block (SCALE)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row tiles sweep the same column tiles (weight reuse in L2)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
-
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -195,16 +199,12 @@ def _epilogue(acc, rows, cols, pid_n, row_mask, col_mask, b_ptr, r_ptr, y_ptr, y
     if HAS_RESIDUAL:
         acc = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0) + acc
     if SPLIT_OUT:
-        SCALES: tl.constexpr = BLOCK_N // SCALE
-        blocks = tl.reshape(acc, (BLOCK_M, SCALES, SCALE))
-        scale, inv = _pow2_scale(tl.max(tl.abs(blocks), axis=2))
-        scaled = tl.reshape(blocks * scale[:, :, None], (BLOCK_M, BLOCK_N))
-        hi = scaled.to(tl.float16)
+        hi, lo, inv = split_tile(acc, BLOCK_M, BLOCK_N, SCALE)
         offsets = rows[:, None] * N + cols[None, :]
         tl.store(yh_ptr + offsets, hi, mask=out_mask)
-        tl.store(yl_ptr + offsets, (scaled - hi.to(tl.float32)).to(tl.float16), mask=out_mask)
+        tl.store(yl_ptr + offsets, lo, mask=out_mask)
         n_blocks = (N + SCALE - 1) // SCALE
-        block_ids = pid_n * SCALES + tl.arange(0, SCALES)
+        block_ids = pid_n * (BLOCK_N // SCALE) + tl.arange(0, BLOCK_N // SCALE)
         tl.store(yinv_ptr + rows[:, None] * n_blocks + block_ids[None, :], inv,
                  mask=row_mask[:, None] & (block_ids < n_blocks)[None, :])
     else:

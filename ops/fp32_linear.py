@@ -49,6 +49,19 @@ def _round_tf32(x):
 
 
 @triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program 0's id in grouped order: GROUP_M row tiles sweep the same column
+    tiles, so consecutive programs reuse the same weight columns from L2."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * tiles_n)) % group_size, (pid % (GROUP_M * tiles_n)) // group_size
+
+
+@triton.jit
 def _fp32_linear_kernel(
     x_ptr, w_ptr, wl_ptr, b_ptr, r_ptr, y_ptr, part_ptr, M, N,
     stride_xm, stride_wn, stride_rm, stride_ym,
@@ -63,16 +76,7 @@ def _fp32_linear_kernel(
     weight tiles go to the tensor cores as they are loaded and only x is split, in registers: the same
     products as tl.dot's "tf32x3" (x_lo w_hi + x_hi w_lo + x_hi w_hi, smallest first), without splitting
     the weight tile on every K step of every program. Otherwise tl.dot with input precision PRECISION."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row tiles sweep the same column tiles
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
-
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
