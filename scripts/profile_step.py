@@ -34,7 +34,7 @@ KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("decode attention", r"decode_attention|merge_splits"),
     ("mamba step", r"ssm_step|conv_step"),
     ("encoder attention", r"bounded_attention"),
-    ("fp32 GEMM (Triton)", r"fp32_linear|basis_matmul"),
+    ("fp32 GEMM (Triton)", r"fp32_linear|fp16x3|basis_matmul"),  # the codec's fp32-accurate GEMMs, the DFT
     ("GEMM (cuBLAS)", r"gemm|nvjet|xmma|cutlass|sm90_|sm80_"),
     ("Inductor fused", r"^triton_"),
     ("reduction", r"reduce|softmax|norm|topk|sort|scan|argmax"),
