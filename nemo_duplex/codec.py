@@ -72,7 +72,7 @@ def exact_fp32(device: torch.device):
 
 
 # ----------------------------------------------------------------------------------------------------
-# GEMMs in fp32, or fp32-accurate from bf16 tensor cores
+# GEMMs in fp32, or fp32-accurate from TF32 / fp16 / bf16 tensor cores
 # ----------------------------------------------------------------------------------------------------
 
 GEMMS = ("auto", "ieee", "tf32x3", "tf32x3w", "fp16x3w", "bf16x3")
@@ -121,9 +121,9 @@ def takes_split(gemm: str, x: torch.Tensor) -> bool:
 
 def presplit_used(gemm: str, device: torch.device) -> bool:
     """Whether decode_step's GEMMs on `device` can take pre-split weights, so RVQCodec.presplit_weights
-    builds them: `gemm` resolves to "tf32x3w" or "fp16x3w" there and the Triton kernel runs there (CUDA, or the CPU
-    under TRITON_INTERPRET=1: the tests). Elsewhere nothing would read them. Every GEMM gets its split:
-    whether its rows reach SPLIT_GEMM_MIN_ROWS depends on the batch bucket. memory.derived_table_bytes
+    builds them: `gemm` resolves to "tf32x3w" or "fp16x3w" there and the Triton kernel runs there (CUDA, or
+    the CPU under TRITON_INTERPRET=1: the tests). Elsewhere nothing would read them. Every GEMM gets its
+    split: whether its rows reach `split_min_rows` depends on the batch bucket. memory.derived_table_bytes
     counts them under the same condition."""
     device = torch.device(device)
     triton_there = device.type == "cuda" or (device.type == "cpu" and interpreting())

@@ -137,7 +137,9 @@ def derived_table_bytes(cfg: ModelConfig, device: str | torch.device = "cuda") -
     code_table = t.num_quantizers * (t.codebook_size + 1) * t.latent_size * size
     books = t.num_quantizers * t.codebook_size * (t.latent_size + 1) * FLOAT32
     device = torch.device(device)
-    codec = codec_presplit_bytes(cfg, resolve_gemm(cfg.codec.gemm, device)) if presplit_used(cfg.codec.gemm, device) else 0
+    codec = 0
+    if presplit_used(cfg.codec.gemm, device):
+        codec = codec_presplit_bytes(cfg, resolve_gemm(cfg.codec.gemm, device))
     return text + code_table + books + codec
 
 

@@ -12,8 +12,9 @@ docs/performance.md, session 5 profile). Here each program reads its BLOCK_L out
 straight from x or the history (no cat), and writes y channels-last, ready for the pointwise GEMMs.
 
 With `split` (the codec's fp16x3w GEMMs, ops/fp16x3_linear.py) y is written as the next GEMM reads it:
-fp16 halves and a power-of-two scale per 64 channels, the same bits as splitting the fp32 y afterwards,
-without the pass over y that splitting it would take.
+fp16 halves and a power-of-two scale per 64 channels, the same bits as split_fp16_rows of this y, without
+the pass over y that splitting it would take. (On the GPU this variant's layouts differ, so its reductions
+run in another order and its y may differ from the fp32 variant's in the last bit: measured, session 11.)
 
 Layout: x [B, L, C], history [S, k-1, C], y [B, L, C], all channels-contiguous fp32. The history is only
 read; the caller moves it on afterwards (so no program reads a row another one has already overwritten).
@@ -171,7 +172,8 @@ def dwconv_layer_norm(x: torch.Tensor, history: torch.Tensor, slots: torch.Tenso
     """x [B, L, C] new frames, history [S, k-1, C] (row slots[b] precedes x[b]), conv_weight [C, 1, k],
     conv_bias / norm_weight / norm_bias [C] -> LayerNorm(causal depthwise conv) [B, L, C], fp32; with
     `split`, its fp16x3 split with rows flattened (ops/fp16x3_linear.py: [B L, C] halves, [B L, C / 64]
-    scales), as split_fp16_rows of the fp32 result gives it."""
+    scales), as split_fp16_rows gives it (of this kernel's y, which on the GPU may differ from the fp32
+    variant's in the last bit)."""
     if use_triton(x):
         if split:
             return Fp16Split(*dwconv_layer_norm_split_op(x, history, slots, conv_weight, conv_bias, norm_weight,

@@ -143,7 +143,8 @@ def test_torch_path_multiplies_what_the_splits_stand_for(monkeypatch):
     assert torch.equal(out, fp16x3_linear_reference(merge_fp16_split(xs), merge_fp16_split(ws), b, True))
     assert all(torch.equal(a, e) for a, e in zip(fp16x3_linear(xs, ws, b, True, split_out=True),
                                                   split_fp16_rows_reference(out)))
-    assert torch.equal(fp16x3_linear(xs, ws, b, residual=r), r + F.linear(merge_fp16_split(xs), merge_fp16_split(ws), b))
+    merged = F.linear(merge_fp16_split(xs), merge_fp16_split(ws), b)
+    assert torch.equal(fp16x3_linear(xs, ws, b, residual=r), r + merged)
 
 
 def test_opcheck():
