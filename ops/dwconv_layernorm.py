@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ops import use_triton
+from ops import interpreting, use_triton
 from ops.fp16x3_linear import SCALE_BLOCK, Fp16Split, split_fp16_rows_reference, split_tile
 
 
@@ -121,8 +121,11 @@ def dwconv_layer_norm_triton(x: torch.Tensor, history: torch.Tensor, slots: torc
     block_c = triton.next_power_of_2(channels)
     if split:
         block_c = max(block_c, SCALE_BLOCK)
-    # ~4096 fp32 values per tile: 32 per thread at 4 warps, for the accumulator and each loaded tap
+    # ~4096 fp32 values per tile: 32 per thread at 4 warps, for the accumulator and each loaded tap; the
+    # interpreter (CPU tests) pays per program, so there one program takes a row's every frame
     block_l = max(1, min(triton.next_power_of_2(length), 4096 // block_c))
+    if interpreting():
+        block_l = triton.next_power_of_2(length)
     grid = (batch, triton.cdiv(length, block_l))
     _dwconv_layer_norm_kernel[grid](
         x, history, slots, conv_weight.reshape(channels, ksize).contiguous(), conv_bias.contiguous(),

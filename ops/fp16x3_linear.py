@@ -239,7 +239,7 @@ def split_fp16_rows_triton(x: torch.Tensor) -> Fp16Split:
     lo = torch.empty_like(hi)
     inv = torch.empty(m, blocks, device=x.device, dtype=torch.float32)
     if m:
-        block_m = 256 if interpreting() else 32
+        block_m = 1024 if interpreting() else 32
         _split_rows_kernel[(triton.cdiv(m, block_m), blocks)](x, hi, lo, inv, m, k, x.stride(0), BLOCK_M=block_m,
                                                                SCALE=SCALE_BLOCK)
     return Fp16Split(hi, lo, inv)
@@ -276,7 +276,7 @@ def fp16x3_linear_triton(x: Fp16Split, weight: Fp16Split, bias: torch.Tensor | N
     if m == 0:
         return out if split_out else y
     if tiles is None:  # the interpreter pays per program: large tiles on the CPU
-        tiles = (256, 128, 4, 1) if interpreting() else TILES
+        tiles = (1024, 128, 4, 1) if interpreting() else TILES
     block_m, block_n, num_warps, num_stages = tiles
     assert block_n % SCALE_BLOCK == 0, "an output tile holds whole scale blocks"
     output_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
