@@ -326,7 +326,7 @@ class ConvNeXtBlock(nn.Module):
         # of its own (and the 4C-wide one never exists in fp32). The same with or without the weights split
         # beforehand, so both give the same bits (the GPU's conv + norm reduces in another order when it
         # writes the split: its fp32 output is not the same to the last bit).
-        fp16_chain = takes_split(gemm, x) and gemm_path(gemm, x) == "fp16x3w"
+        fp16_chain = gemm_path(gemm, x) == "fp16x3w" and use_triton(x)
         y = dwconv_layer_norm(x, history, slots, self.dwconv.weight, self.dwconv.bias, self.norm.weight,
                               self.norm.bias, self.norm.eps, split=fp16_chain)
         # after the read above: the last k-1 input frames (fewer new frames than that: some old ones stay)

@@ -131,12 +131,10 @@ def _split_rows_kernel(x_ptr, hi_ptr, lo_ptr, inv_ptr, M, K, stride_xm, BLOCK_M:
     ks = block * SCALE + tl.arange(0, SCALE)
     mask = (rows < M)[:, None] & (ks < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
-    scale, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
-    scaled = x * scale[:, None]
-    hi = scaled.to(tl.float16)
+    hi, lo, inv = split_tile(x, BLOCK_M, SCALE, SCALE)  # inv [BLOCK_M, 1]: the tile is one scale block
     tl.store(hi_ptr + rows[:, None] * K + ks[None, :], hi, mask=mask)
-    tl.store(lo_ptr + rows[:, None] * K + ks[None, :], (scaled - hi.to(tl.float32)).to(tl.float16), mask=mask)
-    tl.store(inv_ptr + rows * tl.num_programs(1) + block, inv, mask=rows < M)
+    tl.store(lo_ptr + rows[:, None] * K + ks[None, :], lo, mask=mask)
+    tl.store(inv_ptr + rows[:, None] * tl.num_programs(1) + block, inv, mask=(rows < M)[:, None])
 
 
 @triton.jit
