@@ -321,14 +321,13 @@ class ConvNeXtBlock(nn.Module):
         added in the second GEMM's epilogue. Same sums as `forward_padded` up to their order. The k=1
         convs take their weights' pre-split halves where built (RVQCodec.presplit_weights)."""
         split1, split2 = _built(self.pwconv1_split), _built(self.pwconv2_split)
-        # fp16x3w in the Triton kernels: the conv + norm kernel writes its output split for pwconv1, and
-        # pwconv1's epilogue writes its output split for pwconv2, so neither activation is split by a pass
-        # of its own (and the 4C-wide one never exists in fp32). The same with or without the weights split
-        # beforehand, so both give the same bits (the GPU's conv + norm reduces in another order when it
-        # writes the split: its fp32 output is not the same to the last bit).
+        # fp16x3w in the Triton kernels: pwconv1's epilogue writes its output split for pwconv2, so the 4C-wide
+        # activation never exists in fp32; the conv + norm output is split by a pass of its own (faster on the
+        # H200 than the conv + norm kernel writing it split: ops/dwconv_layernorm.py). The same with or
+        # without the weights split beforehand, so both give the same bits.
         fp16_chain = gemm_path(gemm, x) == "fp16x3w" and use_triton(x)
         y = dwconv_layer_norm(x, history, slots, self.dwconv.weight, self.dwconv.bias, self.norm.weight,
-                              self.norm.bias, self.norm.eps, split=fp16_chain)
+                              self.norm.bias, self.norm.eps)
         # after the read above: the last k-1 input frames (fewer new frames than that: some old ones stay)
         if x.shape[1] >= self.history:
             history.index_copy_(0, slots, x[:, x.shape[1] - self.history:])
@@ -336,7 +335,8 @@ class ConvNeXtBlock(nn.Module):
             history.index_copy_(0, slots, torch.cat([history.index_select(0, slots), x], 1)[:, -self.history:])
         if fp16_chain:
             w1, w2 = self.pwconv1.weight[:, :, 0], self.pwconv2.weight[:, :, 0]
-            h = fp16x3_linear(y, _fp16_weight(split1, w1), self.pwconv1.bias, gelu=True, split_out=True)
+            h = fp16x3_linear(split_fp16_rows(y.view(-1, y.shape[-1])), _fp16_weight(split1, w1), self.pwconv1.bias,
+                              gelu=True, split_out=True)
             out = fp16x3_linear(h, _fp16_weight(split2, w2), self.pwconv2.bias, residual=x.reshape(-1, x.shape[-1]))
             return out.view(x.shape)
         y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True, split=split1)

@@ -28,13 +28,30 @@ def embedded_checkpoint(mcfg: ModelConfig, seed: int = 0) -> Path:
     return out
 
 
+BLAS_LIBRARIES = ("cublaslt", "cublas")
+
+
+def select_blas(library: str) -> None:
+    """The library torch's CUDA bf16 / fp32 GEMMs go through, for the whole process (graphs capture the
+    kernels it picks, so this comes before any capture). "cublaslt" (the default, `engine.blas_library`):
+    its heuristics pick faster kernels for the step's 32- and 128-row GEMMs than cuBLAS's on the H200, the
+    two captured side by side in one process and timed alternately: N=32 17.77 -> 17.60 ms, N=128
+    39.38 -> 38.96 ms (docs/performance.md, session 12)."""
+    if library not in BLAS_LIBRARIES:
+        raise ValueError(f"engine.blas_library must be one of {BLAS_LIBRARIES}, got {library!r}")
+    torch.backends.cuda.preferred_blas_library(library)
+
+
 def load(cfg: DictConfig, device: str | torch.device | None = None):
     """-> (model, tokenizer, rnnt_vocab, ModelConfig). `checkpoint=null` uses the embedded default of the
-    selected model config (the tiny one unless told otherwise)."""
+    selected model config (the tiny one unless told otherwise). On CUDA it also selects the GEMM library
+    (`engine.blas_library`, `select_blas`)."""
     from .checkpoint import load_model
 
     mcfg = model_config(cfg)
     device = torch.device(device or cfg.get("device", "cpu"))
+    if device.type == "cuda":
+        select_blas(OmegaConf.select(cfg, "engine.blas_library", default="cublaslt"))
     if mcfg.weights == "random":
         from .checkpoint import random_model
         model, tokenizer, rnnt_vocab = random_model(mcfg, device, seed=int(cfg.get("seed", 0)))

@@ -11,10 +11,9 @@ and four round trips through memory per block, ~2.5 ms of a 52 ms step at N=128 
 docs/performance.md, session 5 profile). Here each program reads its BLOCK_L output frames' k input frames
 straight from x or the history (no cat), and writes y channels-last, ready for the pointwise GEMMs.
 
-With `split` (the codec's fp16x3w GEMMs, ops/fp16x3_linear.py) y is written as the next GEMM reads it:
-fp16 halves and a power-of-two scale per 64 channels, the same bits as split_fp16_rows of this y, without
-the pass over y that splitting it would take. (On the GPU this variant's layouts differ, so its reductions
-run in another order and its y may differ from the fp32 variant's in the last bit: measured, session 11.)
+The codec's fp16x3w GEMMs take y split (ops/fp16x3_linear.py); a variant of this kernel wrote it split
+(session 11), but on the H200 it ran slower than this kernel and a separate split pass together (9 blocks:
+202 vs 178 us at 32 calls, 722 vs 661 us at 128; docs/performance.md, session 12), so it is gone.
 
 Layout: x [B, L, C], history [S, k-1, C], y [B, L, C], all channels-contiguous fp32. The history is only
 read; the caller moves it on afterwards (so no program reads a row another one has already overwritten).
@@ -28,7 +27,6 @@ import triton
 import triton.language as tl
 
 from ops import interpreting, use_triton
-from ops.fp16x3_linear import SCALE_BLOCK, Fp16Split, split_fp16_rows_reference, split_tile
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -51,14 +49,12 @@ def dwconv_layer_norm_reference(x: torch.Tensor, history: torch.Tensor, slots: t
 
 @triton.jit
 def _dwconv_layer_norm_kernel(
-    x_ptr, hist_ptr, slots_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, y_ptr, yh_ptr, yl_ptr, yinv_ptr, L, eps,
+    x_ptr, hist_ptr, slots_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, y_ptr, L, eps,
     stride_xb, stride_xl, stride_hs, stride_hl, stride_yb, stride_yl,
-    C: tl.constexpr, KSIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
-    SCALE: tl.constexpr,
+    C: tl.constexpr, KSIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Program (row b, block of BLOCK_L output frames): all C channels of each frame, so the LayerNorm's
-    reductions stay in the program. SPLIT: y to yh / yl [B L, C] fp16 and yinv [B L, ceil(C / SCALE)]
-    (BLOCK_C a multiple of SCALE; padding channels are 0, so they change no scale)."""
+    reductions stay in the program."""
     b = tl.program_id(0).to(tl.int64)
     ls = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     cs = tl.arange(0, BLOCK_C)
@@ -84,43 +80,22 @@ def _dwconv_layer_norm_kernel(
     nw = tl.load(nw_ptr + cs, mask=c_mask, other=0.0)
     nb = tl.load(nb_ptr + cs, mask=c_mask, other=0.0)
     y = centred * rstd[:, None] * nw[None, :] + nb[None, :]
-    mask = l_mask[:, None] & c_mask[None, :]
-    if SPLIT:
-        hi, lo, inv = split_tile(y, BLOCK_L, BLOCK_C, SCALE)
-        rows = b * L + ls  # row of the [B L, C] split
-        tl.store(yh_ptr + rows[:, None] * C + cs[None, :], hi, mask=mask)
-        tl.store(yl_ptr + rows[:, None] * C + cs[None, :], lo, mask=mask)
-        n_blocks: tl.constexpr = (C + SCALE - 1) // SCALE
-        block_ids = tl.arange(0, BLOCK_C // SCALE)
-        tl.store(yinv_ptr + rows[:, None] * n_blocks + block_ids[None, :], inv,
-                 mask=l_mask[:, None] & (block_ids < n_blocks)[None, :])
-    else:
-        tl.store(y_ptr + b * stride_yb + ls[:, None] * stride_yl + cs[None, :], y, mask=mask)
+    tl.store(y_ptr + b * stride_yb + ls[:, None] * stride_yl + cs[None, :], y, mask=l_mask[:, None] & c_mask[None, :])
 
 
 def dwconv_layer_norm_triton(x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor,
                              conv_weight: torch.Tensor, conv_bias: torch.Tensor, norm_weight: torch.Tensor,
-                             norm_bias: torch.Tensor, eps: float, split: bool = False) -> torch.Tensor | Fp16Split:
+                             norm_bias: torch.Tensor, eps: float) -> torch.Tensor:
     batch, length, channels = x.shape
     ksize = conv_weight.shape[-1]
     assert x.dtype == history.dtype == conv_weight.dtype == torch.float32
     assert history.shape[1:] == (ksize - 1, channels) and conv_weight.shape == (channels, 1, ksize)
     x = x if x.stride(-1) == 1 else x.contiguous()
     history = history if history.stride(-1) == 1 else history.contiguous()
-    if split:
-        rows = batch * length
-        y = torch.empty(0, device=x.device)  # unwritten
-        out = Fp16Split(torch.empty(rows, channels, device=x.device, dtype=torch.float16),
-                        torch.empty(rows, channels, device=x.device, dtype=torch.float16),
-                        torch.empty(rows, triton.cdiv(channels, SCALE_BLOCK), device=x.device, dtype=torch.float32))
-    else:
-        y = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
-        out = Fp16Split(y, y, y)  # unwritten
+    y = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
     if batch == 0 or length == 0:
-        return out if split else y
+        return y
     block_c = triton.next_power_of_2(channels)
-    if split:
-        block_c = max(block_c, SCALE_BLOCK)
     # ~4096 fp32 values per tile: 32 per thread at 4 warps, for the accumulator and each loaded tap; the
     # interpreter (CPU tests) pays per program, so there one program takes a row's every frame
     block_l = max(1, min(triton.next_power_of_2(length), 4096 // block_c))
@@ -129,12 +104,11 @@ def dwconv_layer_norm_triton(x: torch.Tensor, history: torch.Tensor, slots: torc
     grid = (batch, triton.cdiv(length, block_l))
     _dwconv_layer_norm_kernel[grid](
         x, history, slots, conv_weight.reshape(channels, ksize).contiguous(), conv_bias.contiguous(),
-        norm_weight.contiguous(), norm_bias.contiguous(), y, out.hi, out.lo, out.inv, length, eps,
-        x.stride(0), x.stride(1), history.stride(0), history.stride(1), y.stride(0) if not split else 0,
-        y.stride(1) if not split else 0,
-        C=channels, KSIZE=ksize, BLOCK_L=block_l, BLOCK_C=block_c, SPLIT=split, SCALE=SCALE_BLOCK, num_warps=4,
+        norm_weight.contiguous(), norm_bias.contiguous(), y, length, eps,
+        x.stride(0), x.stride(1), history.stride(0), history.stride(1), y.stride(0), y.stride(1),
+        C=channels, KSIZE=ksize, BLOCK_L=block_l, BLOCK_C=block_c, num_warps=4,
     )
-    return out if split else y
+    return y
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -154,33 +128,11 @@ def _(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("nemo_duplex::dwconv_layer_norm_split", mutates_args=())
-def dwconv_layer_norm_split_op(x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
-                               conv_bias: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
-                               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(dwconv_layer_norm_triton(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps,
-                                          split=True))
-
-
-@dwconv_layer_norm_split_op.register_fake
-def _(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps):
-    rows, channels = x.shape[0] * x.shape[1], x.shape[2]
-    return (x.new_empty(rows, channels, dtype=torch.float16), x.new_empty(rows, channels, dtype=torch.float16),
-            x.new_empty(rows, triton.cdiv(channels, SCALE_BLOCK)))
-
-
 def dwconv_layer_norm(x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
                       conv_bias: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
-                      eps: float, split: bool = False) -> torch.Tensor | Fp16Split:
+                      eps: float) -> torch.Tensor:
     """x [B, L, C] new frames, history [S, k-1, C] (row slots[b] precedes x[b]), conv_weight [C, 1, k],
-    conv_bias / norm_weight / norm_bias [C] -> LayerNorm(causal depthwise conv) [B, L, C], fp32; with
-    `split`, its fp16x3 split with rows flattened (ops/fp16x3_linear.py: [B L, C] halves, [B L, C / 64]
-    scales), as split_fp16_rows gives it (of this kernel's y, which on the GPU may differ from the fp32
-    variant's in the last bit)."""
+    conv_bias / norm_weight / norm_bias [C] -> LayerNorm(causal depthwise conv) [B, L, C], fp32."""
     if use_triton(x):
-        if split:
-            return Fp16Split(*dwconv_layer_norm_split_op(x, history, slots, conv_weight, conv_bias, norm_weight,
-                                                         norm_bias, float(eps)))
         return dwconv_layer_norm_op(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, float(eps))
-    y = dwconv_layer_norm_reference(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps)
-    return split_fp16_rows_reference(y.reshape(-1, y.shape[-1])) if split else y
+    return dwconv_layer_norm_reference(x, history, slots, conv_weight, conv_bias, norm_weight, norm_bias, eps)

@@ -6,7 +6,9 @@
 
 Per (N, position): median GPU time per frame step (CUDA events), host time per step (wall time to
 enqueue the step, before synchronising), the floor = (weight bytes read per step + per-call state bytes
-read and written per step) / measured copy bandwidth, and the ratio. Also the machine's copy bandwidth
+read and written per step) / measured copy bandwidth, and the ratio. The weight bytes read are counted on
+an eager step (nemo_duplex/weight_reads.py: the tensors its ops read, and the rows it gathers from the
+embedding tables), not taken from the parameter list. Also the machine's copy bandwidth
 and bf16 GEMM rate. Results: a table on stdout and JSON under the run directory (or $OUT).
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nemo_duplex import runtime  # noqa: E402
 from nemo_duplex.frame_step import special_ids  # noqa: E402
 from nemo_duplex.state import allocate_call_state, state_tensors  # noqa: E402
+from nemo_duplex.weight_reads import fixed_and_per_call  # noqa: E402
 
 
 def copy_bandwidth(device, gib: float = 4.0) -> float:
@@ -141,6 +144,9 @@ def main(cfg: DictConfig) -> None:
     flops = gemm_rate(device) if on_gpu else float("nan")
     wbytes = weight_bytes(model)
     specials = special_ids(model, device)
+    read_fixed, read_per_call, _ = fixed_and_per_call(model, st, specials, device)
+    print(f"weights read per step: {read_fixed / 2**30:.2f} GiB + {read_per_call / 2**10:.0f} KiB per call "
+          f"(parameters: {wbytes / 2**30:.2f} GiB)", flush=True)
     buckets = buckets_for(cfg.engine.capture_buckets, max_n)
     graphs = StepRunner(model, st, specials, buckets, graphs=cfg.engine.graphs, backend=cfg.engine.graph_backend,
                         greedy_graphs=cfg.engine.greedy_graphs, side_stream=cfg.engine.side_stream)
@@ -159,9 +165,10 @@ def main(cfg: DictConfig) -> None:
             audio = torch.randn(n, n_in) * 0.1
             forced = torch.full((n,), -1, dtype=torch.int64)
             per_call = state_bytes_per_call(model, st, pos)
-            floor_s = (wbytes + n * sum(per_call.values())) / bw
+            floor_s = (read_fixed + n * (read_per_call + sum(per_call.values()))) / bw
             row = {"n": n, "position": pos, "floor_ms": floor_s * 1e3,
-                   "state_bytes_per_call": per_call, "weight_bytes": wbytes}
+                   "state_bytes_per_call": per_call, "weight_bytes": wbytes,
+                   "weight_bytes_read": read_fixed + n * read_per_call}
             for name, runner in (("graphs", graphs), ("eager", eager)):
                 if name == "eager" and not b.compare_eager:
                     continue
@@ -182,7 +189,8 @@ def main(cfg: DictConfig) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"bench_step_{int(time.time())}.json").write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s, capture {capture_s:.0f} s "
-          f"({cfg.engine.graph_backend}), weights {wbytes / 2**30:.1f} GiB")
+          f"({cfg.engine.graph_backend}), weights {wbytes / 2**30:.1f} GiB, read per step {read_fixed / 2**30:.2f} GiB "
+          f"+ {read_per_call / 2**10:.0f} KiB per call")
     for r in graphs.regions:
         print(f"region {r.name}: {'compiled' if r.failed is None else 'eager after a failed compile: ' + r.failed}")
     print(f"{'N':>4} {'pos':>5} {'floor ms':>9} {'graph ms':>9} {'host ms':>8} {'ratio':>6} {'eager ms':>9} {'eager host':>10}")

@@ -57,13 +57,11 @@ for store in (False, True):
              {"WINDOW": 70, "HEAD_DIM": 128, "BLOCK_W": 128, "BLOCK_D": 128, "STORE": store}, num_warps=8)
 compile_(_codebook_sum_kernel, {"codes_ptr": "*i64", "tables_ptr": f32, "out_ptr": f32}, {"Q": 31, "BLOCK_D": 512},
          num_warps=4)
-for c, split in ((384, True), (768, False), (1536, True)):  # split: its fp16x3 output (session 11)
+for c in (384, 768, 1536):
     bc = triton.next_power_of_2(c)
     compile_(_dwconv_layer_norm_kernel, {"x_ptr": f32, "hist_ptr": f32, "slots_ptr": "*i64", "w_ptr": f32, "b_ptr": f32,
-                                         "nw_ptr": f32, "nb_ptr": f32, "y_ptr": f32, "yh_ptr": "*fp16",
-                                         "yl_ptr": "*fp16", "yinv_ptr": f32, "eps": "fp32"},
-             {"C": c, "KSIZE": 7, "BLOCK_L": max(1, 4096 // bc), "BLOCK_C": bc, "SPLIT": split, "SCALE": 64},
-             num_warps=4)
+                                         "nw_ptr": f32, "nb_ptr": f32, "y_ptr": f32, "eps": "fp32"},
+             {"C": c, "KSIZE": 7, "BLOCK_L": max(1, 4096 // bc), "BLOCK_C": bc}, num_warps=4)
 for split_k in (1, 3):  # session 9: split-K (partial products to scratch, then the sum kernel's epilogue)
     compile_(_fp32_linear_kernel, {"x_ptr": f32, "w_ptr": f32, "wl_ptr": f32, "b_ptr": f32, "r_ptr": f32, "y_ptr": f32,
                                    "part_ptr": f32},

@@ -73,3 +73,20 @@ def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
     if "/tests/ops/" in str(request.node.fspath) or request.node.get_closest_marker("triton_interpret"):
         return
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture
+def serving_blas():
+    """On CUDA: torch's GEMMs through the library the server selects (conf/config.yaml
+    engine.blas_library, nemo_duplex/runtime.py select_blas), restored afterwards."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from nemo_duplex.runtime import select_blas
+
+    before = torch.backends.cuda.preferred_blas_library()
+    conf = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "config.yaml")
+    select_blas(conf.engine.blas_library)
+    yield conf.engine.blas_library
+    torch.backends.cuda.preferred_blas_library(before)

@@ -104,7 +104,7 @@ def test_graphs_match_eager_teacher_forced(tiny, example_clip):
     reason="H200, session 4: with the compiled regions the talker's codes differed from the plain step at "
            "frame 0 for 5 of 8 calls (the text comes before any region; its margins there were 0.47-0.63); "
            "cause not isolated (graphs/regions.py). Why cudagraph-regions is not the serving default."))])
-def test_graphs_match_eager_full_size_bf16(backend):
+def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
     """The issue-4 GPU criterion: full size, bf16, 200 teacher-forced frames, 8 calls padded into a
     bucket of 16. Stated bf16 tolerance: every stage within 2e-2 relative (the kernels' bf16 rounding
     differs between captured and eager launches only through cuBLAS choices); a token or code may differ
@@ -151,7 +151,7 @@ def test_graphs_match_eager_full_size_bf16(backend):
 
 @torch.no_grad()
 @pytest.mark.gpu
-def test_side_stream_step_is_the_one_stream_step_bit_for_bit():
+def test_side_stream_step_is_the_one_stream_step_bit_for_bit(serving_blas):
     """frame_step's `branch` (the RNN-T and the text's bookkeeping on a second stream: a parallel path of
     each captured graph) changes only the kernels' order: full size, bf16, 8 calls in a bucket of 16, 30
     frames, captured: every output and, at the end, every real slot's state identical to the one-stream

@@ -45,26 +45,6 @@ def test_kernel_matches_reference_and_float64(batch, length, channels):
     torch.testing.assert_close(out.double(), _float64(*args, EPS), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch,length,channels", [(2, 20, 100), (3, 9, 16), (1, 5, 192)])
-def test_split_output_is_the_split_of_the_fp32_output(batch, length, channels, monkeypatch):
-    """`split` (the codec's fp16x3w chain): the halves and scales the kernel writes are bit for bit those of
-    splitting its fp32 output (ops/fp16x3_linear.py), for widths with a partial scale block (100), below
-    one block (16: the tiny codec) and of whole blocks (192); off Triton the reference does the same."""
-    from ops.fp16x3_linear import split_fp16_rows_reference
-
-    gen = torch.Generator().manual_seed(batch + length + channels)
-    args = _inputs(gen, batch, length, channels)
-    fp32 = dwconv_layer_norm_triton(*args, EPS)
-    split = dwconv_layer_norm(*args, EPS, split=True)
-    want = split_fp16_rows_reference(fp32.reshape(-1, channels).cpu())
-    assert all(torch.equal(a.cpu(), e) for a, e in zip(split, want))
-    if DEVICE == "cpu":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        reference = dwconv_layer_norm(*args, EPS, split=True)
-        want = split_fp16_rows_reference(dwconv_layer_norm_reference(*args, EPS).reshape(-1, channels))
-        assert all(torch.equal(a, e) for a, e in zip(reference, want))
-
-
 def test_reads_only_its_slots_history():
     """Rows read history[slots[b]] and nothing else: changing another slot's history changes nothing, and
     changing a used slot's history changes exactly its row's first k-1 frames."""

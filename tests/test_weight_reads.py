@@ -1,0 +1,79 @@
+"""The step's weight reads (nemo_duplex/weight_reads.py), which the benchmark's floor counts: every GEMM
+weight the step multiplies by in full, the embedding tables only by the rows a call gathers, nothing of
+what runs only at admission (the codec's encoder, the talker's prompt projection)."""
+import torch
+
+from nemo_duplex.frame_step import admit, special_ids
+from nemo_duplex.sampling import SamplingParams
+from nemo_duplex.state import allocate_call_state
+from nemo_duplex.weight_reads import CountWeightReads, _extent, _merged_bytes, fixed_and_per_call, step_weight_reads
+
+
+def test_extents_and_merging():
+    storage = torch.zeros(6, 8)
+    assert _extent(storage) == (0, 6 * 8 * 4)
+    assert _extent(storage.t()) == (0, 6 * 8 * 4)                 # a transposed weight spans all of it
+    assert _extent(storage[2:4]) == (2 * 8 * 4, 4 * 8 * 4)         # a row slice, its rows only
+    assert _extent(storage[:, 3]) == (3 * 4, (5 * 8 + 3 + 1) * 4)  # a column: first to last element
+    assert _merged_bytes([(0, 10), (5, 20), (30, 40), (32, 35)]) == 30
+    assert _merged_bytes([(30, 40), (0, 10), (10, 12)]) == 22
+
+
+def test_counts_reads_not_views_and_rows_gathered():
+    model = torch.nn.ModuleDict({"lin": torch.nn.Linear(8, 6, bias=False), "emb": torch.nn.Embedding(100, 4)})
+    x = torch.randn(3, 8)
+    with CountWeightReads(model) as counter:
+        half = model["lin"].weight[:3]          # a view: nothing read yet
+        torch.empty_like(model["lin"].weight)   # shaped like it: nothing read
+    assert counter.reads.total == 0
+    with CountWeightReads(model) as counter:
+        half @ x.T                              # rows 0..2 of the weight
+        x @ half.T                              # the same rows again: counted once
+        model["emb"](torch.tensor([5, 7, 5]))   # three rows gathered (an upper bound: 5 repeats)
+    assert counter.reads.by_tensor() == {"lin.weight": 3 * 8 * 4, "emb.weight": 3 * 4 * 4}
+    with CountWeightReads(model) as counter:
+        model["lin"](x)
+        model["lin"](x)                         # read twice, counted once
+    assert counter.reads.total == 6 * 8 * 4
+
+
+def _state(model, calls=2):
+    st = allocate_call_state(model, calls, 16, torch.device("cpu"), max_prompt_tokens=0)
+    for slot in range(calls):
+        admit(model, st, slot, None, slot, SamplingParams())
+    return st
+
+
+def test_step_reads_the_gemm_weights_in_full_and_gathers_rows(tiny):
+    model = tiny[0]
+    st = _state(model)
+    slots = torch.arange(2, dtype=torch.int64)
+    reads = step_weight_reads(model, st, special_ids(model, "cpu"), slots).by_tensor()
+    named = dict(model.named_parameters())
+    # every LLM Linear (Mamba in/out projections, MLPs, attention) and the heads: read whole
+    for name, module in [*model.llm.named_modules(prefix="stt_model.llm"),
+                         ("stt_model.lm_head", model.stt_model.lm_head)]:
+        if isinstance(module, torch.nn.Linear):
+            w = named[f"{name}.weight"]
+            assert reads.get(f"{name}.weight") == w.numel() * w.element_size(), name
+    # the embedding table: the previous text and function token of each call, 2 rows per call
+    table = model.stt_model.embed_tokens.weight
+    row = table.shape[1] * table.element_size()
+    assert reads["stt_model.embed_tokens.weight"] == 2 * 2 * row < table.numel() * table.element_size()
+    # admission-only weights: not read by a step
+    for name in named:
+        if name.startswith(("tts_model.audio_codec.encoder.", "tts_model.tts_model.audio_prompt_projection_W")):
+            assert name not in reads, name
+
+
+def test_fixed_and_per_call_add_up(tiny):
+    model = tiny[0]
+    st = _state(model, calls=3)
+    specials = special_ids(model, "cpu")
+    fixed, per_call, one = fixed_and_per_call(model, st, specials, torch.device("cpu"))
+    three = step_weight_reads(model, st, specials, torch.arange(3, dtype=torch.int64)).total
+    assert per_call > 0 and one.total == fixed + per_call
+    assert three == fixed + 3 * per_call   # gathers grow with the calls, whole-tensor reads do not
+    params = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for t in [*model.parameters(), *model.buffers()] if t.numel()}
+    assert fixed < sum(params.values())
