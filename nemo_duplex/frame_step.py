@@ -92,13 +92,15 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
         text = sample_text(text_logits, special_ids, st.seen[slots], st.temperature[slots], st.top_p[slots],
                            st.rep_penalty[slots], st.greedy[slots], st.seed[slots], frame)
     else:
-        text = text_logits.float().argmax(-1)
-    func = func_logits.float().argmax(-1) if func_logits is not None else torch.full_like(text, pad)
+        # on the logits' own dtype: an fp32 copy of [B, vocab] first (as before session 12) gives the same
+        # index (the upcast is exact, so order and first-maximum ties are kept) for a copy's time
+        text = text_logits.argmax(-1)
+    func = func_logits.argmax(-1) if func_logits is not None else torch.full_like(text, pad)
     forcing = forced_func >= 0
     func = torch.where(forcing, forced_func, func)
     text = torch.where(forcing, torch.full_like(text, pad), text)
     with branch(side_stream):  # the margins and the text's bookkeeping: nothing below reads them
-        top2 = text_logits.float().topk(2, dim=-1).values
+        top2 = text_logits.topk(2, dim=-1).values.float()   # the same values as topk of the fp32 copy
         st.prev_text.index_copy_(0, slots, text)
         st.prev_func.index_copy_(0, slots, func)
         newly_seen = torch.zeros_like(st.seen[slots]).scatter_(1, text[:, None], True)

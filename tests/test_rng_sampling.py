@@ -1,6 +1,7 @@
 """Counter-based RNG and text sampling."""
 import math
 
+import pytest
 import torch
 
 from nemo_duplex import rng
@@ -73,3 +74,21 @@ def test_repetition_penalty_applies_to_seen_tokens():
     picks = torch.stack([_sample(logits, p, seen=seen, seed=s) for s in range(50)])
     assert (picks == 1).all()                         # 2.0 / 2 = 1.0 < 1.9: the seen token loses
     assert math.isclose(SamplingParams(temperature=1.0).greedy, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_argmax_and_margins_on_the_logits_dtype(dtype):
+    """frame_step's greedy path takes argmax and top-2 on the logits' own dtype (no fp32 copy of
+    [B, vocab]): the same index and values as on the fp32 upcast, with ties at the maximum (the first one
+    wins in both) and NaN rows; on the GPU as well where there is one."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        logits = (torch.randn(16, 4099, generator=gen) * 3).to(dtype)
+        logits[:, 7 + trial] = logits.max()
+        if trial % 4 == 0:
+            logits[3, 100] = float("nan")
+        logits = logits.to(device)
+        assert torch.equal(logits.argmax(-1), logits.float().argmax(-1))
+        torch.testing.assert_close(logits.topk(2, dim=-1).values.float(), logits.float().topk(2, dim=-1).values,
+                                   rtol=0, atol=0, equal_nan=True)
