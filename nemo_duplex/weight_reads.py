@@ -10,9 +10,8 @@ until session 12) overstates the floor by those bytes.
 How: one eager frame step under a TorchDispatchMode that sees every op with its tensor arguments (every
 Triton kernel of ops/ is a torch.library custom op, so it is seen too, with the weights it is given). An
 argument that is a view of a model tensor reads that view's extent of the storage (an op that makes a
-view or an empty tensor like it reads nothing); extents are merged per
-storage, so a weight read by several ops (or in several MoG passes) counts once, as a step that kept it in
-cache would read it. A gather from a table (embedding, index_select, index) reads the rows it returns,
+view or an empty tensor like it reads nothing); extents are merged per storage, so a weight read by
+several ops (or in several MoG passes) counts once, as a step that kept it in cache would read it. A gather from a table (embedding, index_select, index) reads the rows it returns,
 counted as the bytes it returns (not merged: an upper bound where two rows repeat).
 """
 from __future__ import annotations
@@ -22,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .frame_step import frame_step
 
 aten = torch.ops.aten
 # ops that read rows of their first argument, as many as they return
@@ -103,8 +104,6 @@ def step_weight_reads(model, st, specials: torch.Tensor, slots: torch.Tensor) ->
     """The weight reads of one eager greedy frame step of the calls in `slots`, after one step not counted:
     tables built on a first step (the encoder's stacked q/k/v, the codec's stacked codebooks) exist by
     then. Both steps advance the calls' state like any step (the caller refills it if that matters)."""
-    from .frame_step import frame_step
-
     n = slots.shape[0]
     device = slots.device
     audio = torch.randn(n, model.cfg.samples_per_frame_in, device=device) * 0.1

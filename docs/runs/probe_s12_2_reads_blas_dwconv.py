@@ -1,6 +1,8 @@
 """session 12 probe: (1) weight bytes read per step at full size; (2) cuBLAS vs cuBLASLt for the step,
 captured side by side in one process and timed alternately; (3) the codec conv + norm with its split output
-vs the plain kernel and a separate split pass."""
+vs the plain kernel and a separate split pass.
+Ran at 5313fa2 plus the first nemo_duplex/weight_reads.py (before 30cdc3a: view ops still counted as reads, and
+dwconv_layer_norm still had its `split` variant, which 30cdc3a removed after this probe)."""
 import statistics, sys, time
 from pathlib import Path
 import torch
