@@ -83,7 +83,7 @@ class CountWeightReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func in NO_READS:
+        if getattr(func, "is_view", False) or func in NO_READS:
             return out
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         for i, t in enumerate(tensors):
