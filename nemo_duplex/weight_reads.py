@@ -11,8 +11,9 @@ How: one eager frame step under a TorchDispatchMode that sees every op with its 
 Triton kernel of ops/ is a torch.library custom op, so it is seen too, with the weights it is given). An
 argument that is a view of a model tensor reads that view's extent of the storage (an op that makes a
 view or an empty tensor like it reads nothing); extents are merged per storage, so a weight read by
-several ops (or in several MoG passes) counts once, as a step that kept it in cache would read it. A gather from a table (embedding, index_select, index) reads the rows it returns,
-counted as the bytes it returns (not merged: an upper bound where two rows repeat).
+several ops (or in several MoG passes) counts once, as a step that kept it in cache would read it. A
+gather from a table (embedding, index_select, index) reads the rows it returns, counted as the bytes it
+returns (not merged: an upper bound where two rows repeat).
 """
 from __future__ import annotations
 
