@@ -6,11 +6,16 @@
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (+ pytest's wheels in .whl/extra/,
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
 #   bash scripts/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
-#   bash scripts/gpu_check.sh step            # bench_step N=1/32/128 at position 1000
+#   bash scripts/gpu_check.sh step [overrides...]   # bench_step N=1/32/128 at position 1000
 #   bash scripts/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
 #                                             # graphs and eager (its command: 99 s, session 9)
 #   bash scripts/gpu_check.sh profile         # the captured greedy step's kernels at N=32/128 (what `step` times), then every compiled
 #                                             # Triton kernel's loads by width (scripts/ptx_loads.py)
+#   [GATE_DTYPE=fp32] bash scripts/gpu_check.sh gate [seconds] [rows]   # the gate's model rows at full size (random
+#                                             # weights, bf16 deployment vs the fp32 yardstick) on clips made
+#                                             # here (the device has no espeak-ng): python eval/clips/make_clips.py
+#                                             # --out outputs/gate_clips, then carry [".whl", "outputs/gate_clips"];
+#                                             # jiwer's wheels (pip download jiwer ... -d .whl/extra) for eval/wer.py
 #   bash scripts/gpu_check.sh load [seconds] [server overrides...]
 #                                             # the load sweep (both start modes, N up to 160) and the uploads run
 #   e.g. bash scripts/gpu_check.sh load 420 engine.open_quiet_ms=0
@@ -29,7 +34,7 @@ elif [ "$PART" = step ]; then
     mkdir -p "$OUT/step"
     OUT="$OUT/step" timeout 200 python3 scripts/bench_step.py $M 'engine.capture_buckets=[1,32,128]' \
         'bench.batch_sizes=[1,32,128]' 'bench.positions=[1000]' bench.iters=10 bench.warmup=2 \
-        bench.compare_eager=false hydra.run.dir=/tmp/gpu_check_step > "$OUT/step.log" 2>&1; tail -n 5 "$OUT/step.log"
+        bench.compare_eager=false hydra.run.dir=/tmp/gpu_check_step "${@:2}" > "$OUT/step.log" 2>&1; tail -n 5 "$OUT/step.log"
 elif [ "$PART" = table ]; then
     mkdir -p "$OUT/table"
     OUT="$OUT/table" timeout 500 python3 scripts/bench_step.py $M 'engine.capture_buckets=[1,8,32,64,128]' \
@@ -41,6 +46,12 @@ elif [ "$PART" = profile ]; then
         'bench.positions=[1000]' hydra.run.dir=/tmp/gpu_check_profile > "$OUT/profile.log" 2>&1
     python3 scripts/ptx_loads.py "$TRITON_CACHE_DIR" > "$OUT/ptx_loads.txt" 2>&1
     grep -A12 "====" "$OUT/profile.log"; head -n 12 "$OUT/ptx_loads.txt"
+elif [ "$PART" = gate ]; then
+    D=${GATE_DTYPE:-bf16}   # the configured (deployment) dtype; the margins row always compares bf16 with fp32
+    timeout "${2:-500}" python3 eval/gate.py $M model.dtype.encoder=$D model.dtype.llm=$D model.dtype.talker=$D \
+        "eval.rows=${3:-[encoder_parity,margins,consistency]}" eval.clips.dir=outputs/gate_clips \
+        eval.out_dir="$OUT/gate" wandb.mode=offline hydra.run.dir=/tmp/gpu_check_gate > "$OUT/gate.log" 2>&1
+    echo "gate exit $?"; tr '\r' '\n' < "$OUT/gate.log" | grep -a -E "\[(PASS|FAIL|N/A)\]|^verdict|Error" | tail -n 20
 elif [ "$PART" = load ]; then
     LOAD_S=${2:-420}
     shift $(( $# >= 2 ? 2 : $# ))
@@ -56,5 +67,5 @@ elif [ "$PART" = load ]; then
     tar czf "$OUT/calls.tgz" -C /tmp/gpu_check_load calls 2>/dev/null   # every packet's arrival, per run
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
 else
-    echo "usage: bash scripts/gpu_check.sh tests | step | table | profile | load [seconds] [server overrides...]" >&2; exit 2
+    echo "usage: bash scripts/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] | load [seconds] [server overrides...]" >&2; exit 2
 fi
