@@ -19,12 +19,30 @@ def model_config(cfg: DictConfig) -> ModelConfig:
 
 
 def embedded_checkpoint(mcfg: ModelConfig, seed: int = 0) -> Path:
-    """The seeded random checkpoint of `mcfg`, written once under outputs/checkpoints/."""
+    """The seeded random checkpoint of `mcfg`, written once under outputs/checkpoints/. Written into a
+    temporary sibling and renamed into place (one atomic step), so processes starting together (a server
+    and a client, test workers) never read a half-written one; a process that loses the race drops its copy."""
+    import os
+    import shutil
+    import tempfile
+
     from .checkpoint import make_random_checkpoint
 
     out = DEFAULT_CHECKPOINTS / f"{mcfg.name}-seed{seed}"
     if not (out / "config.json").exists():
-        make_random_checkpoint(mcfg, out, seed)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            make_random_checkpoint(mcfg, staging, seed)
+            if out.exists() and not (out / "config.json").exists():
+                shutil.rmtree(out, ignore_errors=True)  # a partial one left by an older, non-atomic writer
+            try:
+                os.rename(staging, out)
+            except OSError:  # another process renamed its copy first (same seed: the same checkpoint)
+                if not (out / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

@@ -6,7 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 . .venv/bin/activate
-python -m pytest -q -p no:cacheprovider --ignore=tests/test_encoder_vs_nemo.py "$@"
+# The suite on every core (pytest-xdist, one module per worker at a time), then the tests that time a
+# real-time server or browser on their own: on a 2-core machine a busy neighbour would make their clients late.
+SERIAL=(tests/test_server.py tests/test_server_fuzz.py tests/test_server_model.py tests/test_browser.py tests/test_bench.py)
+if [ $# -gt 0 ]; then   # a selection of one's own (paths, -k, ...): one plain run
+  python -m pytest -q -p no:cacheprovider --ignore=tests/test_encoder_vs_nemo.py "$@"
+else
+  python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-auto}" --dist loadscope \
+    --ignore=tests/test_encoder_vs_nemo.py "${SERIAL[@]/#/--ignore=}"
+  python -m pytest -q -p no:cacheprovider "${SERIAL[@]}"
+fi
 
 [ -d .venv-nemo ] || python3 -m venv .venv-nemo
 python -c "import site; print(site.getsitepackages()[0])" > "$(.venv-nemo/bin/python -c 'import site; print(site.getsitepackages()[0])')/main_venv.pth"

@@ -1,5 +1,6 @@
 """Test setup. Triton kernels run through Triton's interpreter on machines without a GPU, so the
 variable must be set before any `ops` module defines its kernels."""
+import contextlib
 import os
 
 import torch
@@ -50,8 +51,9 @@ def tiny(tiny_checkpoint):
     from nemo_duplex.config import tiny_config
 
     torch.manual_seed(0)
-    model, tokenizer, rnnt_vocab, cfg = load_model(tiny_checkpoint, tiny_config(), torch.device("cpu"))
-    return model.cast_for_inference().eval(), tokenizer, rnnt_vocab, cfg
+    with torch_references():  # a session fixture is set up before the per-test choice below
+        model, tokenizer, rnnt_vocab, cfg = load_model(tiny_checkpoint, tiny_config(), torch.device("cpu"))
+        return model.cast_for_inference().eval(), tokenizer, rnnt_vocab, cfg
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +65,32 @@ def example_clip():
     return torch.from_numpy(read_wav(Path(__file__).resolve().parent.parent / "eval" / "clips" / "example.wav"))
 
 
+@contextlib.contextmanager
+def torch_references():
+    """What runs inside takes the ops' torch references, not the Triton interpreter (CPU only). For the
+    fixtures that build models: cast_for_inference builds the talker's per-token table through the char
+    encoder, ~100 s under the interpreter for the tiny model, well under a second with the references."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            mp.delenv("TRITON_INTERPRET", raising=False)
+        yield
+
+
+def _kernel_test(node) -> bool:
+    return "/tests/ops/" in str(node.fspath) or node.get_closest_marker("triton_interpret") is not None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_fixtures_take_the_references(request):
+    """A module's own fixtures (set up before any per-test fixture) build with the torch references,
+    except in the kernel tests (tests/ops/)."""
+    if "/tests/ops/" in str(request.node.fspath):
+        yield
+        return
+    with torch_references():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
     """Kernel tests (tests/ops/) and tests marked `triton_interpret` run the Triton kernels through the
@@ -70,9 +98,10 @@ def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
     the interpreter are far too slow (seconds per frame)."""
     if torch.cuda.is_available():
         return
-    if "/tests/ops/" in str(request.node.fspath) or request.node.get_closest_marker("triton_interpret"):
-        return
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if _kernel_test(request.node):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 the random-checkpoint round trip through VoiceChat."""
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -512,3 +513,78 @@ def test_load_state_drops_tables_derived_from_the_old_weights(tiny_checkpoint):
     with torch.no_grad():
         torch.testing.assert_close(model.talker.text_condition(ids), model.talker.embed_subword(ids),
                                    atol=1e-6, rtol=1e-6)
+
+
+def test_embedded_checkpoint_appears_whole_even_to_a_concurrent_reader(tmp_path, monkeypatch):
+    """runtime.embedded_checkpoint is written into a temporary sibling and renamed into place: a process
+    that looks while another writes (a client starting beside its server, two test workers) sees either no
+    checkpoint or a whole one, never config.json without its weights; two writers starting together both get
+    the whole checkpoint, and no staging folder is left behind. The writer here is slowed down between its
+    files (config.json first), so writing in place would be seen half-done."""
+    import threading
+    import time
+
+    from nemo_duplex import checkpoint as checkpoint_module
+    from nemo_duplex import runtime
+    from nemo_duplex.checkpoint import load_model
+    from nemo_duplex.config import tiny_config
+
+    real_writer = checkpoint_module.make_random_checkpoint
+
+    def slow_writer(cfg, out, seed=0):
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")   # what a reader checks for first
+        time.sleep(0.5)
+        real_writer(cfg, out, seed)
+        return out
+
+    monkeypatch.setattr(checkpoint_module, "make_random_checkpoint", slow_writer)
+    monkeypatch.setattr(runtime, "DEFAULT_CHECKPOINTS", tmp_path / "checkpoints")
+    target = tmp_path / "checkpoints" / "nemotron_duplex_tiny-seed3"
+    start, paths, errors, half_seen = threading.Barrier(3), [], [], []
+    done = threading.Event()
+
+    def write():
+        try:
+            start.wait()
+            paths.append(runtime.embedded_checkpoint(tiny_config(), seed=3))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def read():
+        start.wait()
+        while not done.is_set():
+            if (target / "config.json").exists() and not (target / "model.safetensors").exists():
+                half_seen.append(True)
+            time.sleep(0.001)
+
+    writers = [threading.Thread(target=write) for _ in range(2)]
+    reader = threading.Thread(target=read)
+    for t in [*writers, reader]:
+        t.start()
+    for t in writers:
+        t.join()
+    done.set()
+    reader.join()
+    assert not errors, errors
+    assert not half_seen, "config.json was visible before the weights"
+    assert paths[0] == paths[1] == target
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+    monkeypatch.setattr(checkpoint_module, "make_random_checkpoint", real_writer)
+    model, *_ = load_model(target, tiny_config(), torch.device("cpu"))
+    assert model is not None
+
+
+def test_embedded_checkpoint_replaces_a_partial_one(tmp_path, monkeypatch):
+    """A folder without config.json (a writer that died midway) is rewritten, not trusted."""
+    from nemo_duplex import runtime
+    from nemo_duplex.config import tiny_config
+
+    monkeypatch.setattr(runtime, "DEFAULT_CHECKPOINTS", tmp_path)
+    partial = tmp_path / "nemotron_duplex_tiny-seed0"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"truncated")
+    out = runtime.embedded_checkpoint(tiny_config())
+    assert out == partial and (out / "config.json").exists()
+    assert (out / "model.safetensors").stat().st_size > 1000
