@@ -32,6 +32,7 @@ def embedded_checkpoint(mcfg: ModelConfig, seed: int = 0) -> Path:
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would stay with the checkpoint after the rename
         try:
             make_random_checkpoint(mcfg, staging, seed)
             if out.exists() and not (out / "config.json").exists():

@@ -571,6 +571,7 @@ def test_embedded_checkpoint_appears_whole_even_to_a_concurrent_reader(tmp_path,
     assert not half_seen, "config.json was visible before the weights"
     assert paths[0] == paths[1] == target
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+    assert target.stat().st_mode & 0o777 == 0o755   # not the staging folder's 0700
     monkeypatch.setattr(checkpoint_module, "make_random_checkpoint", real_writer)
     model, *_ = load_model(target, tiny_config(), torch.device("cpu"))
     assert model is not None
