@@ -15,7 +15,8 @@
 #                                             # weights, bf16 deployment vs the fp32 yardstick) on clips made
 #                                             # here (the device has no espeak-ng): python eval/clips/make_clips.py
 #                                             # --out outputs/gate_clips, then carry [".whl", "outputs/gate_clips"];
-#                                             # jiwer's wheels (pip download jiwer ... -d .whl/extra) for eval/wer.py
+#                                             # jiwer's wheels (pip download jiwer ... -d .whl/extra) for eval/wer.py,
+#                                             # soundfile's and cffi's for W&B's audio (not numpy: the device's stays)
 #   bash scripts/gpu_check.sh load [seconds] [server overrides...]
 #                                             # the load sweep (both start modes, N up to 160) and the uploads run
 #   e.g. bash scripts/gpu_check.sh load 420 engine.open_quiet_ms=0
