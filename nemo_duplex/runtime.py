@@ -3,6 +3,9 @@ once with seeded random weights in the official layout), load it strictly, cast 
 configured dtype."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,10 +25,6 @@ def embedded_checkpoint(mcfg: ModelConfig, seed: int = 0) -> Path:
     """The seeded random checkpoint of `mcfg`, written once under outputs/checkpoints/. Written into a
     temporary sibling and renamed into place (one atomic step), so processes starting together (a server
     and a client, test workers) never read a half-written one; a process that loses the race drops its copy."""
-    import os
-    import shutil
-    import tempfile
-
     from .checkpoint import make_random_checkpoint
 
     out = DEFAULT_CHECKPOINTS / f"{mcfg.name}-seed{seed}"

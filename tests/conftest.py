@@ -76,15 +76,19 @@ def torch_references():
         yield
 
 
+def _in_kernel_tests(node) -> bool:
+    return "/tests/ops/" in str(node.fspath)
+
+
 def _kernel_test(node) -> bool:
-    return "/tests/ops/" in str(node.fspath) or node.get_closest_marker("triton_interpret") is not None
+    return _in_kernel_tests(node) or node.get_closest_marker("triton_interpret") is not None
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _module_fixtures_take_the_references(request):
     """A module's own fixtures (set up before any per-test fixture) build with the torch references,
     except in the kernel tests (tests/ops/)."""
-    if "/tests/ops/" in str(request.node.fspath):
+    if _in_kernel_tests(request.node):
         yield
         return
     with torch_references():
