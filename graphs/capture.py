@@ -4,7 +4,14 @@
 rows that point at the sink slot (so padding touches no real call), replays that bucket's graph, and
 returns the real rows. Buckets are captured at start-up, largest first, never while serving. A batch
 above the largest bucket is split into groups of at most the largest bucket, each replayed. With
-`graphs=False` the very same function runs eagerly, so graphs on and off compute the same thing.
+`graphs=False` the very same function runs eagerly, so graphs on and off compute the same thing (eager
+steps run the batch's own rows, or, with `pad_eager`, the same padded rows and groups as the graphs).
+
+Batch invariance (`engine.batch_invariant`: one bucket, eager steps padded too): every step then runs the
+same number of rows, so every kernel choice that follows the row count (cuBLASLt's split-K, cuDNN's
+convolution algorithm, the attention's split count, MKL's blocking on the CPU) is the same whatever
+shares the step, and a call's outputs are the same bit for bit alone or beside others (measured on the
+H200 at full size in bf16: tests/test_graphs.py; with several buckets they are not).
 
 Three capture back ends (`engine.graph_backend`):
 - "cudagraph-eager" (default): the step as written, captured by hand with `torch.cuda.CUDAGraph` into
@@ -64,8 +71,9 @@ class StepRunner:
 
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
-                 side_stream: bool = True):
+                 side_stream: bool = True, pad_eager: bool = False):
         self.model, self.state, self.specials = model, state, specials
+        self.pad_eager = pad_eager  # eager steps padded to the buckets as the graphs are (batch invariance)
         # greedy_graphs: every bucket also gets a variant for batches of greedy calls only (frame_step's
         # sampling=False: no sort over the vocabulary), at twice the captures; the general one serves all
         self.variants = (True, False) if greedy_graphs else (True,)
@@ -116,8 +124,9 @@ class StepRunner:
                           side_stream=self.side_stream)
 
     def padded_rows(self, n: int) -> int:
-        """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager."""
-        if not self.graphs:
+        """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager
+        (unless `pad_eager`)."""
+        if not self.graphs and not self.pad_eager:
             return n
         largest = self.buckets[-1]
         full, rest = divmod(n, largest)
@@ -234,7 +243,7 @@ class StepRunner:
                  sampling: bool = True) -> StepOutput:
         """`sampling=False`: the caller vouches that every row is greedy (frame_step)."""
         n = slots.shape[0]
-        if not self.graphs:
+        if not self.graphs and not self.pad_eager:
             return self._step(slots.to(self.device), audio.to(self.device), forced.to(self.device), sampling)
         sampling = sampling or False not in self.variants  # only what capture() prepared, never a new compile
         largest = self.buckets[-1]
@@ -252,7 +261,7 @@ class StepRunner:
             f.copy_(nf)
             graph.replay()
         else:
-            out = self._compiled(*self._padded_inputs(b, slots, audio, forced), sampling)
+            out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced), sampling)
         # a replayed graph reuses its output memory on the next replay: copy the real rows out now
         return StepOutput(**{fl.name: getattr(out, fl.name)[:n].clone() for fl in fields(StepOutput)})
 

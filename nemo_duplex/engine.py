@@ -85,6 +85,12 @@ class EngineConfig:
     # Run the step's off-critical-path work (the RNN-T, the text's bookkeeping) on a second CUDA stream,
     # a parallel branch of each captured graph (frame_step.branch); false = one stream, the plain order.
     side_stream: bool = True
+    # Every step runs one row count: only the capture bucket that covers max_calls (or the largest
+    # configured), eager steps padded to it too. Then a call's output never depends on which calls share
+    # its step, bit for bit, also in bf16 on the GPU, where with several buckets cuBLASLt's split-K and
+    # cuDNN pick other kernels for other row counts (graphs/capture.py). Cost: a step of few calls runs
+    # the whole bucket's rows (docs/performance.md, session 14, has it measured).
+    batch_invariant: bool = False
     idle_wait_s: float = 0.005
     # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
     # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
@@ -263,10 +269,12 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         from graphs.capture import StepRunner, buckets_for
+        buckets = buckets_for(self.cfg.capture_buckets, self.cfg.max_calls)
         self.step_runner = StepRunner(model, self.state, self.specials,
-                                      buckets_for(self.cfg.capture_buckets, self.cfg.max_calls),
+                                      buckets[-1:] if self.cfg.batch_invariant else buckets,
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend,
-                                      greedy_graphs=self.cfg.greedy_graphs, side_stream=self.cfg.side_stream)
+                                      greedy_graphs=self.cfg.greedy_graphs, side_stream=self.cfg.side_stream,
+                                      pad_eager=self.cfg.batch_invariant)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)

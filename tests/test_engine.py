@@ -68,6 +68,26 @@ def test_batch_invariance_with_staggered_calls_and_uploads(tiny, example_clip):
     assert all(r.text_tokens.shape[0] == frames for r in mixed)
 
 
+def test_batch_invariant_engine_is_bit_for_bit(tiny, example_clip):
+    """engine.batch_invariant: one bucket, eager steps padded to it, so every step runs the same rows. A
+    call's text, codes AND PCM are then identical bit for bit alone and beside 8 staggered calls with
+    uploads mixed in (the default engine's PCM above is only within one int16 step: the CPU's GEMMs round
+    differently for other row counts); every step ran the one bucket's rows (16: the configured bucket that
+    covers max_calls 9)."""
+    frames = 10
+    clips = _clips(example_clip, 9, frames, seed=1)
+    alone_eng = _engine(tiny, max_calls=9, batch_invariant=True)
+    assert alone_eng.step_runner.buckets == [16] and alone_eng.step_runner.padded_rows(1) == 16
+    alone = alone_eng.run_clips([clips[0]], seed=21)[0]
+    mixed = _engine(tiny, max_calls=9, batch_invariant=True).run_clips(
+        clips, offsets=[3, 0, 1, 2, 4, 5, 6, 7, 8], uploads=[False, True, False, False, True, False, False, True, False],
+        seed=21)
+    assert torch.equal(mixed[0].text_tokens, alone.text_tokens)
+    assert torch.equal(mixed[0].codes, alone.codes)
+    assert torch.equal(mixed[0].wav, alone.wav)
+    assert alone_eng.stats.padded_rows == 16 * alone_eng.stats.steps
+
+
 def test_slot_hygiene_many_short_calls(tiny, example_clip):
     """1,000 short calls through 4 slots leave no slot taken and no state from one call in the next: a
     reused slot gives the same output as a fresh engine. The calls end every way a call can end: after a

@@ -194,6 +194,60 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit(serving_blas):
     print(f"side stream: identical over {frames} captured + 5 eager frames; {emitted} RNN-T tokens emitted")
 
 
+def _full_size_bf16(dev):
+    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.config import ModelConfig
+
+    cfg = ModelConfig()
+    cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
+    model, _, _ = random_model(cfg, dev, seed=0)
+    return model.cast_for_inference().eval()
+
+
+def _alone_and_shared(model, buckets, n_calls: int, frames: int, dev) -> list[int]:
+    """Slot 0 stepped alone on one state and beside n_calls - 1 other calls on a twin state, both through
+    captured graphs of `buckets`, free-running. -> the frames at which slot 0's outputs differ."""
+    specials = special_ids(model, dev)
+    runners = []
+    for _ in range(2):
+        st = allocate_call_state(model, n_calls, frames + 8, dev, max_prompt_tokens=0)
+        for s in range(n_calls):  # slot 0 samples (the sort over the vocabulary), every third call is greedy
+            admit(model, st, s, None, 100 + s, SamplingParams() if s % 3 == 1 else SamplingParams(0.8, 0.9))
+        runners.append(StepRunner(model, st, specials, buckets, graphs=True, backend="cudagraph-eager"))
+        runners[-1].capture()
+    slots, forced = torch.arange(n_calls), torch.full((n_calls,), -1)
+    g = torch.Generator().manual_seed(7)
+    differ = []
+    for t in range(frames):
+        chunk = torch.randn(n_calls, 1280, generator=g) * 0.1
+        alone = runners[0](slots[:1], chunk[:1], forced[:1])
+        shared = runners[1](slots, chunk, forced)
+        if not all(torch.equal(getattr(alone, name)[0], getattr(shared, name)[0])
+                   for name in ("text", "func", "top2", "codes", "pcm", "user", "enc")):
+            differ.append(t)
+    return differ
+
+
+@torch.no_grad()
+@pytest.mark.gpu
+def test_one_capture_bucket_makes_a_call_batch_invariant_full_size_bf16(serving_blas):
+    """Determinism on the GPU in bf16 (engine.batch_invariant; docs/design.md). With the default buckets a call's
+    bits depend on how many calls share its step (cuBLASLt's split-K and cuDNN's convolution pick kernels by
+    row count). With ONE capture bucket every step runs the same rows, so every kernel is the same whatever
+    shares the batch: a call's outputs (text, function token, margins, codes, PCM, RNN-T tokens, encoder
+    frame) are identical bit for bit alone and beside 31 others, full size, bf16, 40 frames free-running
+    (one differing bit at a near-tie would part the runs for good; with random weights most frames are
+    near-ties). The default buckets' result is printed beside it."""
+    dev = torch.device("cuda")
+    model = _full_size_bf16(dev)
+    n_calls, frames = 32, 40
+    one_bucket = _alone_and_shared(model, [n_calls], n_calls, frames, dev)
+    default = _alone_and_shared(model, [1, n_calls], n_calls, frames, dev)
+    print(f"slot 0 alone vs beside {n_calls - 1} calls, {frames} frames: one bucket [{n_calls}]: "
+          f"{len(one_bucket)} frames differ; buckets [1, {n_calls}]: {len(default)} differ (first {default[:3]})")
+    assert one_bucket == [], one_bucket
+
+
 @torch.no_grad()
 @pytest.mark.gpu
 def test_buckets_sharing_one_graph_pool_match_eager(tiny):
@@ -346,13 +400,33 @@ def test_compiled_regions_match_eager(tiny, compiler):
 
 def test_padded_rows_per_batch(tiny):
     """What a batch costs in rows (engine stats, /metrics duplex_padded_rows): its bucket, groups of the
-    largest bucket above it, itself when eager."""
+    largest bucket above it, itself when eager (unless eager steps are padded too: batch invariance)."""
     model, *_ = tiny
     st = allocate_call_state(model, 1, 4, torch.device("cpu"), max_prompt_tokens=0)
     specials = special_ids(model, torch.device("cpu"))
     runner = StepRunner(model, st, specials, [8, 2], graphs=True, compiler="aot_eager")
     assert [runner.padded_rows(n) for n in (1, 2, 3, 8, 9, 17)] == [2, 2, 8, 8, 10, 18]
     assert StepRunner(model, st, specials, [8, 2], graphs=False).padded_rows(3) == 3
+    assert StepRunner(model, st, specials, [8], graphs=False, pad_eager=True).padded_rows(3) == 8
+
+
+def test_padded_eager_step_runs_the_bucket_and_its_groups(tiny):
+    """pad_eager (engine.batch_invariant without graphs): 5 calls through bucket [2] run eagerly as groups
+    of 2, 2 and 1 + a sink row, and give the same tokens and codes as one eager step over all 5 rows; the
+    sink takes the padding (the real slots advance once per step, the sink never)."""
+    model, *_ = tiny
+    specials = special_ids(model, torch.device("cpu"))
+    states = [_admitted_state(model, 5) for _ in range(2)]
+    padded = StepRunner(model, states[0], specials, [2], graphs=False, pad_eager=True)
+    seen = []
+    padded._step = lambda s, a, f, sampling: seen.append(s.tolist()) or frame_step(model, states[0], s, a, f, specials)
+    slots, forced = torch.arange(5), torch.full((5,), -1)
+    audio = torch.randn(5, 1280, generator=torch.Generator().manual_seed(2)) * 0.1
+    out_p = padded(slots, audio, forced)
+    out_e = frame_step(model, states[1], slots, audio, forced, specials)
+    assert seen == [[0, 1], [2, 3], [4, states[0].sink]]
+    assert torch.equal(out_p.text, out_e.text) and torch.equal(out_p.codes, out_e.codes)
+    assert torch.equal(states[0].llm_len, states[1].llm_len)
 
 
 def test_buckets_for_max_calls():
