@@ -13,7 +13,7 @@ SERIAL=(tests/test_server.py tests/test_server_fuzz.py tests/test_server_model.p
 if [ $# -gt 0 ]; then   # a selection of one's own (paths, -k, ...): one plain run
   python -m pytest -q -p no:cacheprovider --ignore=tests/test_encoder_vs_nemo.py "$@"
 else
-  python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-auto}" --dist load \
+  python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-auto}" --dist load --durations=12 \
     --ignore=tests/test_encoder_vs_nemo.py "${SERIAL[@]/#/--ignore=}"
   python -m pytest -q -p no:cacheprovider "${SERIAL[@]}"
 fi

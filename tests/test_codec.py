@@ -424,7 +424,7 @@ def test_streaming_equals_one_shot_delayed(kernels, monkeypatch):
         tensor.copy_(torch.randn(tensor.shape, generator=gen))
     state.frames_done.fill_(5)
     # name: (slot, first step, frames)
-    calls = {"a": (0, 0, 12), "b": (2, 3, 12), "c": (1, 5, 12), "d": (0, 13, 4)}
+    calls = {"a": (0, 0, 8), "b": (2, 3, 8), "c": (1, 5, 8), "d": (0, 9, 4)}  # 8 frames > the 6 of history
     codes = {name: _codes(gen, n, 31) for name, (_, _, n) in calls.items()}
     streams = {name: [] for name in calls}
     for step in range(max(start + n for _, start, n in calls.values())):
