@@ -8,10 +8,10 @@ above the largest bucket is split into groups of at most the largest bucket, eac
 steps run the batch's own rows, or, with `pad_eager`, the same padded rows and groups as the graphs).
 
 Batch invariance (`engine.batch_invariant`: one bucket, eager steps padded too): every step then runs the
-same number of rows, so every kernel choice that follows the row count (cuBLASLt's split-K, cuDNN's
-convolution algorithm, the attention's split count, MKL's blocking on the CPU) is the same whatever
-shares the step, and a call's outputs are the same bit for bit alone or beside others (measured on the
-H200 at full size in bf16: tests/test_graphs.py; with several buckets they are not).
+same number of rows, so every kernel choice that follows the row count (on the GPU cuBLASLt's split-K,
+cuDNN's convolution algorithm, the decode attention's split count) is the same whatever shares the step,
+and a call's outputs are the same bit for bit alone or beside others: on the H200 at full size in bf16
+(tests/test_graphs.py; with several buckets they are not) and on the CPU (tests/test_engine.py).
 
 Three capture back ends (`engine.graph_backend`):
 - "cudagraph-eager" (default): the step as written, captured by hand with `torch.cuda.CUDAGraph` into

@@ -71,9 +71,9 @@ def test_batch_invariance_with_staggered_calls_and_uploads(tiny, example_clip):
 def test_batch_invariant_engine_is_bit_for_bit(tiny, example_clip):
     """engine.batch_invariant: one bucket, eager steps padded to it, so every step runs the same rows. A
     call's text, codes AND PCM are then identical bit for bit alone and beside 8 staggered calls with
-    uploads mixed in (the default engine's PCM above is only within one int16 step: the CPU's GEMMs round
-    differently for other row counts); every step ran the one bucket's rows (16: the configured bucket that
-    covers max_calls 9)."""
+    uploads mixed in (with the default engine the PCM is only within one int16 step, above: the CPU's
+    kernels round differently for other row counts); every step ran the one bucket's rows (16: the
+    configured bucket that covers max_calls 9)."""
     frames = 10
     clips = _clips(example_clip, 9, frames, seed=1)
     alone_eng = _engine(tiny, max_calls=9, batch_invariant=True)
