@@ -336,12 +336,14 @@ def test_padding_rows_never_advance_the_sink(tiny):
 
 @torch.no_grad()
 def test_batch_above_the_largest_bucket_runs_in_groups(tiny):
-    """5 calls through buckets [2]: groups of 2, 2 and 1 (the last padded with a sink row), each a
-    compiled step; the outputs equal one eager step over all 5 rows (rows are independent)."""
+    """5 calls through buckets [2]: groups of 2, 2 and 1 (the last padded with a sink row), each its
+    bucket's step (the hand-capture back end: on the CPU the step as it is; that a compiled step equals the
+    eager one is the teacher-forced test's); the outputs equal one eager step over all 5 rows (rows are
+    independent)."""
     model, *_ = tiny
     specials = special_ids(model, torch.device("cpu"))
     states = [_admitted_state(model, 5) for _ in range(2)]  # identical twins
-    grouped = StepRunner(model, states[0], specials, [2], graphs=True, compiler="aot_eager")
+    grouped = StepRunner(model, states[0], specials, [2], graphs=True, backend="cudagraph-eager")
     slots, forced = torch.arange(5), torch.full((5,), -1)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
