@@ -3,6 +3,7 @@
     python scripts/run_clip.py                                  # embedded tiny model, example clip
     python scripts/run_clip.py model=nemotron_duplex checkpoint=<dir> clip=a.wav mode=streaming
     python scripts/run_clip.py mode=engine clips=[a.wav,b.wav] offsets=[0,7]
+    python scripts/run_clip.py mode=engine clips=[a.wav,b.wav] engine.batch_invariant=true   # bits as if alone
 
 mode=offline is NVIDIA's offline_inference (spec 7.1); mode=streaming the per-frame cached loop
 (spec 7.2); mode=engine the batched engine, several clips at once, each with its own start frame and
@@ -40,10 +41,18 @@ def write_outputs(out: Path, res, tokenizer, rnnt_vocab, sample_rate: int) -> No
     (out / "user.txt").write_text(user + "\n")
 
 
-def run_engine(model, tokenizer, cfg, clips, offsets, prompt, sampling):
-    from nemo_duplex.engine import Engine, EngineConfig
+def engine_config(cfg, n_clips: int):
+    """mode=engine's engine: a slot per clip; engine.max_call_s and engine.batch_invariant from the config."""
+    from nemo_duplex.engine import EngineConfig
 
-    engine = Engine(model, tokenizer, EngineConfig(max_calls=max(len(clips), 1), max_call_s=cfg.engine.max_call_s))
+    return EngineConfig(max_calls=max(n_clips, 1), max_call_s=cfg.engine.max_call_s,
+                        batch_invariant=bool(cfg.engine.get("batch_invariant", False)))
+
+
+def run_engine(model, tokenizer, cfg, clips, offsets, prompt, sampling):
+    from nemo_duplex.engine import Engine
+
+    engine = Engine(model, tokenizer, engine_config(cfg, len(clips)))
     return engine.run_clips(clips, offsets=offsets, prompt=prompt, seed=int(cfg.seed), sampling=sampling)
 
 

@@ -1,0 +1,33 @@
+"""scripts/run_clip.py, the README's main command: it runs on the embedded tiny model and writes what the
+model said; mode=engine takes engine.batch_invariant from the config."""
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def test_engine_mode_takes_batch_invariant_from_the_config():
+    from run_clip import engine_config
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        default = compose(config_name="config")
+        invariant = compose(config_name="config", overrides=["engine.batch_invariant=true"])
+    assert engine_config(default, 3).batch_invariant is False
+    cfg = engine_config(invariant, 3)
+    assert cfg.batch_invariant is True and cfg.max_calls == 3
+
+
+def test_the_main_command_writes_its_outputs(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "run_clip.py"), f"out={out}",
+                           f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("agent.wav", "frames.tsv", "agent.txt", "user.txt"):
+        assert (out / name).stat().st_size > 0, name
+    rows = (out / "frames.tsv").read_text().splitlines()
+    assert rows[0].startswith("frame\ttext_token") and len(rows) == 1 + 75   # the 6 s example clip: 75 frames
