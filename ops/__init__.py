@@ -1,4 +1,5 @@
 """Triton kernels, each file with its torch reference and launcher."""
+import contextlib
 import os
 
 import torch
@@ -7,6 +8,19 @@ import torch
 def interpreting() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on the CPU through Triton's interpreter (the CPU tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def torch_references():
+    """CPU tensors take the ops' torch references inside, not the interpreter: TRITON_INTERPRET is unset
+    there and restored after. For building models (cast_for_inference makes the talker's per-token table
+    through the char encoder: ~100 s under the interpreter for the tiny model, under a second without)."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def use_triton(t: torch.Tensor) -> bool:

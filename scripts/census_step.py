@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from nemo_duplex import talker as talker_module  # noqa: E402
 from nemo_duplex.checkpoint import random_model  # noqa: E402
 from nemo_duplex.config import ModelConfig, tiny_config  # noqa: E402
 from nemo_duplex.state import allocate_call_state  # noqa: E402
+from ops import torch_references  # noqa: E402
 from ops.decode_attention import decode_attention  # noqa: E402
 
 VIEWS = {"empty", "empty_like", "empty_strided", "as_strided", "as_strided_", "set_", "view", "_unsafe_view",
@@ -58,12 +58,8 @@ def census(calls: int = 2, full_layers: bool = False) -> dict[str, collections.C
     # Built with the ops' torch references: the build is not counted, and under the interpreter the talker's
     # per-token table (the char encoder over every token) took ~100 s of it. Then the codec's GEMM weights
     # are split again as the kernels' path wants them (presplit_weights builds them only where it runs).
-    interpret = os.environ.pop("TRITON_INTERPRET", None)
-    try:
+    with torch_references():
         model = random_model(cfg, seed=0)[0].cast_for_inference().eval()   # as runtime.load serves it
-    finally:
-        if interpret is not None:
-            os.environ["TRITON_INTERPRET"] = interpret
     model.codec.presplit_weights()
     # the GPU's code paths where the CPU would take the torch ones: the LLM's Mamba and attention
     # kernels, the talker's decode attention (both choose by device; the kernels run under the interpreter)

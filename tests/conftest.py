@@ -67,12 +67,13 @@ def example_clip():
 
 @contextlib.contextmanager
 def torch_references():
-    """What runs inside takes the ops' torch references, not the Triton interpreter (CPU only). For the
-    fixtures that build models: cast_for_inference builds the talker's per-token table through the char
-    encoder, ~100 s under the interpreter for the tiny model, well under a second with the references."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not torch.cuda.is_available():
-            mp.delenv("TRITON_INTERPRET", raising=False)
+    """ops.torch_references on a machine without a GPU (the fixtures that build models); on a GPU the
+    launchers take the kernels for CUDA tensors whatever the variable says, and it is left as it is."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from ops import torch_references as references
+    with references():
         yield
 
 

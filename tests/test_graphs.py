@@ -50,6 +50,17 @@ def _assert_real_slots_equal(tensors, expected, n_calls: int, device) -> None:
     assert compared >= 10
 
 
+def _full_size_bf16(dev):
+    """The full-size model, random weights (seed 0), encoder / LLM / talker in bf16, ready to serve."""
+    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.config import ModelConfig
+
+    cfg = ModelConfig()
+    cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
+    model, _, _ = random_model(cfg, dev, seed=0)
+    return model.cast_for_inference().eval()
+
+
 def _rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
@@ -112,14 +123,8 @@ def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
     capture, with and without the Inductor-compiled regions (graphs/regions.py); the whole-step Inductor
     build fails on torch 2.11 after 4 minutes (graphs/capture.py says why) and is compared with eager on
     the CPU above."""
-    from nemo_duplex.checkpoint import random_model
-    from nemo_duplex.config import ModelConfig
-
-    cfg = ModelConfig()
-    cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
     dev = torch.device("cuda")
-    model, tok, _ = random_model(cfg, dev, seed=0)
-    model.cast_for_inference().eval()
+    model = _full_size_bf16(dev)
     n_calls = 8
     st = _admitted_state(model, n_calls, FRAMES + 4, dev)
     specials = special_ids(model, dev)
@@ -157,14 +162,8 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit(serving_blas):
     frames, captured: every output and, at the end, every real slot's state identical to the one-stream
     step's on a twin state; and the same for 5 eager frames (their real rows: the 8 padding rows all
     write the sink, in no set order, so the sink's own state and outputs are not compared)."""
-    from nemo_duplex.checkpoint import random_model
-    from nemo_duplex.config import ModelConfig
-
-    cfg = ModelConfig()
-    cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
     dev = torch.device("cuda")
-    model, _, _ = random_model(cfg, dev, seed=0)
-    model.cast_for_inference().eval()
+    model = _full_size_bf16(dev)
     assert model.has_rnnt
     n_calls, frames = 8, 30
     states = [_admitted_state(model, n_calls, frames + 8, dev) for _ in range(2)]
@@ -192,16 +191,6 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit(serving_blas):
     assert states[0].sink == n_calls
     _assert_real_slots_equal(state_tensors(states[0]), dict(state_tensors(states[1])), n_calls, dev)
     print(f"side stream: identical over {frames} captured + 5 eager frames; {emitted} RNN-T tokens emitted")
-
-
-def _full_size_bf16(dev):
-    from nemo_duplex.checkpoint import random_model
-    from nemo_duplex.config import ModelConfig
-
-    cfg = ModelConfig()
-    cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
-    model, _, _ = random_model(cfg, dev, seed=0)
-    return model.cast_for_inference().eval()
 
 
 def _alone_and_shared(model, buckets, n_calls: int, frames: int, dev) -> list[int]:
