@@ -48,12 +48,26 @@ def sample_text(logits: torch.Tensor, special_ids: torch.Tensor, seen: torch.Ten
     keep_argmax = greedy | torch.isin(argmax, special_ids)
     penalised = torch.where(logits > 0, logits / rep_penalty[:, None], logits * rep_penalty[:, None])
     x = torch.where(seen, penalised, logits) / temperature.clamp_min(1e-6)[:, None]
+    sampled = nucleus_draw(x, top_p, rng.uniform(seed, counter, rng.TEXT_SAMPLE, (1,)))
+    return torch.where(keep_argmax, argmax, sampled)
+
+
+# Opaque to torch.compile: at full size Inductor's code generation failed on the cumulative sum over the
+# 131,072-token vocabulary (a split scan; docs/performance.md, "Compiled back ends on the GPU"), so the
+# compiled back ends run this piece as written, with eager kernels, inside their graphs.
+@torch.library.custom_op("nemo_duplex::nucleus_draw", mutates_args=())
+def nucleus_draw(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """x [B, V] fp32 (penalised, tempered logits), top_p [B], u [B, 1] uniform in [0, 1) -> tokens [B] int64:
+    the top-p nucleus of softmax(x) (the first token always kept), drawn by inverse CDF at u."""
     sorted_x, order = x.sort(dim=-1, descending=True)
     probs = sorted_x.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
     probs = torch.where(before > top_p[:, None], torch.zeros_like(probs), probs)
     cdf = probs.cumsum(dim=-1)
-    u = rng.uniform(seed, counter, rng.TEXT_SAMPLE, (1,)) * cdf[:, -1:]
-    pick = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)
-    sampled = order.gather(-1, pick).squeeze(-1)
-    return torch.where(keep_argmax, argmax, sampled)
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_max(cdf.shape[-1] - 1)
+    return order.gather(-1, pick).squeeze(-1)
+
+
+@nucleus_draw.register_fake
+def _(x, top_p, u):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
