@@ -67,12 +67,17 @@ def _irdft_basis(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tens
     return torch.cat([weight * cos / n, -weight * sin / n], dim=0).contiguous().to(device=device, dtype=dtype)  # [2H, n]
 
 
+# assume_constant_result: torch.compile traces through lru_cache, so without it every compiled step would
+# rebuild the basis (~20 ops, float64 on the CPU, then a copy to the device, which also keeps
+# reduce-overhead from recording its CUDA graph); with it the cached tensor enters the graph as a constant.
+@torch.compiler.assume_constant_result
 def rdft_basis(n: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Forward real-DFT basis `[n, 2*(n//2+1)]`, built in float64, cached per (n, device, dtype).
     Build it once before CUDA-graph capture (the first call allocates)."""
     return _rdft_basis(n, torch.device(device), dtype)
 
 
+@torch.compiler.assume_constant_result
 def irdft_basis(n: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse real-DFT basis `[2*(n//2+1), n]`, built in float64, cached per (n, device, dtype)."""
     return _irdft_basis(n, torch.device(device), dtype)

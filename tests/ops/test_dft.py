@@ -102,6 +102,38 @@ def test_basis_cached_and_shaped():
     assert rdft_basis(16, "cpu", torch.float64).dtype == torch.float64
 
 
+def test_compiled_step_takes_the_basis_as_a_constant():
+    """torch.compile traces through lru_cache: without `assume_constant_result` the traced graph rebuilt
+    each basis on every call (~20 ops each: arange, outer, cos, sin in float64 on the CPU, then a copy to
+    the device). Called as the model calls them (n from the frame's shape; the codec's n_fft a module
+    attribute), the compiled graphs now build nothing and give the eager result."""
+    traced = []
+
+    def record_ops(gm, inputs):
+        traced.append({str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")})
+        return gm.forward
+
+    class Head(torch.nn.Module):  # the codec's iSTFT holds its n_fft as an attribute
+        def __init__(self, n_fft):
+            super().__init__()
+            self.n_fft = n_fft
+
+        def forward(self, re, im):
+            return irdft(re, im, self.n_fft)
+
+    for n in (16, 400):
+        x = torch.randn(3, n)
+        # dynamic=False as graphs/capture.py compiles the step: the frame length is a constant there
+        re, im = torch.compile(rdft, backend=record_ops, fullgraph=True, dynamic=False)(x)
+        back = torch.compile(Head(n), backend=record_ops, fullgraph=True, dynamic=False)(re, im)
+        want_re, want_im = rdft(x)
+        assert torch.equal(re, want_re) and torch.equal(im, want_im)
+        assert torch.equal(back, irdft(want_re, want_im, n))
+        assert (back - x).abs().max() <= 1e-4
+    builds = [op for ops in traced for op in ops if any(k in op for k in ("arange", "cos", "sin", "outer"))]
+    assert len(traced) == 4 and not builds, (builds, traced)
+
+
 def test_irdft_rejects_wrong_bins():
     with pytest.raises(ValueError):
         irdft(torch.zeros(2, 8), torch.zeros(2, 8), 16)
