@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from nemo_duplex.config import EncoderConfig, FrontendConfig
 from nemo_duplex.frontend import MelFrontend
+from nemo_duplex.stacking import StackedProjections
 from ops.bounded_attention import bounded_attention_and_store
 from ops.conformer_conv import conformer_conv_step
 from ops.layernorm import add_layer_norm
@@ -145,8 +146,10 @@ class ConformerFeedForward(nn.Module):
         return self.linear2(F.silu(self.linear1(x)))
 
 
-class RelPositionMultiHeadAttention(nn.Module):
-    """Transformer-XL relative-position attention (spec 2.4), no biases in the linears."""
+class RelPositionMultiHeadAttention(StackedProjections):
+    """Transformer-XL relative-position attention (spec 2.4), no biases in the linears. Once streaming
+    (`prepare_stream`), q/k/v are one weight tensor, `stack` (nemo_duplex/stacking.py): one GEMM per step."""
+    stacked = ("linear_q", "linear_k", "linear_v")
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
@@ -159,19 +162,14 @@ class RelPositionMultiHeadAttention(nn.Module):
         self.linear_pos = nn.Linear(d, d, bias=False)
         self.pos_bias_u = nn.Parameter(torch.empty(h, cfg.head_dim))
         self.pos_bias_v = nn.Parameter(torch.empty(h, cfg.head_dim))
-        # Streaming tables, derived from the weights, so not in the state_dict; `prepare_stream` fills
-        # them and loading a state_dict empties them:
-        #   pos_by_distance  P[d] = linear_pos(pe(d)) for d = 0..W, [W+1, H, Dh];
-        #   qkv_weight       [linear_q; linear_k; linear_v] stacked, [3d, d]: one GEMM per step instead of
-        #                    three (a copy of the three weights, 3 d^2 per layer: 144 MiB at full size in bf16).
+        # Streaming table, derived from the weights, so not in the state_dict; `prepare_stream` fills it
+        # and loading a state_dict empties it: P[d] = linear_pos(pe(d)) for d = 0..W, [W+1, H, Dh].
+        # (The q/k/v stack needs no such care: its blocks ARE the three weights, so a load writes into it.)
         self.register_buffer("pos_by_distance", torch.empty(0), persistent=False)
-        self.register_buffer("qkv_weight", torch.empty(0), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.clear_stream_tables())
 
     def clear_stream_tables(self):
-        device = self.linear_pos.weight.device
-        self.pos_by_distance = torch.empty(0, device=device)
-        self.qkv_weight = torch.empty(0, device=device)
+        self.pos_by_distance = torch.empty(0, device=self.linear_pos.weight.device)
 
     @torch.no_grad()
     def prepare_stream(self):
@@ -179,7 +177,8 @@ class RelPositionMultiHeadAttention(nn.Module):
         distances = torch.arange(self.window + 1, device=weight.device)
         pe = relative_position_table(distances, weight.shape[1]).to(weight.dtype)
         self.pos_by_distance = self.linear_pos(pe).view(-1, self.n_heads, self.head_dim)
-        self.qkv_weight = torch.cat([self.linear_q.weight, self.linear_k.weight, self.linear_v.weight])
+        if self.stack is None:  # once: re-stacking would move the weights a captured graph reads
+            self.stack_projections()
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, H, T, Dh]
         return x.view(x.shape[0], x.shape[1], self.n_heads, self.head_dim).transpose(1, 2)
@@ -203,7 +202,7 @@ class RelPositionMultiHeadAttention(nn.Module):
         frame's k/v are written at ring = t % W after attending (ops/bounded_attention.py)."""
         b = x.shape[0]
         # q, k, v from one GEMM over the stacked weight (prepare_stream); strided views, no copies
-        q, k, v = F.linear(x, self.qkv_weight).view(b, 3, self.n_heads, self.head_dim).unbind(1)
+        q, k, v = F.linear(x, self.stack).view(b, 3, self.n_heads, self.head_dim).unbind(1)
         out = bounded_attention_and_store(q, k, v, keys, values, self.pos_by_distance, self.pos_bias_u,
                                           self.pos_bias_v, slots, t)
         return self.linear_out(out.reshape(b, -1))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
+from .stacking import StackedProjections
 from ops.activation import gelu_tanh_mul
 from ops.argmin_residual import argmin_residual
 from ops.decode_attention import decode_attention
@@ -68,41 +69,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     return x * cos + rotated * sin
-
-
-@torch.no_grad()
-def stack_linears(*linears: nn.Linear) -> torch.Tensor:
-    """The linears' weights as row blocks of ONE tensor [sum of outs, in], each Linear's weight re-pointed
-    at its block: one GEMM then computes all of them (fewer launches per step: the talker runs ~2,000
-    small kernels a frame), with no second copy of the weights; loading a state_dict writes into the
-    blocks. A cast or move (Module._apply) would give each weight a tensor of its own, so the modules
-    that stack re-stack after one (`StackedProjections`)."""
-    stack = torch.cat([linear.weight for linear in linears])
-    row = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(stack[row: row + rows], requires_grad=linear.weight.requires_grad)
-        row += rows
-    return stack
-
-
-class StackedProjections(nn.Module):
-    """A module whose `stacked` linears (names of child Linears) may share one weight tensor, `stack`
-    (None until `stack_projections`), re-stacked after every cast or move so it never holds stale values."""
-    stacked: tuple[str, ...] = ()
-
-    def __init__(self):
-        super().__init__()
-        self.stack: torch.Tensor | None = None
-
-    def stack_projections(self) -> None:
-        self.stack = stack_linears(*(getattr(self, name) for name in self.stacked))
-
-    def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)
-        if self.stack is not None:
-            self.stack_projections()
-        return out
 
 
 class GatedMLP(StackedProjections):

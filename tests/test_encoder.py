@@ -228,6 +228,36 @@ def test_pos_tables_follow_loaded_weights(monkeypatch):
     assert "encoder.layers.0.self_attn.pos_by_distance" not in model.state_dict()
 
 
+@torch.no_grad()
+def test_streaming_qkv_stack_is_the_weights_themselves():
+    """The streaming step's one q/k/v GEMM reads `stack` (nemo_duplex/stacking.py), whose row blocks ARE
+    linear_q/k/v's weights: no second copy (until session 15 a concatenated copy, 144 MiB at full size in
+    bf16), a state_dict load writes into it, a cast re-stacks it; the checkpoint keys are unchanged."""
+    model = make_perception(seed=5)
+    keys = set(model.state_dict())
+    model.prepare_stream()
+    attns = [layer.self_attn for layer in model.encoder.layers]
+
+    def views_of_stack(attn):
+        blocks = torch.cat([attn.linear_q.weight, attn.linear_k.weight, attn.linear_v.weight])
+        return (torch.equal(attn.stack, blocks)
+                and all(getattr(attn, name).weight.untyped_storage().data_ptr() == attn.stack.untyped_storage().data_ptr()
+                        for name in attn.stacked))
+
+    assert all(views_of_stack(a) for a in attns)
+    tensors = [*model.parameters(), *model.buffers()]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(storages) == len(tensors) - 2 * len(attns)   # q, k, v: one storage per layer
+    assert set(model.state_dict()) == keys
+    other = make_perception(seed=6)
+    stack = attns[0].stack
+    model.load_state_dict(other.state_dict())
+    assert attns[0].stack is stack and all(views_of_stack(a) for a in attns)   # written in place
+    assert torch.equal(stack[: stack.shape[1]], other.encoder.layers[0].self_attn.linear_q.weight)
+    model.double()
+    assert all(views_of_stack(a) and a.stack.dtype == torch.float64 for a in attns)
+
+
 @pytest.mark.gpu
 @torch.no_grad()
 def test_streaming_equals_offline_full_size_gpu():

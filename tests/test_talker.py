@@ -277,7 +277,7 @@ def test_stacked_projections_compute_the_separate_ones(kernels):
     1e-5 (fp32; the stacked GEMM may sum in another order), codes identical. A cast afterwards (which
     gives each weight a tensor of its own) re-stacks. With `kernels`, the norm + rotary and gelu * up
     kernels read the stacked GEMM's column views (interpreter)."""
-    from nemo_duplex.talker import StackedProjections
+    from nemo_duplex.stacking import StackedProjections
 
     def step_outputs(model):
         g = torch.Generator().manual_seed(4)
