@@ -28,8 +28,11 @@ Three capture back ends (`engine.graph_backend`):
   not treat as static inputs, which a state pool may be).
 Why the hand capture serves: at full size on the H200 (torch 2.11), compiling the whole step for ONE
 bucket ran 4 minutes and then failed in Inductor's code generation for the text sampler's cumsum over
-131,072 logits (a split scan; docs/runs/compile_2026-11-29_s2_2_inductor_bucket32.log). Eight buckets
-would take over half an hour to build even once that is worked around. The Triton kernels are custom
+131,072 logits (a split scan; docs/runs/compile_2026-11-29_s2_2_inductor_bucket32.log). That piece is now
+a custom op (sampling.nucleus_draw), and the DFT bases enter the graph as constants (ops/dft.py); the
+compile then ran past 7 minutes for one bucket without an error and was stopped there
+(docs/runs/compile_s15_reduce_overhead_bucket32.log): eight buckets, twice with `greedy_graphs`, would
+take hours to build at start-up. The Triton kernels are custom
 ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True; they compile and match
 eager on the CPU (tests/test_graphs.py, `compiler="aot_eager"`).
 On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
