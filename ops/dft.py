@@ -68,8 +68,8 @@ def _irdft_basis(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tens
 
 
 # assume_constant_result: torch.compile traces through lru_cache, so without it every compiled step would
-# rebuild the basis (~20 ops, float64 on the CPU, then a copy to the device, which also keeps
-# reduce-overhead from recording its CUDA graph); with it the cached tensor enters the graph as a constant.
+# rebuild the basis (~20 ops, float64 on the CPU, then a copy to the device); with it the cached tensor
+# enters the graph as a constant (tests/ops/test_dft.py).
 @torch.compiler.assume_constant_result
 def rdft_basis(n: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Forward real-DFT basis `[n, 2*(n//2+1)]`, built in float64, cached per (n, device, dtype).
