@@ -30,7 +30,7 @@ Why the hand capture serves: at full size on the H200 (torch 2.11), compiling th
 bucket ran 4 minutes and then failed in Inductor's code generation for the text sampler's cumsum over
 131,072 logits (a split scan; docs/runs/compile_2026-11-29_s2_2_inductor_bucket32.log). That piece is now
 a custom op (sampling.nucleus_draw), and the DFT bases enter the graph as constants (ops/dft.py); the
-compile then ran past 7 minutes for one bucket without an error and was stopped there
+compile then ran past 6 minutes for one bucket without an error and was stopped there
 (docs/runs/compile_s15_reduce_overhead_bucket32.log): eight buckets, twice with `greedy_graphs`, would
 take hours to build at start-up. The Triton kernels are custom
 ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True; they compile and match

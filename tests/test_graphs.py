@@ -121,7 +121,7 @@ def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
     differs between captured and eager launches only through cuBLAS choices); a token or code may differ
     only where eager's top-1/top-2 margin is below 1e-3, and the test reports how many did. The hand
     capture, with and without the Inductor-compiled regions (graphs/regions.py); the whole-step Inductor
-    build takes over 7 minutes per bucket at full size (graphs/capture.py says why) and is compared with
+    build takes over 6 minutes per bucket at full size (graphs/capture.py says why) and is compared with
     eager on the CPU above."""
     dev = torch.device("cuda")
     model = _full_size_bf16(dev)
