@@ -1,6 +1,6 @@
 """Residual add + LayerNorm in one kernel: the streaming FastConformer's macaron joints (spec 2.3).
 
-    s = x + alpha * delta          (torch.add(x, delta, alpha=alpha): fp32 math, one rounding to x's dtype)
+    s = x + alpha * delta          (fp32 math, one rounding to x's dtype; alpha 1 or 0.5, so the product is exact)
     y = layer_norm(s) * w + b      (F.layer_norm: mean / variance in fp32, one rounding to x's dtype)
 
 Each block of a Conformer layer ends with a residual add and the next block starts by norming the sum
@@ -32,8 +32,12 @@ from ops.rmsnorm import _round_to, _rows
 def add_layer_norm_reference(x: torch.Tensor, delta: torch.Tensor | None, alpha: float, weight: torch.Tensor,
                              bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch statement (the encoder's CPU path and the kernel's reference): the two ops the streaming
-    layer ran before, unchanged."""
-    s = x if delta is None else torch.add(x, delta, alpha=alpha)
+    layer ran before. The sum is written `x + delta * alpha`, not `torch.add(x, delta, alpha=alpha)`: when
+    delta comes from a matmul, Inductor fuses that add into an addmm and drops the alpha (pytorch/pytorch
+    #167313; session 15 found the tiny model's whole step compiled by Inductor ~0.5 relative off eager
+    from it). For the alphas the encoder uses (1 and 0.5) the product is exact, so the bits are the same."""
+    assert alpha in (1.0, 0.5), f"alpha {alpha}: only 1 and 0.5 keep x + delta * alpha exact"
+    s = x if delta is None else x + delta * alpha
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 

@@ -1,4 +1,4 @@
-"""Residual add + LayerNorm kernel (TRITON_INTERPRET=1 on CPU) vs its torch reference (torch.add with alpha,
+"""Residual add + LayerNorm kernel (TRITON_INTERPRET=1 on CPU) vs its torch reference (x + delta * alpha,
 then F.layer_norm) and vs the same written out in float64; full shapes on the GPU.
 Tolerances: fp32, s bit-identical (the same single fp32 rounding) and y within 1e-5 (rtol and atol) of the
 reference (the reduction order differs). bf16, s bit-identical and y >= 99% bit-identical with the rest
@@ -46,6 +46,35 @@ def test_kernel_matches_reference_and_float64(rows, width, alpha, dtype):
     s, y = add_layer_norm_triton(x, delta, alpha, w, b, EPS)
     ref_s, ref_y = add_layer_norm_reference(x, delta, alpha, w, b, EPS)
     _check(s, y, ref_s, ref_y, _float64(x, delta, alpha, w, b, EPS)[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_torch_add_with_alpha_bit_for_bit(dtype):
+    """The reference writes the sum as x + delta * alpha (see its docstring): the same bits as
+    torch.add(x, delta, alpha=alpha) for the encoder's alphas."""
+    gen = torch.Generator().manual_seed(5)
+    x, delta, w, b = _inputs(gen, 9, 100, dtype)
+    for alpha in (1.0, 0.5):
+        assert torch.equal(add_layer_norm_reference(x, delta, alpha, w, b, EPS)[0], torch.add(x, delta, alpha=alpha))
+
+
+def test_reference_compiled_by_inductor_after_a_matmul_keeps_its_alpha():
+    """The encoder's joint as the whole-step compile sees it on the CPU: delta from a matmul, then the
+    reference. With torch.add(..., alpha=0.5) Inductor fused the add into an addmm and dropped the alpha
+    (pytorch/pytorch#167313): 0.24 relative off eager here, so the compiled step was wrong (session 15).
+    fp32; tolerance 1e-5 relative (Inductor's own GEMM and norm)."""
+    gen = torch.Generator().manual_seed(6)
+    x, _, w, b = _inputs(gen, 4, 64, torch.float32)
+    weight = torch.randn(64, 64, generator=gen).to(DEVICE) / 8
+
+    def joint(x):
+        return add_layer_norm_reference(x, torch.nn.functional.linear(x, weight), 0.5, w, b, EPS)
+
+    torch._dynamo.reset()
+    got = torch.compile(joint, backend="inductor", fullgraph=True)(x)
+    want = joint(x)
+    for g, e in zip(got, want):
+        assert ((g - e).norm() / e.norm()).item() <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
