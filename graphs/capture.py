@@ -19,22 +19,24 @@ Three capture back ends (`engine.graph_backend`):
   ops/ kernels for the norms (with the talker's rotary), the attention, the Mamba step, the RNG and the
   codec GEMMs, which took the step from ~7,300 to ~3,600 kernels (docs/performance.md).
 - "cudagraph-regions": the same hand capture, with the step's pure small-op pieces (the talker's MoG
-  passes, the RNN-T symbol loop) compiled by Inductor on their own (graphs/regions.py). Not measured on
-  a GPU yet.
+  passes, the RNN-T symbol loop) compiled by Inductor on their own (graphs/regions.py). About 1 ms a
+  step faster at full size, but its bf16 codes part from the plain step's (graphs/regions.py says why).
 - "reduce-overhead": `torch.compile(mode="reduce-overhead", fullgraph=True)`; Inductor fuses the
-  pointwise work and records a CUDA graph per shape; the pools are closed over and mutated in place.
-- "cudagraph": `torch.compile` (default mode) for fusion, captured by hand as above: for when
-  reduce-overhead declines to record a graph (cudagraph trees skip functions that mutate tensors they do
-  not treat as static inputs, which a state pool may be).
-Why the hand capture serves: at full size on the H200 (torch 2.11), compiling the whole step for ONE
-bucket ran 4 minutes and then failed in Inductor's code generation for the text sampler's cumsum over
-131,072 logits (a split scan; docs/runs/compile_2026-11-29_s2_2_inductor_bucket32.log). That piece is now
-a custom op (sampling.nucleus_draw), and the DFT bases enter the graph as constants (ops/dft.py); the
-compile then ran past 6 minutes for one bucket without an error and was stopped there
-(docs/runs/compile_s15_reduce_overhead_bucket32.log): eight buckets, twice with `greedy_graphs`, would
-take hours to build at start-up. The Triton kernels are custom
-ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True; they compile and match
-eager on the CPU (tests/test_graphs.py, `compiler="aot_eager"`).
+  pointwise work and cudagraph trees record a CUDA graph per shape; the pools are closed over, marked as
+  static inputs (mark_static_inputs: without the mark no graph was recorded) and written in place.
+- "cudagraph": `torch.compile` (default mode) for fusion, captured by hand as above.
+Why the hand capture serves: at full size on the H200 (torch 2.11), N=32 at position 1000, the sampling
+variant, on one lease (session 16): reduce-overhead 22.75 ms a step, with 3.66 ms of host work per step (not
+profiled; Dynamo's guards and cudagraph trees' checks run over the graph's 1,385 inputs at every call, and
+the step's GPU time includes the wait for them), against 18.18 ms and 0.74 ms for the hand capture. Its
+build of one bucket took 71 s, so the serving default's 20 buckets (conf/config.yaml) would take about 20 x
+71 s at start-up, twice that with `greedy_graphs` (not measured). Earlier builds never ended: session 2's
+failed in Inductor's code generation for the sampler's cumsum over 131,072 logits (now a custom op,
+sampling.nucleus_draw); session 15's was still lowering when stopped at 7 minutes, and session 16's stack
+samples put it inside the string torch 2.11 makes of an implicit fallback's arguments from minute 2 to
+minute 10 (graphs/fallbacks.py, which registers the ops first). The Triton kernels are custom ops (opaque to
+torch.compile), so the compiled back ends keep fullgraph=True; they compile and match eager on the CPU
+(tests/test_graphs.py, aot_eager and Inductor) and, at tiny size, reduce-overhead on the GPU.
 On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
 `compiler="aot_eager"`, which the CPU graphs-vs-eager test uses to trace the same graph cheaply).
 """
@@ -47,8 +49,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from graphs.fallbacks import register_inductor_fallbacks
 from graphs.regions import install_regions
 from nemo_duplex.frame_step import StepOutput, frame_step
+from nemo_duplex.state import state_tensors
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,28 @@ def buckets_for(configured, max_calls: int) -> list[int]:
     sizes = sorted(set(int(b) for b in configured))
     below = [b for b in sizes if b < max_calls]
     return below + [next((b for b in sizes if b >= max_calls), max_calls)]
+
+
+def mark_static_inputs(state, specials: torch.Tensor) -> None:
+    """Mark every state pool (and the special-token ids) as a static address for torch.compile.
+
+    Why: the step reaches the pools through `self.state`, so Dynamo lifts each one into a graph input,
+    and cudagraph trees (reduce-overhead) treat a graph input that is neither a parameter, a buffer nor
+    marked static as one to copy into the graph's own memory at every replay, and refuse to record a
+    graph for a function that writes one in place (torch/_inductor/cudagraph_utils.py,
+    `check_for_mutation`: "skipping cudagraphs due to mutated inputs"). The step writes every pool, so
+    without the mark torch.compile records no graph for it (on the H200: tests/test_graphs.py). The pools
+    are the same tensors for the runner's life (allocated once, written in place): static indeed."""
+    for _, t in state_tensors(state):
+        torch._dynamo.mark_static_address(t)
+    torch._dynamo.mark_static_address(specials)
+
+
+def cudagraph_skips() -> int:
+    """Inductor's count of compiled functions that reduce-overhead ran without a CUDA graph (each skip
+    is logged with its reason under TORCH_LOGS=cudagraphs)."""
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 class StepRunner:
@@ -112,6 +138,8 @@ class StepRunner:
         elif self.graphs:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                         4 * len(self.buckets) * len(self.variants))
+            mark_static_inputs(state, specials)
+            register_inductor_fallbacks()
             mode = "reduce-overhead" if backend == "reduce-overhead" and self.device.type == "cuda" else None
             # compiler "aot_eager" traces the same graph but runs it with eager kernels: the CPU test of
             # graphs-vs-eager uses it, since Inductor's C++ build of the whole step takes minutes there
@@ -154,6 +182,7 @@ class StepRunner:
         if not self.graphs:
             return
         n_in = self.model.cfg.samples_per_frame_in
+        skips = cudagraph_skips()
         for b in sorted(self.buckets, reverse=True):
             t0 = time.perf_counter()
             for sampling in self.variants:
@@ -170,6 +199,9 @@ class StepRunner:
             replays = ", ".join("%.1f / %.1f" % self.replay_ms[(b, v)] for v in self.variants if (b, v) in self.replay_ms)
             log.info("captured bucket %d (%s) in %.1f s; first / second replay %s ms", b, self.backend,
                      self.capture_seconds[b], replays or "-")
+            if self.backend == "reduce-overhead" and self.device.type == "cuda" and cudagraph_skips() > skips:
+                raise RuntimeError(f"engine.graph_backend=reduce-overhead recorded no CUDA graph for bucket {b} "
+                                   "(torch.compile skipped it; TORCH_LOGS=cudagraphs says why)")
 
     def _staged_inputs(self, b: int):
         """A bucket's static inputs as views of ONE device buffer, with a pinned host twin: a step then

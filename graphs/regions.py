@@ -1,11 +1,12 @@
 """Regional compilation: Inductor fusion for the step's pure, small-op-heavy pieces, inside the hand capture.
 
-Why: compiling the whole frame step at full size takes minutes per bucket and hit an Inductor bug
-(graphs/capture.py), while most of the step is already one kernel per op (ops/). What is left of the
-small kernels sits in a few fixed-size pieces that do not depend on the layer counts (scripts/census_step.py):
-the talker's MoG passes with their residual quantisation (~500 ops) and the RNN-T's unrolled symbol loop
-(~260). Those are pure functions of their inputs (no state pools), so each is compiled on its own,
-`fullgraph=True`, and the step around them is captured by hand as before (`cudagraph-regions`).
+Why: the whole frame step compiled by Inductor builds in ~70 s per bucket at full size and runs slower
+than the hand capture (graphs/capture.py), while most of the step is already one kernel per op (ops/).
+What is left of the small kernels sits in a few fixed-size pieces that do not depend on the layer counts
+(scripts/census_step.py): the talker's MoG passes with their residual quantisation (~500 ops) and the
+RNN-T's unrolled symbol loop (~260). Those are pure functions of their inputs (no state pools), so each is
+compiled on its own, `fullgraph=True`, and the step around them is captured by hand as before
+(`cudagraph-regions`).
 
 Batch sizes: the first call compiles for its shape; the second shape makes the batch dimension dynamic
 (torch.compile's automatic dynamic shapes), so a set of capture buckets costs about three compiles per
@@ -36,6 +37,8 @@ import contextlib
 import logging
 
 import torch
+
+from graphs.fallbacks import register_inductor_fallbacks
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ def _owner(model, path: str):
 
 def install_regions(model, compiler: str = "inductor") -> list[_Region]:
     """Compile every region the model has (a model without an RNN-T skips that one)."""
+    register_inductor_fallbacks()
     installed = []
     for path, method in REGIONS:
         owner = _owner(model, path)
