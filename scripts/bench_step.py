@@ -157,6 +157,9 @@ def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
     graphs.capture()
     capture_s = time.perf_counter() - t0
+    if graphs.graphs and cfg.engine.graph_backend in ("reduce-overhead", "cudagraph"):
+        # where a whole-step build spent its time (Dynamo, AOT, Inductor's passes), for docs/performance.md
+        print(f"capture {capture_s:.0f} s; torch.compile's phases:\n{torch._dynamo.utils.compile_times()}", flush=True)
     rows = []
     n_in = mcfg.samples_per_frame_in
     for pos in b.positions:
