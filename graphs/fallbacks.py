@@ -32,13 +32,14 @@ def register_inductor_fallbacks(namespace: str = NAMESPACE) -> list[torch._ops.O
     import importlib
     import pkgutil
 
-    import ops
     from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    import ops
 
     for module in pkgutil.iter_modules(ops.__path__):   # every kernel's custom op defined
         importlib.import_module(f"ops.{module.name}")
     importlib.import_module("nemo_duplex.sampling")     # nucleus_draw
-    from torch._library.utils import get_layout_constraint_tag
 
     registered = []
     for op in custom_ops(namespace):
