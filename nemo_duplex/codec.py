@@ -386,24 +386,30 @@ def hann_window(n: int, device: torch.device) -> torch.Tensor:
     return torch.hann_window(n, periodic=True, dtype=torch.float32, device=device)
 
 
-def synthesis_frames(head: torch.Tensor, n_fft: int, by_matmul: bool) -> torch.Tensor:
+def synthesis_frames(head: torch.Tensor, n_fft: int, by_matmul: bool, window: torch.Tensor | None = None,
+                     inner_bins: torch.Tensor | None = None) -> torch.Tensor:
     """head [B, S, n_fft + 2] (decoder output, channels-last) -> windowed time frames [B, S, n_fft].
 
     Channels 0..n/2 are the log-magnitude m, the rest the phase phi. |X| = 100 exp(-softplus(-m + ln 100))
     (= 100 sigmoid(m - ln 100), NeMo's form kept for its rounding). DC and Nyquist are real (|X| cos phi):
     their imaginary parts are zeroed here and ignored by the inverse DFT anyway. Each frame is clamped to
-    [-w, w] and multiplied by w (periodic Hann; `constrain_value_range`)."""
+    [-w, w] and multiplied by w (periodic Hann; `constrain_value_range`). `window` (the Hann window) and
+    `inner_bins` (1 for bins 1..n/2-1, 0 for DC and Nyquist), if the caller keeps them: a streaming step
+    then builds neither (RVQCodec's step constants); the values are the same."""
     bins = n_fft // 2 + 1
     log_mag, phase = head[..., :bins], head[..., bins:]
     mag = 100.0 * torch.exp(-F.softplus(-log_mag + math.log(100.0)))
     re = mag * torch.cos(phase)
     im = mag * torch.sin(phase)
-    im = torch.cat([torch.zeros_like(im[..., :1]), im[..., 1:-1], torch.zeros_like(im[..., -1:])], dim=-1)
+    if inner_bins is None:
+        im = torch.cat([torch.zeros_like(im[..., :1]), im[..., 1:-1], torch.zeros_like(im[..., -1:])], dim=-1)
+    else:  # one multiply: the inner bins times 1 are exact, the real ones become (signed) zeros
+        im = im * inner_bins
     if by_matmul:
         frames = irdft(re, im, n_fft)  # ops/dft.py: no cuFFT (graph capture)
     else:
         frames = torch.fft.irfft(torch.complex(re, im), n=n_fft, dim=-1)
-    window = hann_window(n_fft, head.device)
+    window = hann_window(n_fft, head.device) if window is None else window
     return torch.clamp(frames, -window, window) * window
 
 
@@ -635,6 +641,26 @@ class RVQCodec(nn.Module):
         self.prvq = ResidualVQ(cfg)
         self.keep_presplit = False  # presplit_weights was called: keep them built and current
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.weights_loaded())
+        # decode_step's constants (not in the state_dict): built once here and after every cast or move
+        # (`_apply`), not in every step (they were ~15 small launches of each captured frame step)
+        for name in ("step_window", "step_inner_bins", "step_envelope", "step_head"):
+            self.register_buffer(name, torch.empty(0), persistent=False)
+        self._build_step_constants()
+
+    @torch.no_grad()
+    def _build_step_constants(self) -> None:
+        """step_window: the periodic Hann window [n_fft]; step_inner_bins: 1 for the complex bins, 0 for DC and
+        Nyquist [n_fft / 2 + 1]; step_envelope: the window envelope of one code frame's spectrogram frames
+        [1, 1764 + n_fft - hop]; step_head: the first `stream_delay` output samples of a frame [1764] (bool).
+        Always fp32 whatever the module was cast to (the codec runs in fp32, spec 9.9)."""
+        device = self.step_window.device
+        n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
+        inner = torch.ones(n_fft // 2 + 1, device=device)
+        inner[0] = inner[-1] = 0.0
+        self.step_window = hann_window(n_fft, device)
+        self.step_inner_bins = inner
+        self.step_envelope = window_envelope(self.samples_per_frame // hop, n_fft, hop, device)
+        self.step_head = torch.arange(self.samples_per_frame, device=device) < self.stream_delay
 
     @property
     def samples_per_frame(self) -> int:  # 1764
@@ -724,9 +750,10 @@ class RVQCodec(nn.Module):
         with exact_fp32(codes.device):
             latent = self.dequantize(codes[:, None, :])  # [B, 1, latent]
             head = self.decoder.step(latent, state.convnext_history, slots, self.gemm)  # [B, 441, 18]
-            frames = synthesis_frames(head, n_fft, by_matmul=True)  # [B, 441, 16]
+            frames = synthesis_frames(head, n_fft, by_matmul=True, window=self.step_window,
+                                      inner_bins=self.step_inner_bins)  # [B, 441, 16]
             signal = overlap_add(frames, hop)  # [B, 1764 + 12]
-            envelope = window_envelope(frames.shape[1], n_fft, hop, codes.device).expand_as(signal)
+            envelope = self.step_envelope.expand_as(signal)
             # The previous frame's last 12 overlap-add samples belong to the start of this one.
             tail = n_fft - hop
             signal = torch.cat([signal[:, :tail] + state.ola_tail.index_select(0, slots), signal[:, tail:]], dim=1)
@@ -736,7 +763,7 @@ class RVQCodec(nn.Module):
             out_len = hop * frames.shape[1]
             # Sample i of this buffer is one-shot sample 1764 t + i - delay; at a stream's start the first
             # `delay` samples precede the signal (one-shot trims them): emit zeros.
-            before_start = (done[:, None] == 0) & (torch.arange(out_len, device=codes.device) < self.stream_delay)
+            before_start = (done[:, None] == 0) & self.step_head
             wav = torch.where(before_start, 0.0, signal[:, :out_len] / envelope[:, :out_len])
             state.ola_tail.index_copy_(0, slots, signal[:, out_len:])
             state.envelope_tail.index_copy_(0, slots, envelope[:, out_len:])
@@ -806,6 +833,7 @@ class RVQCodec(nn.Module):
             for holder, name, layer in self.decoder.step_gemms():
                 setattr(holder, name, torch.empty(0, device=layer.weight.device))
         out = super()._apply(fn, *args, **kwargs)
+        self._build_step_constants()   # a cast would leave them rounded; a move keeps the values
         if self.keep_presplit:
             self._build_presplit()
         return out

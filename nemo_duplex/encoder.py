@@ -28,7 +28,7 @@ from nemo_duplex.frontend import MelFrontend
 from nemo_duplex.stacking import StackedProjections
 from ops.bounded_attention import bounded_attention_and_store
 from ops.conformer_conv import conformer_conv_step
-from ops.layernorm import add_layer_norm
+from ops.layernorm import add_layer_norm, add_layer_norm_then
 
 LAYER_NORM_EPS = 1e-5
 MASKED_SCORE = -10000.0  # NeMo's fill value for masked attention scores (spec 2.4)
@@ -266,17 +266,21 @@ class ConformerLayer(nn.Module):
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
 
-    def step(self, x, keys, values, conv_cache, slots, t):
-        """forward's blocks for one frame [B, d]. Each block's residual add runs in one kernel with the
-        next block's LayerNorm (ops/layernorm.py): `_add_norm` returns the new residual stream x and its
-        norm h, the next block's input. x + 0.5 * ff is one add (alpha): halving is exact, so it rounds
-        as forward's two ops do."""
-        h = self.norm_feed_forward1(x)
+    def step(self, x, h, following, keys, values, conv_cache, slots, t):
+        """forward's blocks for one frame: x [B, d] the layer's input, h = norm_feed_forward1(x) ->
+        (the layer's output, following(output)); `following` is the next layer's norm_feed_forward1 (None
+        for the last layer: (output, output)). Each block's residual add runs in one kernel with the next
+        block's LayerNorm (ops/layernorm.py): `_add_norm` returns the new residual stream x and its norm h,
+        the next block's input; the last one also runs `following` on norm_out's output. x + 0.5 * ff is one
+        add (alpha): halving is exact, so it rounds as forward's two ops do."""
         x, h = _add_norm(x, self.feed_forward1(h), 0.5, self.norm_self_att)
         x, h = _add_norm(x, self.self_attn.step(h, keys, values, slots, t), 1.0, self.norm_conv)
         x, h = _add_norm(x, self.conv.step(h, conv_cache, slots), 1.0, self.norm_feed_forward2)
-        _, out = _add_norm(x, self.feed_forward2(h), 0.5, self.norm_out)
-        return out
+        if following is None:
+            out = _add_norm(x, self.feed_forward2(h), 0.5, self.norm_out)[1]
+            return out, out
+        return add_layer_norm_then(x, self.feed_forward2(h), 0.5, self.norm_out.weight, self.norm_out.bias,
+                                   self.norm_out.eps, following.weight, following.bias, following.eps)
 
 
 def _add_norm(x: torch.Tensor, delta: torch.Tensor, alpha: float, norm: nn.LayerNorm):
@@ -316,8 +320,11 @@ class ConformerEncoder(nn.Module):
         dtype = self.pre_encode.out.weight.dtype
         first_column = frame_index * self.cfg.subsampling_factor - (mel.shape[2] - 1)
         x = self.pre_encode(mel.transpose(1, 2).to(dtype), first_index=first_column)[:, -1]
+        h = self.layers[0].norm_feed_forward1(x)
         for i, layer in enumerate(self.layers):
-            x = layer.step(x, state.keys[i], state.values[i], state.conv_cache[i], slots, frame_index)
+            following = self.layers[i + 1].norm_feed_forward1 if i + 1 < len(self.layers) else None
+            x, h = layer.step(x, h, following, state.keys[i], state.values[i], state.conv_cache[i], slots,
+                              frame_index)
         return x
 
 

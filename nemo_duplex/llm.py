@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_duplex.config import LLMConfig
+from nemo_duplex.stacking import StackedProjections
 from ops.activation import relu_square
 from ops.decode_attention import decode_attention
 from ops.mamba_step import mamba_step
@@ -170,8 +171,10 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y, z, x.dtype))
 
 
-class Attention(nn.Module):
-    """Causal GQA attention with no positional encoding at all (NoPE), no bias, scale 1/sqrt(head_dim) (spec 3.4)."""
+class Attention(StackedProjections):
+    """Causal GQA attention with no positional encoding at all (NoPE), no bias, scale 1/sqrt(head_dim) (spec 3.4).
+    Once stacked (`stack_projections`), q/k/v are one GEMM whose column blocks are read in place."""
+    stacked = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
@@ -185,10 +188,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def _qkv(self, x: torch.Tensor):
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        return q, k, v
+        if self.stack is not None:
+            q_width, kv_width = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.stack).split([q_width, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.unflatten(-1, (self.num_heads, self.head_dim)), k.unflatten(-1, (self.kv_heads, self.head_dim)),
+                v.unflatten(-1, (self.kv_heads, self.head_dim)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, T, H], the whole sequence from position 0."""

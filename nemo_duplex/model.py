@@ -20,6 +20,7 @@ from .encoder import Perception
 from .llm import NemotronH
 from .rnnt import RNNTDecoder, RNNTJoint, rnnt_greedy_decode
 from .sampling import SamplingParams, sample_text
+from .stacking import stack_all
 from .talker import EarTTS
 
 
@@ -138,7 +139,10 @@ class VoiceChat(nn.Module):
         self.talker.to(torch_dtype(d.talker))
         self.tts_model.audio_prompt_latents.to(torch_dtype(d.talker))
         self.codec.float()
-        self.talker.stack_projections()  # after the casts, which would give each weight its own copy again
+        # after the casts, which would give each weight its own copy again: the talker's projections, the
+        # LLM attention layers' q/k/v (one GEMM each)
+        stack_all(self.talker)
+        stack_all(self.llm)
         if self.has_rnnt:
             self.stt_model.rnnt_joint.pad_output()
         if not self.talker.bos_emb.is_meta:   # (build_empty_model casts on meta, before any weight exists)

@@ -43,3 +43,11 @@ class StackedProjections(nn.Module):
         if self.stack is not None:
             self.stack_projections()
         return out
+
+
+def stack_all(root: nn.Module) -> None:
+    """Stack every `StackedProjections` under root (itself included). Call it once the weights are on their
+    device in their dtype: a cast before it would give each weight its own copy again."""
+    for module in root.modules():
+        if isinstance(module, StackedProjections):
+            module.stack_projections()

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
-from .stacking import StackedProjections
+from .stacking import StackedProjections, stack_all
 from ops.activation import gelu_tanh_mul
 from ops.argmin_residual import argmin_residual
+from ops.codebook_sum import codebook_sum
 from ops.decode_attention import decode_attention
+from ops.mog_latent import mog_latent
 from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope, rms_norm_rope_store
 from ops.top_p_sample import gumbel, top_p_gumbel_argmax
 
@@ -448,8 +450,10 @@ class MoGLayer(nn.Module):
         return self.post_norm.add_to(x, self.mlp(self.pre_norm(x)))
 
 
-class MoGHead(nn.Module):
-    """Trunk (`mlp_stack`: layers then a final norm), then per-component low-rank means."""
+class MoGHead(StackedProjections):
+    """Trunk (`mlp_stack`: layers then a final norm), then per-component low-rank means. Once stacked,
+    proj_logits and proj_else are one GEMM (`heads`)."""
+    stacked = ("proj_logits", "proj_else")
 
     def __init__(self, cfg: MoGConfig, hidden_size: int, latent_size: int):
         super().__init__()
@@ -462,14 +466,24 @@ class MoGHead(nn.Module):
         self.proj_else = nn.Linear(hidden_size, latent_size, bias=False)
         self.low_mat = nn.Parameter(torch.zeros(cfg.num_predictions, latent_size, cfg.low_rank))
 
-    def component_mean(self, x: torch.Tensor, component: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, H] (trunk output), component [B] -> (mean [B, latent], std [B, 1]):
-        mean = low_mat[k] (W_mus[k] x) * std + proj_else(x), std = exp(max(proj_logs(x), min_log_std))."""
-        w_mus = self.proj_mus.weight.view(self.num_predictions, self.low_rank, -1)[component]  # [B, r, H]
-        mu_low = torch.einsum("brh,bh->br", w_mus, x)
-        mu = torch.einsum("blr,br->bl", self.low_mat[component], mu_low)
-        std = torch.exp(self.proj_logs(x).clamp_min(self.min_log_std))
-        return mu * std + self.proj_else(x), std
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The trunk, `mlp_stack(h + e)`, as joints: each layer's post-norm and residual add with the next
+        norm (the next layer's pre-norm, or the final norm) in one kernel on the GPU (ops/rmsnorm.py
+        add_rms_norm), and the input sum with the first pre-norm: 3 fewer launches per layer, the same
+        roundings as the Sequential's modules one after another (the references compose them)."""
+        layers, final = list(self.mlp_stack)[:-1], self.mlp_stack[-1]
+        first = layers[0].pre_norm
+        x, y = add_rms_norm(h, e, first.weight, first.eps, offset=1.0)
+        for layer, following in zip(layers, [layer.pre_norm for layer in layers[1:]] + [final]):
+            x, y = layer.post_norm.add_to_then(x, layer.mlp(y), following)
+        return y
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, H] -> (proj_logits(x) [B, P], proj_else(x) [B, L]): views of one GEMM's output once stacked."""
+        if self.stack is None:
+            return self.proj_logits(x), self.proj_else(x)
+        out = F.linear(x, self.stack)
+        return out[:, :self.num_predictions], out[:, self.num_predictions:]
 
 
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -530,9 +544,6 @@ class EarTTS(nn.Module):
         for name in self.DERIVED_TABLES:
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.weights_loaded())
-        # row offset of each codebook in the code table (depthsum)
-        self.register_buffer("code_offsets", torch.arange(cfg.num_quantizers) * (cfg.codebook_size + 1),
-                             persistent=False)
 
     @property
     def num_passes(self) -> int:
@@ -542,9 +553,7 @@ class EarTTS(nn.Module):
         """Every Gemma attention's q/k/v and every gated MLP's gate/up (backbone, MoG trunk, char encoder)
         as one GEMM each (`stack_linears`): 100 fewer GEMMs per frame step at full size (census). Call it once
         the weights are on their device in their dtype (VoiceChat.cast_for_inference does)."""
-        for module in self.modules():
-            if isinstance(module, StackedProjections):
-                module.stack_projections()
+        stack_all(self)
 
     # --- tokenizer tables ------------------------------------------------------------------------------
 
@@ -587,14 +596,17 @@ class EarTTS(nn.Module):
         q, cb, latent = self.rvq_embs.shape
         return F.pad(self.rvq_embs, (0, 0, 0, 1)).reshape(q * (cb + 1), latent)
 
-    def depthsum(self, codes: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-        """codes [..., Q] -> sum_i rvq_embs[i][codes_i] [..., latent]; code == codebook_size (speech pad /
-        masked) adds the appended zero row (spec 4.2.1). `table`: code_table(), if the caller has it."""
+    def depthsum(self, codes: torch.Tensor, table: torch.Tensor | None = None, repeat: int = 1) -> torch.Tensor:
+        """codes [..., Q] -> sum_i rvq_embs[i][codes_i] [..., latent], summed in codebook order in fp32 (one
+        kernel on the GPU, ops/codebook_sum.py); code == codebook_size (speech pad / masked) adds the appended
+        zero row (spec 4.2.1). `table`: code_table(), if the caller has it. `repeat` (codes [B, Q]): the B
+        rows `repeat` times over, [repeat x B, latent] (both CFG streams)."""
         table = self.rvq_tables()[0] if table is None else table
-        return F.embedding(codes + self.code_offsets, table).sum(-2)
+        q, latent = self.cfg.num_quantizers, table.shape[-1]
+        return codebook_sum(codes, table.view(q, -1, latent), repeat)
 
-    def embed_codes(self, codes: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-        return self.embed_code(self.depthsum(codes, table))
+    def embed_codes(self, codes: torch.Tensor, table: torch.Tensor | None = None, repeat: int = 1) -> torch.Tensor:
+        return self.embed_code(self.depthsum(codes, table, repeat))
 
     def text_condition(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B] -> [B, H]: char-aware embedding + flags (mask true); a row of `text_table` once built."""
@@ -696,37 +708,39 @@ class EarTTS(nn.Module):
         b = text_ids.shape[0]
         if self.cfg.force_silence_on_eos:  # only true EOS, never PAD (spec 4.4.1)
             prev_codes = torch.where((text_ids == self.eos_id)[:, None], silence_codes[None, :], prev_codes)
-        audio = self.embed_codes(prev_codes)  # no shift at step time
+        audio = self.embed_codes(prev_codes, repeat=2)  # no shift at step time; both streams' rows
         cond = self.text_condition(text_ids)
-        x = self.fuse(torch.cat([audio, audio]), torch.cat([cond, self.null_emb.expand(b, -1)]))
+        x = self.fuse(audio, torch.cat([cond, self.null_emb.expand(b, -1)]))
         rows = torch.cat([slots, slots + cache.num_slots])  # stream-major pool rows
         h = self.backbone.step(x, torch.cat([positions, positions]), cache, rows)
-        return self.generate_step(h[:b], h[b:], uniform, normal)
+        return self.generate_step(h, uniform, normal)
 
     # --- MoG sampling and iterative RVQ decoding (spec 4.5, 4.6, 12.8) ---------------------------------
 
-    def guided_latent(self, x_cond: torch.Tensor, x_uncond: torch.Tensor, noise: torch.Tensor,
-                      normal: torch.Tensor) -> torch.Tensor:
-        """One MoG pass from the trunk's inputs [B, H] -> z [B, latent]. CFG acts on the trunk output
-        (spec 4.5, pitfall 9.7); component by Gumbel-max (noise [B, num_predictions] = gumbel(uniform))
-        over the top-p (or top-k) filtered logits; top-p as one kernel on the GPU (ops/top_p_sample.py)."""
-        b = x_cond.shape[0]
-        x = self.mog_head.mlp_stack(torch.cat([x_cond, x_uncond]))
-        x = x[:b] + self.cfg.guidance_scale * (x[:b] - x[b:])
-        logits = self.mog_head.proj_logits(x).float()
+    def guided_latent(self, h: torch.Tensor, e: torch.Tensor, noise: torch.Tensor, normal: torch.Tensor) -> torch.Tensor:
+        """One MoG pass: backbone output h [2B, H] (the conditional stream's rows, then the unconditional
+        one's) plus the code embedding e [2B, H] into the trunk -> z [B, latent] fp32. CFG acts on the trunk
+        output (spec 4.5, pitfall 9.7), x_c + g (x_c - x_u) as one lerp (one rounding); component by
+        Gumbel-max (noise [B, num_predictions] = gumbel(uniform)) over the top-p (or top-k) filtered logits;
+        top-p and the latent draw each one kernel on the GPU (ops/top_p_sample.py, ops/mog_latent.py)."""
+        head = self.mog_head
+        x = head(h, e)
+        b = x.shape[0] // 2
+        x = torch.lerp(x[b:], x[:b], 1.0 + self.cfg.guidance_scale)
+        logits, mu_else = head.heads(x)
         if self.cfg.top_k > 0:
-            component = (top_k_filter(logits, self.cfg.top_k).log_softmax(-1) + noise).argmax(-1)
+            component = (top_k_filter(logits.float(), self.cfg.top_k).log_softmax(-1) + noise).argmax(-1)
         else:
             component = top_p_gumbel_argmax(logits, noise, self.cfg.top_p)
-        mean, std = self.mog_head.component_mean(x, component)
-        return mean + std * normal.to(mean.dtype) * self.cfg.noise_scale
+        return mog_latent(x, component, head.proj_mus.weight, head.low_mat, head.proj_logs.weight, mu_else,
+                          normal, head.min_log_std, self.cfg.noise_scale)
 
-    def generate_step(self, h_cond: torch.Tensor, h_uncond: torch.Tensor, uniform: torch.Tensor,
-                      normal: torch.Tensor) -> torch.Tensor:
-        """h [B, H] per stream; uniform [B, passes, num_predictions], normal [B, passes, latent] -> codes [B, Q].
-        Each pass sees all codes filled so far (the rest masked) and quantises a fresh z into its codebooks."""
-        codes = torch.full((h_cond.shape[0], self.cfg.num_quantizers), self.cfg.codebook_size,
-                           dtype=torch.long, device=h_cond.device)
+    def generate_step(self, h: torch.Tensor, uniform: torch.Tensor, normal: torch.Tensor) -> torch.Tensor:
+        """h [2B, H] (conditional stream's rows, then the unconditional one's); uniform [B, passes,
+        num_predictions], normal [B, passes, latent] -> codes [B, Q]. Each pass sees all codes filled so far
+        (the rest masked) and quantises a fresh z into its codebooks."""
+        codes = torch.full((h.shape[0] // 2, self.cfg.num_quantizers), self.cfg.codebook_size,
+                           dtype=torch.long, device=h.device)
         # once per step at most, not once per pass or per codebook: the padded table, fp32 books, their
         # norms (built once: build_tables), every pass's Gumbel draws and normal draws in the latent's dtype
         table, books, norms = self.rvq_tables()
@@ -734,8 +748,8 @@ class EarTTS(nn.Module):
         normal = normal.to(self.mog_head.proj_else.weight.dtype)
         start = 0
         for p, size in enumerate(self.pass_sizes):
-            e = self.embed_codes(codes, table)
-            z = self.guided_latent(e + h_cond, e + h_uncond, noise[:, p], normal[:, p])
+            e = self.embed_codes(codes, table, repeat=2)
+            z = self.guided_latent(h, e, noise[:, p], normal[:, p])
             # restart from z every pass: the MoG predicts the sum of the remaining codebooks (pitfall 9.8)
             codes[:, start:start + size] = residual_quantise(z, books[start:start + size], norms[start:start + size])
             start += size

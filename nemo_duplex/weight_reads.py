@@ -13,7 +13,9 @@ argument that is a view of a model tensor reads that view's extent of the storag
 view or an empty tensor like it reads nothing); extents are merged per storage, so a weight read by
 several ops (or in several MoG passes) counts once, as a step that kept it in cache would read it. A
 gather from a table (embedding, index_select, index) reads the rows it returns, counted as the bytes it
-returns (not merged: an upper bound where two rows repeat).
+returns (not merged: an upper bound where two rows repeat); so do the custom ops that gather rows of a
+table inside their kernel (`CUSTOM_GATHERS`: the code embedding's codebook sum, the MoG latent draw's
+component blocks), which the counter would otherwise count as reading the whole table.
 """
 from __future__ import annotations
 
@@ -33,6 +35,30 @@ GATHERS = {aten.embedding.default, aten.index_select.default, aten.index.Tensor}
 NO_READS = {aten._unsafe_view.default, aten._reshape_alias.default, aten.empty_like.default,
             aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.new_empty.default,
             aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+
+
+def _codebook_sum_rows(args) -> dict[int, int]:
+    """codebook_sum(codes [..., Q], tables [Q, K, D], repeat): one row of a table per code (repeated output
+    rows read the same rows again, from cache)."""
+    codes, tables = args[0], args[1]
+    return {id(tables): codes.numel() * tables.shape[-1] * tables.element_size()}
+
+
+def _mog_latent_rows(args) -> dict[int, int]:
+    """mog_latent(x [B, H], component, w_mus [P * R, H], low_mat [P, L, R], ...): per row, the drawn
+    component's R x H block of w_mus and its L x R block of low_mat."""
+    x, w_mus, low_mat = args[0], args[2], args[3]
+    rank = low_mat.shape[2]
+    return {id(w_mus): x.shape[0] * rank * w_mus.shape[1] * w_mus.element_size(),
+            id(low_mat): x.shape[0] * low_mat.shape[1] * rank * low_mat.element_size()}
+
+
+def _custom_gathers() -> dict:
+    """Custom ops (ops/) whose kernels gather rows of some arguments: op -> (args -> {id(arg): bytes})."""
+    import ops.codebook_sum  # noqa: F401  (registers the ops)
+    import ops.mog_latent  # noqa: F401
+    return {torch.ops.nemo_duplex.codebook_sum.default: _codebook_sum_rows,
+            torch.ops.nemo_duplex.mog_latent.default: _mog_latent_rows}
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -80,6 +106,7 @@ class CountWeightReads(TorchDispatchMode):
             if t.numel():
                 self.names.setdefault(t.untyped_storage().data_ptr(), name)
         self.reads = WeightReads()
+        self.custom_gathers = _custom_gathers()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -87,6 +114,7 @@ class CountWeightReads(TorchDispatchMode):
         if getattr(func, "is_view", False) or func in NO_READS:
             return out
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        rows = self.custom_gathers[func](args) if func in self.custom_gathers else {}
         for i, t in enumerate(tensors):
             if t.numel() == 0 or t.device.type == "meta":
                 continue
@@ -95,6 +123,8 @@ class CountWeightReads(TorchDispatchMode):
                 continue
             if i == 0 and func in GATHERS:
                 self.reads.gathered[name] = self.reads.gathered.get(name, 0) + out.numel() * out.element_size()
+            elif id(t) in rows:
+                self.reads.gathered[name] = self.reads.gathered.get(name, 0) + rows[id(t)]
             else:
                 self.reads.spans.setdefault(name, []).append(_extent(t))
         return out

@@ -47,8 +47,9 @@ def gumbel(uniform: torch.Tensor) -> torch.Tensor:
 
 
 def top_p_gumbel_argmax_reference(logits: torch.Tensor, noise: torch.Tensor, top_p: float) -> torch.Tensor:
-    """logits [B, n] fp32, noise [B, n] (gumbel(u)) -> [B] int64: argmax(log_softmax(top_p(logits)) + noise)."""
-    return (top_p_filter(logits, top_p).log_softmax(-1) + noise).argmax(-1)
+    """logits [B, n] (fp32, or bf16 / fp16: taken in fp32), noise [B, n] fp32 (gumbel(u)) -> [B] int64:
+    argmax(log_softmax(top_p(logits)) + noise)."""
+    return (top_p_filter(logits.float(), top_p).log_softmax(-1) + noise).argmax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def _top_p_gumbel_argmax_kernel(logits_ptr, noise_ptr, out_ptr, n, stride_l, str
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf"))
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
     g = tl.load(noise_ptr + row * stride_n + offs, mask=mask, other=0.0)
     m = tl.max(x, axis=0)
     e = tl.exp(x - m)
@@ -80,7 +81,8 @@ def _top_p_gumbel_argmax_kernel(logits_ptr, noise_ptr, out_ptr, n, stride_l, str
 
 
 def top_p_gumbel_argmax_triton(logits: torch.Tensor, noise: torch.Tensor, top_p: float) -> torch.Tensor:
-    assert logits.dim() == 2 and noise.shape == logits.shape and logits.dtype == noise.dtype == torch.float32
+    assert logits.dim() == 2 and noise.shape == logits.shape and noise.dtype == torch.float32
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16)  # a GEMM's output, read in fp32
     assert logits.stride(-1) == 1 and noise.stride(-1) == 1
     batch, n = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -108,10 +110,12 @@ def _(logits, noise, top_p):
 
 
 def top_p_gumbel_argmax(logits: torch.Tensor, noise: torch.Tensor, top_p: float) -> torch.Tensor:
-    """logits [B, n] fp32, noise [B, n] fp32 Gumbel draws -> the drawn index per row [B] int64."""
+    """logits [B, n] (fp32; bf16 or fp16 are read in fp32: the talker passes its head GEMM's output as it
+    is, no cast kernel), noise [B, n] fp32 Gumbel draws -> the drawn index per row [B] int64."""
     if use_triton(logits):
         # rows may be strided (the talker passes one pass's slice of every pass's noise); entries contiguous
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        logits = logits if logits.dtype in (torch.float32, torch.bfloat16, torch.float16) else logits.float()
         noise = noise if noise.stride(-1) == 1 else noise.contiguous()
         return top_p_gumbel_argmax_op(logits, noise, float(top_p))
     return top_p_gumbel_argmax_reference(logits, noise, top_p)

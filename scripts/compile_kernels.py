@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -28,6 +29,8 @@ from ops.decode_attention import _decode_attention_vector_kernel  # noqa: E402
 from ops.fp16x3_linear import _fp16x3_kernel, _split_rows_kernel  # noqa: E402
 from ops.fp16x3_linear import _split_k_sum_kernel as _fp16x3_split_k_sum_kernel  # noqa: E402
 from ops.fp32_linear import _fp32_linear_kernel, _split_k_sum_kernel  # noqa: E402
+from ops.layernorm import _add_layer_norm_kernel  # noqa: E402
+from ops.mog_latent import _mog_latent_kernel  # noqa: E402
 from ops.rmsnorm import _rms_norm_rope_kernel  # noqa: E402
 from ops.rnnt_commit import _rnnt_commit_kernel  # noqa: E402
 from ops.top_p_sample import _top_p_gumbel_argmax_kernel  # noqa: E402
@@ -55,8 +58,9 @@ for store in (False, True):
                                                             "pos_ptr", "u_ptr", "vb_ptr", "out_ptr")}
              | {"slots_ptr": "*i64", "t_ptr": "*i64", "scale": "fp32"},
              {"WINDOW": 70, "HEAD_DIM": 128, "BLOCK_W": 128, "BLOCK_D": 128, "STORE": store}, num_warps=8)
-compile_(_codebook_sum_kernel, {"codes_ptr": "*i64", "tables_ptr": f32, "out_ptr": f32}, {"Q": 31, "BLOCK_D": 512},
-         num_warps=4)
+for t in (f32, bf16):  # the codec's codebooks; the talker's code table
+    compile_(_codebook_sum_kernel, {"codes_ptr": "*i64", "tables_ptr": t, "out_ptr": t},
+             {"Q": 31, "BLOCK_D": 512, "BF16": t == bf16}, num_warps=4)
 for c in (384, 768, 1536):
     bc = triton.next_power_of_2(c)
     compile_(_dwconv_layer_norm_kernel, {"x_ptr": f32, "hist_ptr": f32, "slots_ptr": "*i64", "w_ptr": f32, "b_ptr": f32,
@@ -105,5 +109,13 @@ for store in (False, True):
 compile_(_rnnt_commit_kernel, {"logits_ptr": bf16, "active_ptr": "*i1", "hn_ptr": bf16, "h_ptr": bf16, "cn_ptr": bf16,
                                "c_ptr": bf16, "last_ptr": "*i64", "tokens_ptr": "*i64"},
          {"LAYERS": 2, "BLOCK_V": 2048, "BLOCK_H": 1024}, num_warps=4)
-compile_(_top_p_gumbel_argmax_kernel, {"logits_ptr": f32, "noise_ptr": f32, "out_ptr": "*i64", "drop_mass": "fp32"},
-         {"BLOCK": 1024}, num_warps=4)
+for t in (f32, bf16):  # bf16: the talker's stacked heads output, read as it is (session 17)
+    compile_(_top_p_gumbel_argmax_kernel, {"logits_ptr": t, "noise_ptr": f32, "out_ptr": "*i64", "drop_mass": "fp32"},
+             {"BLOCK": 1024}, num_warps=4)
+for nxt in (False, True):  # the encoder's joints; NEXT: norm_out then the next layer's first norm (session 17)
+    compile_(_add_layer_norm_kernel, {n: bf16 for n in ("x_ptr", "delta_ptr", "w_ptr", "b_ptr", "s_ptr", "y_ptr",
+                                                        "w2_ptr", "b2_ptr")} | {"alpha": "fp32", "eps": "fp32", "eps2": "fp32"},
+             {"D": 1024, "HAS_DELTA": True, "NEXT": nxt, "BLOCK_D": 1024, "BF16": True}, num_warps=4)
+compile_(_mog_latent_kernel, {n: bf16 for n in ("x_ptr", "wmus_ptr", "low_ptr", "wlogs_ptr", "else_ptr", "normal_ptr")}
+         | {"comp_ptr": "*i64", "z_ptr": f32, "min_log_std": "fp32", "noise_scale": "fp32"},
+         {"BLOCK_H": 128, "BLOCK_R": 64, "BLOCK_L": 128, "DTYPE": tl.bfloat16, "BF16": True}, num_warps=4)

@@ -38,8 +38,17 @@ def test_census_with_the_full_layer_counts():
     assert talker_module._decode_attention is before
     total = lambda c: sum(c.values())  # noqa: E731
     per_layer, rest = divmod(total(full["encoder"]) - total(tiny["encoder"]), 24 - 2)  # 2 -> 24 layers
-    assert rest == 0 and 0 < per_layer <= 20   # 19 ops per fused encoder layer (31 before ops/layernorm.py)
+    # 18 ops per fused encoder layer (31 before ops/layernorm.py, 19 before session 17's add_layer_norm_then)
+    assert rest == 0 and 0 < per_layer <= 18
+    assert full["encoder"]["add_layer_norm_then"] == 23 and full["encoder"]["native_layer_norm"] <= 1
     assert full["talker.backbone"]["decode_attention"] == 28 and tiny["talker.backbone"]["decode_attention"] == 6
     assert full["llm"]["mamba_step"] == 27
+    # the LLM attention layers' q/k/v as one GEMM (session 17): 2 GEMMs per Mamba, MLP and attention layer
+    assert full["llm"]["mm"] == 2 * (27 + 25 + 4)
+    # the MoG passes (session 17): the trunk's joints, the stacked heads and the latent draw as kernels,
+    # 296 ops before; per pass now 8 GEMMs and 9 other ops, plus each codebook's distance GEMM and argmin
+    # (on the CPU an addmm also copies its bias: 31 copy_ that the GPU's epilogue does not launch)
+    assert full["talker.generate"]["mog_latent"] == 5 and full["talker.generate"]["bmm"] == 0
+    assert total(full["talker.generate"]) <= 180
     for fixed in ("talker.generate", "codec", "rnnt"):
         assert total(full[fixed]) == total(tiny[fixed]), fixed

@@ -455,6 +455,25 @@ def test_streaming_equals_one_shot_delayed(kernels, monkeypatch):
         assert (stream[DELAY:] - one_shot).abs().max() <= STREAM_ATOL, name
 
 
+def test_step_constants_are_built_once_and_stay_fp32():
+    """decode_step's window, inner-bin mask, envelope and head mask are the values the functions compute,
+    not checkpoint keys, and a cast (which would round them) rebuilds them in fp32."""
+    from nemo_duplex.codec import hann_window, window_envelope
+
+    codec = RVQCodec(tiny_config().codec)
+    cfg = codec.cfg
+    window = hann_window(cfg.n_fft, torch.device("cpu"))
+    envelope = window_envelope(codec.samples_per_frame // cfg.hop_length, cfg.n_fft, cfg.hop_length,
+                               torch.device("cpu"))
+    assert not any(k.startswith("step_") for k in codec.state_dict())
+    codec.to(torch.bfloat16).float()
+    assert codec.step_window.dtype == torch.float32 and torch.equal(codec.step_window, window)
+    assert torch.equal(codec.step_envelope, envelope) and codec.step_envelope.shape[1] == codec.samples_per_frame + 12
+    assert codec.step_inner_bins.tolist() == [0.0] + [1.0] * (cfg.n_fft // 2 - 1) + [0.0]
+    assert codec.step_head.tolist() == [True] * codec.stream_delay + [False] * (codec.samples_per_frame - 6)
+    assert not torch.equal(window.bfloat16().float(), window)   # the cast would have rounded it
+
+
 def test_flush_of_an_empty_slot_is_silence():
     codec = _codec()
     state = codec.allocate_stream_state(2, "cpu")

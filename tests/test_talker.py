@@ -314,7 +314,8 @@ def test_stacked_projections_compute_the_separate_ones(kernels):
     stacked = copy.deepcopy(separate)
     stacked.stack_projections()
     parts = [m for m in stacked.modules() if isinstance(m, StackedProjections)]
-    assert len(parts) == 2 * stacked.cfg.backbone.num_hidden_layers + stacked.cfg.mog.num_layers + 1  # + char encoder
+    # + the MoG head's logits / else projections, + the char encoder
+    assert len(parts) == 2 * stacked.cfg.backbone.num_hidden_layers + stacked.cfg.mog.num_layers + 2
     assert all(views_of_stack(m) for m in parts)
     storages = {p.untyped_storage().data_ptr() for p in stacked.parameters()}
     assert len(storages) == len(list(stacked.parameters())) - sum(len(m.stacked) - 1 for m in parts)  # no copies
@@ -442,11 +443,11 @@ def test_rvq_tables_change_no_code_and_no_checkpoint_key(dtype):
     h_cond, h_uncond = (torch.randn(6, h, generator=g).to(dtype) for _ in range(2))
     uniform, normal = draws(6, model, seed=22)
     with torch.no_grad():
-        derived = model.generate_step(h_cond, h_uncond, uniform, normal)
+        derived = model.generate_step(torch.cat([h_cond, h_uncond]), uniform, normal)
         model.build_tables()
         assert model.rvq_books.numel() and set(model.state_dict()) == keys
         assert not any(p is model.rvq_books for p in model.parameters())
-        built = model.generate_step(h_cond, h_uncond, uniform, normal)
+        built = model.generate_step(torch.cat([h_cond, h_uncond]), uniform, normal)
     assert torch.equal(derived, built)
 
 
@@ -583,7 +584,7 @@ def test_generate_step_matches_spec_transcription(gen_case, kernels):
     model, h_c, h_u, (uniform, normal) = gen_case
     assert model.num_passes == 5 and model.pass_sizes == [1, 1, 3, 4, 22]
     with torch.no_grad():
-        ours = model.generate_step(h_c, h_u, uniform, normal)
+        ours = model.generate_step(torch.cat([h_c, h_u]), uniform, normal)
         ref = spec_generate_step(model, h_c, h_u, uniform, normal)
     assert ours.shape == (4, 31) and ours.dtype == torch.long
     assert ((ours >= 0) & (ours < model.cfg.codebook_size)).all()
@@ -596,7 +597,7 @@ def test_generate_step_pitfall_variants_differ(gen_case, variant):
     other codes than ours on the same draws."""
     model, h_c, h_u, (uniform, normal) = gen_case
     with torch.no_grad():
-        ours = model.generate_step(h_c, h_u, uniform, normal)
+        ours = model.generate_step(torch.cat([h_c, h_u]), uniform, normal)
         other = spec_generate_step(model, h_c, h_u, uniform, normal, **variant)
     assert not torch.equal(ours, other)
 
@@ -610,12 +611,12 @@ def test_generate_step_draw_dependence():
     g = torch.Generator().manual_seed(6)
     h_c, h_u = torch.randn(B, H, generator=g), torch.randn(B, H, generator=g)
     with torch.no_grad():
-        a = greedy.generate_step(h_c, h_u, *draws(B, greedy, 1))
-        b = greedy.generate_step(h_c, h_u, *draws(B, greedy, 2))
+        a = greedy.generate_step(torch.cat([h_c, h_u]), *draws(B, greedy, 1))
+        b = greedy.generate_step(torch.cat([h_c, h_u]), *draws(B, greedy, 2))
         assert torch.equal(a, b)
-        c = release.generate_step(h_c, h_u, *draws(B, release, 1))
-        d = release.generate_step(h_c, h_u, *draws(B, release, 1))
-        e = release.generate_step(h_c, h_u, *draws(B, release, 2))
+        c = release.generate_step(torch.cat([h_c, h_u]), *draws(B, release, 1))
+        d = release.generate_step(torch.cat([h_c, h_u]), *draws(B, release, 1))
+        e = release.generate_step(torch.cat([h_c, h_u]), *draws(B, release, 2))
     assert torch.equal(c, d)
     assert not torch.equal(c, e)
 
@@ -623,10 +624,10 @@ def test_generate_step_draw_dependence():
 def test_generate_step_counts_passes(gen_case):
     model, h_c, h_u, (uniform, normal) = gen_case
     calls = []
-    handle = model.mog_head.mlp_stack.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    handle = model.mog_head.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
     try:
         with torch.no_grad():
-            model.generate_step(h_c, h_u, uniform, normal)
+            model.generate_step(torch.cat([h_c, h_u]), uniform, normal)
     finally:
         handle.remove()
     assert calls == [8] * 5  # 5 passes, cond and uncond batched
@@ -673,7 +674,7 @@ def recompute_codes(model, latent, silence, ids, uniform, normal):
             x_u = torch.cat([x_u, model.fuse(audio, model.null_emb[None])])
             n = x_c.shape[0]
             h = model.backbone(torch.stack([x_c, x_u]), torch.arange(n)[None].expand(2, -1))[:, -1]
-            prev = model.generate_step(h[:1], h[1:], uniform[t:t + 1], normal[t:t + 1])
+            prev = model.generate_step(h, uniform[t:t + 1], normal[t:t + 1])
             out.append(prev[0])
     return torch.stack(out)
 
@@ -832,10 +833,10 @@ def test_full_size_tables_on_gpu():
                torch.randn(4, model.num_passes, 512, generator=g, device=dev)) for _ in range(10)]
     with torch.no_grad():
         reference = model.embed_subword(ids)
-        without = [model.generate_step(h[0][t], h[1][t], *draws_[t]) for t in range(10)]
+        without = [model.generate_step(torch.cat([h[0][t], h[1][t]]), *draws_[t]) for t in range(10)]
         model.build_tables()
         assert model.text_table.shape == (2048, 1152) and model.text_table.dtype == torch.bfloat16
         torch.testing.assert_close(model.text_condition(ids), reference, atol=3e-2, rtol=3e-2)
-        with_tables = [model.generate_step(h[0][t], h[1][t], *draws_[t]) for t in range(10)]
+        with_tables = [model.generate_step(torch.cat([h[0][t], h[1][t]]), *draws_[t]) for t in range(10)]
     for a, b in zip(without, with_tables):
         assert torch.equal(a, b)

@@ -1,6 +1,9 @@
 """The step's weight reads (nemo_duplex/weight_reads.py), which the benchmark's floor counts: every GEMM
 weight the step multiplies by in full, the embedding tables only by the rows a call gathers, nothing of
 what runs only at admission (the codec's encoder, the talker's prompt projection)."""
+import contextlib
+
+import pytest
 import torch
 
 from nemo_duplex.frame_step import admit, special_ids
@@ -50,12 +53,18 @@ def test_step_reads_the_gemm_weights_in_full_and_gathers_rows(tiny):
     slots = torch.arange(2, dtype=torch.int64)
     reads = step_weight_reads(model, st, special_ids(model, "cpu"), slots).by_tensor()
     named = dict(model.named_parameters())
-    # every LLM Linear (Mamba in/out projections, MLPs, attention) and the heads: read whole
+    # every LLM Linear (Mamba in/out projections, MLPs, attention) and the heads: read whole. Linears stacked
+    # into one tensor (the attention's q/k/v, nemo_duplex/stacking.py) are one read of the stack, counted under
+    # the first of them (the counter names a storage by its first parameter)
+    by_storage: dict[int, list[str]] = {}
     for name, module in [*model.llm.named_modules(prefix="stt_model.llm"),
                          ("stt_model.lm_head", model.stt_model.lm_head)]:
         if isinstance(module, torch.nn.Linear):
-            w = named[f"{name}.weight"]
-            assert reads.get(f"{name}.weight") == w.numel() * w.element_size(), name
+            by_storage.setdefault(named[f"{name}.weight"].untyped_storage().data_ptr(), []).append(f"{name}.weight")
+    assert any(len(names) == 3 for names in by_storage.values())   # the stacked q/k/v
+    for names in by_storage.values():
+        assert reads.get(names[0]) == sum(named[n].numel() * named[n].element_size() for n in names), names
+        assert not any(n in reads for n in names[1:]), names
     # the embedding table: the previous text and function token of each call, 2 rows per call
     table = model.stt_model.embed_tokens.weight
     row = table.shape[1] * table.element_size()
@@ -77,3 +86,37 @@ def test_fixed_and_per_call_add_up(tiny):
     params = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
               for t in [*model.parameters(), *model.buffers()] if t.numel()}
     assert fixed < sum(params.values())
+
+
+@pytest.mark.triton_interpret
+def test_kernels_gathering_rows_count_the_rows_the_references_gather():
+    """The talker's code embedding (ops/codebook_sum.py) and MoG latent draw (ops/mog_latent.py) gather rows
+    of their tables inside the kernel; the counter must count those rows, as it counts the references'
+    embedding / index gathers, not the whole table (session 17's first count of the new kernels took
+    proj_mus and low_mat as read whole: 0.23 GiB more per step at full size, the floor too high). The same
+    MoG passes through both paths count the same bytes for each table."""
+    from ops import torch_references
+    from tests.test_talker import draws, make_model
+
+    model = make_model()
+    model.build_tables()
+    model.stack_projections()
+    b = 3
+    h = torch.randn(2 * b, model.cfg.backbone.hidden_size, generator=torch.Generator().manual_seed(1))
+    uniform, normal = draws(b, model, 2)
+    tables = ("rvq_table", "mog_head.proj_mus.weight", "mog_head.low_mat")
+    counted = []
+    for kernels in (True, False):
+        with contextlib.ExitStack() as stack:
+            if not kernels:
+                stack.enter_context(torch_references())
+            with torch.no_grad(), CountWeightReads(model) as counter:
+                model.generate_step(h, uniform, normal)
+        counted.append({name: counter.reads.by_tensor().get(name) for name in tables})
+    kernels, references = counted
+    assert kernels == references, (kernels, references)
+    mog = model.mog_head
+    block = mog.low_rank * mog.proj_mus.weight.shape[1] * mog.proj_mus.weight.element_size()
+    assert kernels["mog_head.proj_mus.weight"] == model.num_passes * b * block < mog.proj_mus.weight.numel() * 4
+    q, latent = model.cfg.num_quantizers, model.cfg.latent_size
+    assert kernels["rvq_table"] == model.num_passes * b * q * latent * 4

@@ -27,6 +27,28 @@ def test_kernel_equals_the_torch_statement(lead, books, codewords, width):
     assert books < 8 or not torch.equal(out, backwards)
 
 
+def test_bf16_tables_sum_in_fp32_and_repeat_rows():
+    """The talker's use: bf16 tables (the padded code table viewed [Q, K + 1, D]), summed in fp32 in codebook
+    order and rounded once, bit for bit the reference; a bf16 running sum (rounded at every add) is not what
+    the kernel does. `repeat=2` writes the rows twice over (both CFG streams), and opcheck covers it."""
+    gen = torch.Generator().manual_seed(9)
+    codes, tables = _inputs(gen, (6,), 31, 17, 40)
+    tables = tables.bfloat16()
+    out = codebook_sum_triton(codes, tables)
+    ref = codebook_sum_reference(codes, tables)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    torch.testing.assert_close(out.double(), sum(tables[i][codes[:, i]].double() for i in range(31)),
+                               rtol=2 ** -8, atol=0)
+    bf16_running = tables[0][codes[:, 0]]
+    for i in range(1, 31):
+        bf16_running = bf16_running + tables[i][codes[:, i]]
+    assert not torch.equal(out, bf16_running)
+    twice = codebook_sum(codes, tables, repeat=2)
+    assert twice.shape == (12, 40) and torch.equal(twice[:6], out) and torch.equal(twice[6:], out)
+    assert torch.equal(codebook_sum_reference(codes, tables, repeat=2), twice)
+    torch.library.opcheck(codebook_sum_op, (codes, tables, 2), test_utils=OPCHECK_TESTS)
+
+
 def test_codec_dequantize_and_opcheck():
     """The codec's dequantize (through the stacked codebooks) equals the plain per-codebook sum."""
     from nemo_duplex.codec import RVQCodec

@@ -7,7 +7,8 @@ cancels to near zero (there an fp32 ulp of the O(1) terms is more than a bf16 st
 import pytest
 import torch
 
-from ops.layernorm import add_layer_norm, add_layer_norm_op, add_layer_norm_reference, add_layer_norm_triton, layer_norm_op
+from ops.layernorm import (add_layer_norm, add_layer_norm_op, add_layer_norm_reference, add_layer_norm_then,
+                           add_layer_norm_then_op, add_layer_norm_then_reference, add_layer_norm_triton, layer_norm_op)
 from tests.ops.support import OPCHECK_TESTS, assert_norm_output
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,6 +47,23 @@ def test_kernel_matches_reference_and_float64(rows, width, alpha, dtype):
     s, y = add_layer_norm_triton(x, delta, alpha, w, b, EPS)
     ref_s, ref_y = add_layer_norm_reference(x, delta, alpha, w, b, EPS)
     _check(s, y, ref_s, ref_y, _float64(x, delta, alpha, w, b, EPS)[1], dtype)
+
+
+@pytest.mark.parametrize("rows,width", [(7, 64), (5, 100), (3, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_then_norm_matches_reference_and_float64(rows, width, dtype):
+    """A layer's output norm and the next layer's first norm in one kernel (the sum is not kept): y as the
+    plain kernel's y, bit for bit; the second norm against the reference and against float64 computed from
+    the kernel's own y."""
+    gen = torch.Generator().manual_seed(rows + width)
+    x, delta, w, b = _inputs(gen, rows, width, dtype)
+    w2, b2 = (2 + 0.1 * torch.randn(width, generator=gen)).to(DEVICE, dtype), (torch.randn(width, generator=gen)).to(DEVICE, dtype)
+    y, z = add_layer_norm_then(x, delta, 0.5, w, b, EPS, w2, b2, 1e-6)
+    ref_y, ref_z = add_layer_norm_then_reference(x, delta, 0.5, w, b, EPS, w2, b2, 1e-6)
+    assert torch.equal(y, add_layer_norm_triton(x, delta, 0.5, w, b, EPS)[1])
+    assert_norm_output(y, ref_y, _float64(x, delta, 0.5, w, b, EPS)[1], dtype)
+    assert_norm_output(z, ref_z, _float64(y, None, 1.0, w2, b2, 1e-6)[1], dtype)
+    torch.library.opcheck(add_layer_norm_then_op, (x, delta, 0.5, w, b, EPS, w2, b2, 1e-6), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -28,6 +28,19 @@ def test_kernel_equals_reference(n, rows, scale, top_p):
     assert torch.equal(out, top_p_gumbel_argmax_reference(logits, noise, top_p))
 
 
+def test_bf16_logits_with_strided_rows():
+    """The talker passes its stacked heads GEMM's output as it is: bf16 logits, a column slice (rows strided).
+    The kernel reads them in fp32: the same draws as the reference on the fp32 values."""
+    gen = torch.Generator().manual_seed(12)
+    heads, noise = _draws(gen, 16, 1024 + 512, 3.0)
+    heads = heads.bfloat16()
+    noise = noise[:, :1024].contiguous()
+    logits = heads[:, :1024]
+    out = top_p_gumbel_argmax(logits, noise, 0.95)
+    assert torch.equal(out, top_p_gumbel_argmax_reference(logits.float(), noise, 0.95))
+    assert torch.equal(out, top_p_gumbel_argmax_reference(logits, noise, 0.95))
+
+
 @pytest.mark.parametrize("top_p", [0.95, 0.6, 1.0])
 def test_drop_rule_entry_by_entry(top_p):
     """For each entry i, a noise of 1e4 on i alone: the draw is i exactly when HF's warper keeps i."""
