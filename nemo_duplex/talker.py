@@ -23,7 +23,7 @@ from ops.argmin_residual import argmin_residual
 from ops.codebook_sum import codebook_sum
 from ops.decode_attention import decode_attention
 from ops.mog_latent import mog_latent
-from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope, rms_norm_rope_store
+from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope, rms_norm_rope_qk_store
 from ops.top_p_sample import gumbel, top_p_gumbel_argmax
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
@@ -56,12 +56,16 @@ class GemmaRMSNorm(nn.Module):
                             delta_eps=self.eps)
 
 
+def rope_frequencies(head_dim: int, theta: float, device) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim] (fp32), each half-dim frequency twice: rotate-half layout."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    return torch.cat([inv_freq, inv_freq])
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [..., head_dim] (fp32) for integer positions [...]: rotate-half layout over the full head dim."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
-    angles = positions.float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
+    angles = positions.float()[..., None] * rope_frequencies(head_dim, theta, positions.device)
     return angles.cos(), angles.sin()
 
 
@@ -189,12 +193,14 @@ class Gemma3Attention(StackedProjections):
         n = x.shape[0]
         cos, sin = self.rotary(positions[:, None], rope)
         q, k, v = self.qkv(x)
-        q = self.query(q[:, None], cos, sin)
-        # k normed and rotated, and v, straight into the pools (one kernel on the GPU: ops/rmsnorm.py)
-        rms_norm_rope_store(k.view(n, 1, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
-                            cos, sin, v.view(n, 1, self.num_kv_heads, self.head_dim), pool_k, pool_v, rows, positions)
+        heads = (n, 1, self.num_kv_heads, self.head_dim)
+        # q normed and rotated, and k likewise with v straight into the pools: one kernel on the GPU
+        # (ops/rmsnorm.py; q and k share the config's eps and, here, the head count)
+        q = rms_norm_rope_qk_store(q.view(n, 1, self.num_heads, self.head_dim), self.q_norm.weight, k.view(heads),
+                                   self.k_norm.weight, self.k_norm.eps, cos, sin, v.view(heads), pool_k, pool_v,
+                                   rows, positions)
         lengths = positions + 1 if lengths is None else lengths
-        out = _decode_attention(q[:, :, 0], pool_k, pool_v, rows, lengths, self.window, self.scale)
+        out = _decode_attention(q[:, 0], pool_k, pool_v, rows, lengths, self.window, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -250,6 +256,21 @@ class Gemma3Backbone(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the layers' rotary thetas (full and sliding, spec 4.1) and their frequencies [thetas, head_dim], fp32,
+        # not in the state_dict: a step takes every layer's cos / sin from one product (built again after a
+        # cast or move, `_apply`, from the same expression rotary_cos_sin uses)
+        self.rope_thetas = list(dict.fromkeys(layer.self_attn.rope_theta for layer in self.layers))
+        self.register_buffer("rope_freqs", torch.empty(0), persistent=False)
+        self._build_rope_freqs()
+
+    def _build_rope_freqs(self) -> None:
+        head_dim, device = self.layers[0].self_attn.head_dim, self.rope_freqs.device
+        self.rope_freqs = torch.stack([rope_frequencies(head_dim, theta, device) for theta in self.rope_thetas])
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._build_rope_freqs()   # fp32 whatever the cast (a bf16 copy would rotate by rounded angles)
+        return out
 
     def prefill(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, H], positions [B, T] -> (h [B, T, H], per-layer (k, v) [B, kv_heads, T, D])."""
@@ -264,14 +285,15 @@ class Gemma3Backbone(nn.Module):
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, cache: TalkerCache, rows: torch.Tensor) -> torch.Tensor:
         """x [N, H] one token per row at positions [N]; rows [N] index the stream-major pool (stream * S + slot)."""
-        ropes = {}  # cos/sin once per step for each theta (full and sliding layers), not once per layer
+        # cos / sin once per step for both thetas (full and sliding layers), not once per layer or theta: the
+        # values rotary_cos_sin gives (positions as fp32 times the same frequencies), in the compute dtype
+        angles = positions[:, None, None] * self.rope_freqs   # [N, thetas, D]: int64 x fp32 is fp32(pos) x f
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        ropes = {theta: (cos[:, i:i + 1], sin[:, i:i + 1]) for i, theta in enumerate(self.rope_thetas)}
         lengths = positions + 1  # keys each row attends over, the new one included (once, not per layer)
         h = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            if attn.rope_theta not in ropes:  # in the compute dtype, as the rotation uses them
-                cos, sin = rotary_cos_sin(positions[:, None], attn.head_dim, attn.rope_theta)
-                ropes[attn.rope_theta] = (cos.to(x.dtype), sin.to(x.dtype))
             pool_k, pool_v = cache.layer_pools(i)
             following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, h = layer.step(x, h, following, positions, pool_k, pool_v, rows, ropes[attn.rope_theta], lengths)

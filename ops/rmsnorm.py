@@ -172,13 +172,13 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 
 @triton.jit
-def _rms_norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o, eps, offset,
+def _norm_rope_rows(
+    pid, x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o, eps, offset,
     v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps, stride_ph, stride_pl,
     D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
     STORE: tl.constexpr,
 ):
-    """Program = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row, and x's
+    """Block `pid` = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row, and x's
     row sits at token * stride_xt + head * stride_xh (so x may be a column slice of a fused q/k/v GEMM's
     output, no copy first; v likewise). The rotated half is the same normalised row read at the partner
     columns (c +- D/2), so no shuffle.
@@ -186,7 +186,7 @@ def _rms_norm_rope_kernel(
     pool [R, heads, L, D] (strides stride_ps / ph / pl) instead of out_ptr[row], and v's row (strides
     stride_vt / vh) is copied to the same place of the v pool (v_out_ptr)."""
     HALF: tl.constexpr = D // 2
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_D)
     mask = (r < R)[:, None] & (c < D)[None, :]
     partner = tl.where(c < HALF, c + HALF, c - HALF)
@@ -218,6 +218,28 @@ def _rms_norm_rope_kernel(
         tl.store(out_ptr + r[:, None] * stride_o + c[None, :], out, mask=mask)
 
 
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o, eps, offset,
+    v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps, stride_ph, stride_pl,
+    q_ptr, qw_ptr, q_out_ptr, RQ, stride_qt, stride_qh, x_programs,
+    D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+    STORE: tl.constexpr,
+):
+    """`_norm_rope_rows` over x's rows in the first `x_programs` programs; the programs after them (if the
+    grid has any) do the same for q (RQ rows, its own weight, written to q_out_ptr [RQ, D]) in the same
+    launch: the talker's q beside its k/v store, one launch per layer instead of two."""
+    pid = tl.program_id(0)
+    if pid >= x_programs:
+        _norm_rope_rows(pid - x_programs, q_ptr, qw_ptr, cos_ptr, sin_ptr, q_out_ptr, RQ, stride_qt, stride_qh,
+                        stride_cs, D, eps, offset, v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh,
+                        stride_ps, stride_ph, stride_pl, D, HEADS, BLOCK_R, BLOCK_D, BF16, False)
+    else:
+        _norm_rope_rows(pid, x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o,
+                        eps, offset, v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps,
+                        stride_ph, stride_pl, D, HEADS, BLOCK_R, BLOCK_D, BF16, STORE)
+
+
 def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                          sin: torch.Tensor, offset: float = 1.0) -> torch.Tensor:
     b, t, heads, d = x.shape
@@ -232,6 +254,7 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
         _rms_norm_rope_kernel[(triton.cdiv(rows, block_r),)](
             x, weight, cos2, sin2, out, rows, stride_xt, stride_xh, cos2.stride(0), out.stride(0), float(eps),
             float(offset), out, out, cos2, cos2, 0, 0, 0, 0, 0,  # no store
+            x, weight, out, 0, 0, 0, triton.cdiv(rows, block_r),  # no q
             D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=x.dtype == torch.bfloat16, STORE=False,
         )
     return out.view(b, t, heads, d)
@@ -239,7 +262,11 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
 
 def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                                sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                               rows: torch.Tensor, positions: torch.Tensor, offset: float = 1.0) -> None:
+                               rows: torch.Tensor, positions: torch.Tensor, offset: float = 1.0,
+                               q: torch.Tensor | None = None, q_weight: torch.Tensor | None = None
+                               ) -> torch.Tensor | None:
+    """With q [B, 1, heads, D] (as many heads as k) and its norm weight: also rms_norm_rope(q), returned, in
+    the same launch."""
     b, t, heads, d = k.shape
     assert t == 1 and v.shape == k.shape and cos.shape == sin.shape == (b, 1, d) and weight.numel() == d
     assert pool_k.dtype == k.dtype and pool_k.shape == pool_v.shape and pool_k.stride() == pool_v.stride()
@@ -248,14 +275,23 @@ def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float
     v, (stride_vt, stride_vh) = _token_heads(v)
     cos2, sin2 = _rows(cos.to(k.dtype), d), _rows(sin.to(k.dtype), d)
     n = b * heads
+    q_out, stride_qt, stride_qh = None, 0, 0
+    if q is not None:
+        assert q.shape == k.shape and q.dtype == k.dtype and q_weight is not None and q_weight.numel() == d
+        q, (stride_qt, stride_qh) = _token_heads(q)
+        q_out = torch.empty(b, t, heads, d, device=k.device, dtype=k.dtype)
     if n:
         block_d = triton.next_power_of_2(d)
         block_r = max(1, min(16, 2048 // block_d))
-        _rms_norm_rope_kernel[(triton.cdiv(n, block_r),)](
+        k_programs = triton.cdiv(n, block_r)
+        _rms_norm_rope_kernel[(k_programs * (2 if q is not None else 1),)](
             k, weight, cos2, sin2, pool_k, n, stride_kt, stride_kh, cos2.stride(0), 0, float(eps), float(offset),
             v, pool_v, rows, positions, stride_vt, stride_vh, pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
+            q if q is not None else k, q_weight if q is not None else weight, q_out if q is not None else k, n,
+            stride_qt, stride_qh, k_programs,
             D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=k.dtype == torch.bfloat16, STORE=True,
         )
+    return q_out
 
 
 def _token_heads(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -348,6 +384,33 @@ def rms_norm_rope_store_op(k: torch.Tensor, weight: torch.Tensor, eps: float, co
 @rms_norm_rope_store_op.register_fake
 def _(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset):
     return None
+
+
+@torch.library.custom_op("nemo_duplex::rms_norm_rope_qk_store", mutates_args=("pool_k", "pool_v"))
+def rms_norm_rope_qk_store_op(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, weight: torch.Tensor,
+                              eps: float, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
+                              pool_v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                              offset: float) -> torch.Tensor:
+    return rms_norm_rope_store_triton(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset, q, q_weight)
+
+
+@rms_norm_rope_qk_store_op.register_fake
+def _(q, q_weight, k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset):
+    return q.new_empty(q.shape)
+
+
+def rms_norm_rope_qk_store(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, weight: torch.Tensor, eps: float,
+                           cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
+                           pool_v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                           offset: float = 1.0) -> torch.Tensor:
+    """A decode step's attention inputs in one launch: rms_norm_rope(q) [B, 1, heads, D] returned, and
+    rms_norm_rope_store's k / v into the pools (q with its own norm weight, as many heads as k, the same
+    eps). The kernel on CUDA or under TRITON_INTERPRET=1, else the torch statements."""
+    if use_triton(k):
+        return rms_norm_rope_qk_store_op(q, q_weight, k, weight, float(eps), cos, sin, v, pool_k, pool_v, rows,
+                                         positions, float(offset))
+    rms_norm_rope_store_reference(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset)
+    return rms_norm_rope_reference(q, q_weight, eps, cos, sin, offset)
 
 
 def rms_norm_rope_store(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

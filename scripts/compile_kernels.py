@@ -104,7 +104,8 @@ for aligned in (False, True):
 for store in (False, True):
     compile_(_rms_norm_rope_kernel, {"x_ptr": bf16, "w_ptr": bf16, "cos_ptr": bf16, "sin_ptr": bf16, "out_ptr": bf16,
                                      "eps": "fp32", "offset": "fp32", "v_ptr": bf16, "v_out_ptr": bf16,
-                                     "rows_ptr": "*i64", "pos_ptr": "*i64"},
+                                     "rows_ptr": "*i64", "pos_ptr": "*i64", "q_ptr": bf16, "qw_ptr": bf16,
+                                     "q_out_ptr": bf16},
              {"D": 72, "HEADS": 16, "BLOCK_R": 16, "BLOCK_D": 128, "BF16": True, "STORE": store}, num_warps=4)
 compile_(_rnnt_commit_kernel, {"logits_ptr": bf16, "active_ptr": "*i1", "hn_ptr": bf16, "h_ptr": bf16, "cn_ptr": bf16,
                                "c_ptr": bf16, "last_ptr": "*i64", "tokens_ptr": "*i64"},

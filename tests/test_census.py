@@ -15,7 +15,8 @@ def test_census_counts_the_fused_kernels_once():
     counts = census(calls=2)
     everything = sum((c for c in counts.values()), start=type(next(iter(counts.values())))())
     assert everything["counter_rng"] == 3          # two talker draws and the text sampler's, one op each
-    assert everything["rms_norm"] > 0 and everything["rms_norm_rope"] > 0
+    # the talker's q norm + rotary runs in its k / v store's launch (session 17), none on its own
+    assert everything["rms_norm"] > 0 and everything["rms_norm_rope_qk_store"] > 0 and everything["rms_norm_rope"] == 0
     assert everything["bitwise_xor"] == 0          # no integer hash left in torch
     assert counts["rnnt"]["lstm_cell"] > 0 and counts["rnnt"]["sigmoid"] == 0
     assert sum(everything.values()) < 2500         # 1,004 (tiny model, 2 calls, the GPU's attention paths)
@@ -42,6 +43,9 @@ def test_census_with_the_full_layer_counts():
     assert rest == 0 and 0 < per_layer <= 18
     assert full["encoder"]["add_layer_norm_then"] == 23 and full["encoder"]["native_layer_norm"] <= 1
     assert full["talker.backbone"]["decode_attention"] == 28 and tiny["talker.backbone"]["decode_attention"] == 6
+    # per talker layer one norm + rotary launch for q, k and v (session 17); the cos / sin of both thetas
+    # from one product per step, not ~9 ops per theta
+    assert full["talker.backbone"]["rms_norm_rope_qk_store"] == 28 and full["talker.backbone"]["cat"] == 0
     assert full["llm"]["mamba_step"] == 27
     # the LLM attention layers' q/k/v as one GEMM (session 17): 2 GEMMs per Mamba, MLP and attention layer
     assert full["llm"]["mm"] == 2 * (27 + 25 + 4)

@@ -840,3 +840,21 @@ def test_full_size_tables_on_gpu():
         with_tables = [model.generate_step(torch.cat([h[0][t], h[1][t]]), *draws_[t]) for t in range(10)]
     for a, b in zip(without, with_tables):
         assert torch.equal(a, b)
+
+
+def test_backbone_rope_frequencies_give_rotary_cos_sin_bit_for_bit():
+    """The step's cos / sin for both thetas from one product with the backbone's frequency buffer equal
+    rotary_cos_sin's for each theta, bit for bit; a cast leaves the buffer in fp32 (rebuilt, not rounded)."""
+    from nemo_duplex.talker import rotary_cos_sin
+
+    model = make_model()
+    backbone = model.backbone
+    assert len(backbone.rope_thetas) == 2 and "rope_freqs" not in model.state_dict()
+    positions = torch.randint(0, 9000, (7,), generator=torch.Generator().manual_seed(3))
+    angles = positions[:, None, None] * backbone.rope_freqs
+    for i, theta in enumerate(backbone.rope_thetas):
+        cos, sin = rotary_cos_sin(positions[:, None], backbone.layers[0].self_attn.head_dim, theta)
+        assert torch.equal(angles[:, i:i + 1].cos(), cos) and torch.equal(angles[:, i:i + 1].sin(), sin)
+    before = backbone.rope_freqs.clone()
+    model.to(torch.bfloat16)
+    assert backbone.rope_freqs.dtype == torch.float32 and torch.equal(backbone.rope_freqs, before)

@@ -158,6 +158,32 @@ def test_norm_rope_store_writes_the_pools(dtype):
                                                    1.0), test_utils=OPCHECK_TESTS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
+    """rms_norm_rope_qk_store (the talker's q beside its k/v store, session 17): q bit for bit what
+    rms_norm_rope_triton makes of it with its own weight, the pools bit for bit what rms_norm_rope_store
+    writes; the torch statements (the CPU path) within rms_norm_rope's tolerance; q read from a strided view."""
+    from ops.rmsnorm import (rms_norm_rope_qk_store, rms_norm_rope_qk_store_op, rms_norm_rope_reference,
+                             rms_norm_rope_store, rms_norm_rope_triton)
+    gen = torch.Generator().manual_seed(10)
+    k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 5, 3, 18, 8, 11, dtype, DEVICE)
+    wide = (2 * torch.randn(5, 1, 3, 2 * 18, generator=gen)).to(DEVICE, dtype)
+    q, q_w = wide[..., 5:23], (0.2 * torch.randn(18, generator=gen)).to(DEVICE, dtype)
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    rms_norm_rope_store(k, w, 1e-6, cos, sin, v, want_k, want_v, rows, positions)
+    out = rms_norm_rope_qk_store(q, q_w, k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.equal(out, rms_norm_rope_triton(q.contiguous(), q_w, 1e-6, cos, sin))
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+    ref = rms_norm_rope_reference(q, q_w, 1e-6, cos, sin)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=4 * 2 ** -8 * 8 if dtype == torch.bfloat16
+                               else 2e-6)
+    k2, w2, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2 = _kv_store_inputs(
+        torch.Generator().manual_seed(9), 2, 2, 8, 4, 5, torch.float32, DEVICE)
+    torch.library.opcheck(rms_norm_rope_qk_store_op, (k2.clone(), w2, k2, w2, 1e-6, cos2, sin2, v2, pool_k2, pool_v2,
+                                                      rows2, positions2, 1.0), test_utils=OPCHECK_TESTS)
+
+
 @pytest.mark.parametrize("t", [1, 3])
 def test_norm_rope_reads_column_slices_of_a_fused_projection(t):
     """The talker's q, k, v come from one GEMM over the stacked weights (nemo_duplex/talker.py
