@@ -573,8 +573,9 @@ class EarTTS(nn.Module):
 
     def stack_projections(self) -> None:
         """Every Gemma attention's q/k/v and every gated MLP's gate/up (backbone, MoG trunk, char encoder)
-        as one GEMM each (`stack_linears`): 100 fewer GEMMs per frame step at full size (census). Call it once
-        the weights are on their device in their dtype (VoiceChat.cast_for_inference does)."""
+        as one GEMM each (`stack_linears`): 100 fewer GEMMs per frame step at full size (census), and the MoG
+        head's logits / else projections (5 more). Call it once the weights are on their device in their dtype
+        (VoiceChat.cast_for_inference does)."""
         stack_all(self)
 
     # --- tokenizer tables ------------------------------------------------------------------------------
