@@ -374,18 +374,6 @@ def _(x, weight, eps, cos, sin, offset):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("nemo_duplex::rms_norm_rope_store", mutates_args=("pool_k", "pool_v"))
-def rms_norm_rope_store_op(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                           v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
-                           positions: torch.Tensor, offset: float) -> None:
-    rms_norm_rope_store_triton(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset)
-
-
-@rms_norm_rope_store_op.register_fake
-def _(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset):
-    return None
-
-
 @torch.library.custom_op("nemo_duplex::rms_norm_rope_qk_store", mutates_args=("pool_k", "pool_v"))
 def rms_norm_rope_qk_store_op(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, weight: torch.Tensor,
                               eps: float, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
@@ -403,26 +391,15 @@ def rms_norm_rope_qk_store(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Ten
                            cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
                            pool_v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                            offset: float = 1.0) -> torch.Tensor:
-    """A decode step's attention inputs in one launch: rms_norm_rope(q) [B, 1, heads, D] returned, and
-    rms_norm_rope_store's k / v into the pools (q with its own norm weight, as many heads as k, the same
-    eps). The kernel on CUDA or under TRITON_INTERPRET=1, else the torch statements."""
+    """A decode step's attention inputs in one launch: rms_norm_rope(q) [B, 1, heads, D] returned, and k
+    [B, 1, heads, D] normed and rotated with v written in place at pool[rows[b], :, positions[b]] of pool_k /
+    pool_v [R, heads, L, D] (no k output, no index_put launches; q with its own norm weight, as many heads
+    as k, the same eps). The kernel on CUDA or under TRITON_INTERPRET=1, else the torch statements."""
     if use_triton(k):
         return rms_norm_rope_qk_store_op(q, q_weight, k, weight, float(eps), cos, sin, v, pool_k, pool_v, rows,
                                          positions, float(offset))
     rms_norm_rope_store_reference(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset)
     return rms_norm_rope_reference(q, q_weight, eps, cos, sin, offset)
-
-
-def rms_norm_rope_store(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                        v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
-                        positions: torch.Tensor, offset: float = 1.0) -> None:
-    """k, v [B, 1, heads, D] (one decode token per row) -> rms_norm_rope(k) and v written in place at
-    pool[rows[b], :, positions[b]] of pool_k / pool_v [R, heads, L, D]: one kernel on CUDA or under
-    TRITON_INTERPRET=1 (no k output and no two index_put launches), else the torch statements."""
-    if use_triton(k):
-        rms_norm_rope_store_op(k, weight, float(eps), cos, sin, v, pool_k, pool_v, rows, positions, float(offset))
-    else:
-        rms_norm_rope_store_reference(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -19,7 +19,7 @@ def test_every_custom_op_is_registered_with_the_implicit_paths_layout():
     names = {op.name() for op in ops}
     # some of the kernels the step calls, and the sampler's draw
     assert {"nemo_duplex::mamba_step", "nemo_duplex::decode_attention", "nemo_duplex::bounded_attention_store",
-            "nemo_duplex::rms_norm_rope_store", "nemo_duplex::nucleus_draw", "nemo_duplex::fp16x3_linear"} <= names
+            "nemo_duplex::rms_norm_rope_qk_store", "nemo_duplex::nucleus_draw", "nemo_duplex::fp16x3_linear"} <= names
     for op in ops:
         assert op in lowering.lowerings, op
         expected = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))

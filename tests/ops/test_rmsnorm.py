@@ -135,11 +135,10 @@ def _kv_store_inputs(gen, b, heads, d, num_rows, max_len, dtype, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_rope_store_writes_the_pools(dtype):
-    """rms_norm_rope_store (the talker's decode-step k/v into its pools in one kernel): the pools equal
-    rms_norm_rope_triton's k (the same arithmetic) and v written at (rows, :, positions) bit for bit,
+    """The store variant of the norm + rotary kernel (the talker's decode-step k/v into its pools): the pools
+    equal rms_norm_rope_triton's k (the same arithmetic) and v written at (rows, :, positions) bit for bit,
     everything else untouched; and the torch statements (the CPU path) within rms_norm_rope's tolerance."""
-    from ops.rmsnorm import (rms_norm_rope_store, rms_norm_rope_store_op, rms_norm_rope_store_reference,
-                             rms_norm_rope_triton)
+    from ops.rmsnorm import rms_norm_rope_store_reference, rms_norm_rope_store_triton, rms_norm_rope_triton
     gen = torch.Generator().manual_seed(8)
     k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 4, 3, 18, 7, 11, dtype, DEVICE)
     want_k, want_v = pool_k.clone(), pool_v.clone()
@@ -147,37 +146,37 @@ def test_norm_rope_store_writes_the_pools(dtype):
     want_v[rows, :, positions] = v[:, 0]
     ref_k, ref_v = pool_k.clone(), pool_v.clone()
     rms_norm_rope_store_reference(k, w, 1e-6, cos, sin, v, ref_k, ref_v, rows, positions)
-    rms_norm_rope_store(k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
+    assert rms_norm_rope_store_triton(k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions) is None
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
     assert torch.equal(pool_v, ref_v)
     torch.testing.assert_close(pool_k.float(), ref_k.float(), rtol=0, atol=4 * 2 ** -8 * 8 if dtype == torch.bfloat16
                                else 2e-6)
-    k2, w2, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2 = _kv_store_inputs(
-        torch.Generator().manual_seed(9), 2, 2, 8, 4, 5, torch.float32, DEVICE)
-    torch.library.opcheck(rms_norm_rope_store_op, (k2, w2, 1e-6, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2,
-                                                   1.0), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
     """rms_norm_rope_qk_store (the talker's q beside its k/v store, session 17): q bit for bit what
-    rms_norm_rope_triton makes of it with its own weight, the pools bit for bit what rms_norm_rope_store
+    rms_norm_rope_triton makes of it with its own weight, the pools bit for bit what the store kernel
     writes; the torch statements (the CPU path) within rms_norm_rope's tolerance; q read from a strided view."""
     from ops.rmsnorm import (rms_norm_rope_qk_store, rms_norm_rope_qk_store_op, rms_norm_rope_reference,
-                             rms_norm_rope_store, rms_norm_rope_triton)
+                             rms_norm_rope_store_reference, rms_norm_rope_store_triton, rms_norm_rope_triton)
     gen = torch.Generator().manual_seed(10)
     k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 5, 3, 18, 8, 11, dtype, DEVICE)
     wide = (2 * torch.randn(5, 1, 3, 2 * 18, generator=gen)).to(DEVICE, dtype)
     q, q_w = wide[..., 5:23], (0.2 * torch.randn(18, generator=gen)).to(DEVICE, dtype)
     want_k, want_v = pool_k.clone(), pool_v.clone()
-    rms_norm_rope_store(k, w, 1e-6, cos, sin, v, want_k, want_v, rows, positions)
+    rms_norm_rope_store_triton(k, w, 1e-6, cos, sin, v, want_k, want_v, rows, positions)
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    rms_norm_rope_store_reference(k, w, 1e-6, cos, sin, v, ref_k, ref_v, rows, positions)
     out = rms_norm_rope_qk_store(q, q_w, k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.equal(out, rms_norm_rope_triton(q.contiguous(), q_w, 1e-6, cos, sin))
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
     ref = rms_norm_rope_reference(q, q_w, 1e-6, cos, sin)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=4 * 2 ** -8 * 8 if dtype == torch.bfloat16
-                               else 2e-6)
+    tolerance = 4 * 2 ** -8 * 8 if dtype == torch.bfloat16 else 2e-6
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=tolerance)
+    torch.testing.assert_close(pool_k.float(), ref_k.float(), rtol=0, atol=tolerance)
+    assert torch.equal(pool_v, ref_v)
     k2, w2, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2 = _kv_store_inputs(
         torch.Generator().manual_seed(9), 2, 2, 8, 4, 5, torch.float32, DEVICE)
     torch.library.opcheck(rms_norm_rope_qk_store_op, (k2.clone(), w2, k2, w2, 1e-6, cos2, sin2, v2, pool_k2, pool_v2,
@@ -211,15 +210,17 @@ def test_norm_rope_reads_column_slices_of_a_fused_projection(t):
 @pytest.mark.gpu
 def test_gpu_norm_rope_store_talker_shape():
     """The talker's shape (256 pool rows of 16 heads x 72 at 1037 positions, bf16): bit for bit as above."""
-    from ops.rmsnorm import rms_norm_rope_store, rms_norm_rope_triton
+    from ops.rmsnorm import rms_norm_rope_qk_store, rms_norm_rope_triton
     gen = torch.Generator().manual_seed(10)
     k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 256, 16, 72, 321, 1037,
                                                                           torch.bfloat16, "cuda")
+    q = (2 * torch.randn(256, 1, 16, 72, generator=gen)).to("cuda", torch.bfloat16)
     want_k, want_v = pool_k.clone(), pool_v.clone()
     want_k[rows, :, positions] = rms_norm_rope_triton(k, w, 1e-6, cos, sin)[:, 0]
     want_v[rows, :, positions] = v[:, 0]
-    rms_norm_rope_store(k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
+    out = rms_norm_rope_qk_store(q, w.flip(0), k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+    assert torch.equal(out, rms_norm_rope_triton(q, w.flip(0), 1e-6, cos, sin))
 
 
 @pytest.mark.gpu
