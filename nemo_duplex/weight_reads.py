@@ -14,7 +14,7 @@ view or an empty tensor like it reads nothing); extents are merged per storage, 
 several ops (or in several MoG passes) counts once, as a step that kept it in cache would read it. A
 gather from a table (embedding, index_select, index) reads the rows it returns, counted as the bytes it
 returns (not merged: an upper bound where two rows repeat); so do the custom ops that gather rows of a
-table inside their kernel (`CUSTOM_GATHERS`: the code embedding's codebook sum, the MoG latent draw's
+table inside their kernel (`_custom_gathers`: the code embedding's codebook sum, the MoG latent draw's
 component blocks), which the counter would otherwise count as reading the whole table.
 """
 from __future__ import annotations
