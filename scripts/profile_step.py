@@ -51,7 +51,7 @@ def kernel_events(prof):
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def print_graph_profile(prof, n: int, pos: int) -> None:
+def print_graph_profile(prof, n: int, pos: int, top: int = 45) -> None:
     by_name, by_kind, count = defaultdict(float), defaultdict(float), defaultdict(int)
     kernels = kernel_events(prof)
     for e in kernels:
@@ -65,8 +65,11 @@ def print_graph_profile(prof, n: int, pos: int) -> None:
     for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"{k:>20}: {t:8.2f} ms  {count[k] / STEPS:6.0f} kernels")
     print("busiest kernels (ms per step):")
-    for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:45]:
-        print(f"{t:8.3f}  {name[:150]}")
+    calls = defaultdict(int)
+    for e in kernels:
+        calls[e.name] += 1
+    for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{t:8.3f}  {calls[name] / STEPS:5.0f}x  {name[:150]}")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
@@ -106,7 +109,7 @@ def main(cfg: DictConfig) -> None:
                     step()
                 torch.cuda.synchronize()
         if on_graphs:
-            print_graph_profile(prof, n, pos)
+            print_graph_profile(prof, n, pos, int(cfg.get("profile_top", 45)))  # +profile_top=N: more names
             del runner
             continue
         print(f"\n==== N={n} position={pos}: stages (kernel time per step, eager) ====")
