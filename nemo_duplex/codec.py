@@ -46,6 +46,7 @@ from ops.dwconv_layernorm import dwconv_layer_norm
 from ops.fp16x3_linear import Fp16Split, fp16x3_linear, split_fp16_rows, split_fp16_weight, unpack_weight_split
 from ops.fp16x3_linear import weight_split_numel
 from ops.fp32_linear import fp32_linear, split_tf32
+from ops.istft_step import istft_step
 
 from .config import CodecConfig
 
@@ -742,33 +743,19 @@ class RVQCodec(nn.Module):
                     silence_codes: torch.Tensor | None = None) -> torch.Tensor:
         """One code frame per call: codes [B, Q], slots [B] -> wav [B, 1764] fp32, which is the one-shot
         decode of the call's frames so far delayed by `stream_delay` samples (6 zeros at a stream's start).
-        Pure tensor code with fixed shapes (CUDA-graph capturable); the inverse DFT is ops.dft's matmul."""
+        Pure tensor code with fixed shapes (CUDA-graph capturable); the iSTFT tail is ops/istft_step.py, its
+        inverse DFT a dot with ops.dft's basis."""
         self._require_fp32()
         if silence_codes is not None:
             codes = replace_control_codes(codes, silence_codes, self.cfg.codebook_size)
-        n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
+        hop = self.cfg.hop_length
         with exact_fp32(codes.device):
             latent = self.dequantize(codes[:, None, :])  # [B, 1, latent]
             head = self.decoder.step(latent, state.convnext_history, slots, self.gemm)  # [B, 441, 18]
-            frames = synthesis_frames(head, n_fft, by_matmul=True, window=self.step_window,
-                                      inner_bins=self.step_inner_bins)  # [B, 441, 16]
-            signal = overlap_add(frames, hop)  # [B, 1764 + 12]
-            envelope = self.step_envelope.expand_as(signal)
-            # The previous frame's last 12 overlap-add samples belong to the start of this one.
-            tail = n_fft - hop
-            signal = torch.cat([signal[:, :tail] + state.ola_tail.index_select(0, slots), signal[:, tail:]], dim=1)
-            envelope = torch.cat([envelope[:, :tail] + state.envelope_tail.index_select(0, slots),
-                                  envelope[:, tail:]], dim=1)
-            done = state.frames_done.index_select(0, slots)
-            out_len = hop * frames.shape[1]
-            # Sample i of this buffer is one-shot sample 1764 t + i - delay; at a stream's start the first
-            # `delay` samples precede the signal (one-shot trims them): emit zeros.
-            before_start = (done[:, None] == 0) & self.step_head
-            wav = torch.where(before_start, 0.0, signal[:, :out_len] / envelope[:, :out_len])
-            state.ola_tail.index_copy_(0, slots, signal[:, out_len:])
-            state.envelope_tail.index_copy_(0, slots, envelope[:, out_len:])
-            state.frames_done.index_copy_(0, slots, done + 1)
-        return wav
+            # the iSTFT, overlap-add with the state's tails, envelope division, before-start zeros and the
+            # state update: one kernel (ops/istft_step.py; its torch reference on the CPU)
+            return istft_step(head, self.step_window, self.step_inner_bins, self.step_envelope, self.step_head,
+                              state.ola_tail, state.envelope_tail, state.frames_done, slots, hop)
 
     @torch.no_grad()
     def flush_step(self, state: CodecStreamState, slots: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from . import rng
 from .model import ClipResult
 from .sampling import SamplingParams, sample_text
 from .state import CallState, PrefixCache, allocate_call_state
+from ops.argmax_top2 import argmax_top2
 
 
 @dataclass
@@ -88,19 +89,20 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     with record_function("heads"):
         text_logits, func_logits = model.heads(h)
     frame = st.frame[slots]
+    # the greedy token and the margins (top-1 / top-2 logits) in one pass over the logits' own dtype (the
+    # values torch's argmax and topk give; ops/argmax_top2.py): the upcast to fp32 is exact, so an fp32 copy
+    # of [B, vocab] first would change nothing but cost a copy
+    greedy_text, top2 = argmax_top2(text_logits)
     if sampling:
         text = sample_text(text_logits, special_ids, st.seen[slots], st.temperature[slots], st.top_p[slots],
                            st.rep_penalty[slots], st.greedy[slots], st.seed[slots], frame)
     else:
-        # on the logits' own dtype: an fp32 copy of [B, vocab] first (as before session 12) gives the same
-        # index (the upcast is exact, so order and first-maximum ties are kept) for a copy's time
-        text = text_logits.argmax(-1)
+        text = greedy_text
     func = func_logits.argmax(-1) if func_logits is not None else torch.full_like(text, pad)
     forcing = forced_func >= 0
     func = torch.where(forcing, forced_func, func)
     text = torch.where(forcing, torch.full_like(text, pad), text)
-    with branch(side_stream):  # the margins and the text's bookkeeping: nothing below reads them
-        top2 = text_logits.topk(2, dim=-1).values.float()   # the same values as topk of the fp32 copy
+    with branch(side_stream):  # the text's bookkeeping: nothing below reads it
         st.prev_text.index_copy_(0, slots, text)
         st.prev_func.index_copy_(0, slots, func)
         newly_seen = torch.zeros_like(st.seen[slots]).scatter_(1, text[:, None], True)
