@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from nemo_duplex.config import EncoderConfig, FrontendConfig
 from nemo_duplex.frontend import MelFrontend
 from nemo_duplex.stacking import StackedProjections
-from ops.act_linear import act_linear, tickets_for
 from ops.bounded_attention import bounded_attention_and_store
 from ops.conformer_conv import conformer_conv_step
 from ops.layernorm import add_layer_norm, add_layer_norm_then
@@ -138,18 +137,13 @@ class ConvSubsampling(nn.Module):
 
 
 class ConformerFeedForward(nn.Module):
-    """linear2(silu(linear1(x))). For at most 64 rows on the GPU, linear2 applies the SiLU as it loads its
-    input (ops/act_linear.py: one launch for the activation, the GEMM and its split-K sum)."""
-
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
         self.linear1 = nn.Linear(d_model, d_ff, bias=False)
         self.linear2 = nn.Linear(d_ff, d_model, bias=False)
-        # act_linear's split-K tickets for linear2 (zero between launches; not in the state_dict)
-        self.register_buffer("down_tickets", tickets_for(d_model, "cpu"), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return act_linear(self.linear1(x), self.linear2.weight, self.down_tickets, "silu")
+        return self.linear2(F.silu(self.linear1(x)))
 
 
 class RelPositionMultiHeadAttention(StackedProjections):

@@ -18,13 +18,12 @@ from torch import nn
 
 from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
 from .stacking import StackedProjections, stack_all
-from ops.act_linear import act_linear, tickets_for
 from ops.activation import gelu_tanh_mul
+from ops.argmin_residual import argmin_residual
 from ops.codebook_sum import codebook_sum
 from ops.decode_attention import decode_attention
 from ops.mog_latent import mog_latent
 from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope, rms_norm_rope_qk_store
-from ops.rvq_quantise import rvq_quantise
 from ops.top_p_sample import gumbel, top_p_gumbel_argmax
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
@@ -80,9 +79,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class GatedMLP(StackedProjections):
     """down(gelu_tanh(gate(x)) * up(x)), no biases (spec 4.1). gelu * up is one kernel on the GPU
-    (ops/activation.py); once stacked, gate and up are one GEMM whose column halves it reads in place, and
-    for at most 64 rows the down projection applies gelu * up as it loads them (ops/act_linear.py: one launch
-    for the activation, the GEMM and its split-K sum)."""
+    (ops/activation.py); once stacked, gate and up are one GEMM whose column halves it reads in place."""
     stacked = ("gate_proj", "up_proj")
 
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -90,13 +87,13 @@ class GatedMLP(StackedProjections):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        # act_linear's split-K tickets for the down projection (zero between launches; not in the state_dict)
-        self.register_buffer("down_tickets", tickets_for(hidden_size, "cpu"), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stack is not None:
-            return act_linear(F.linear(x, self.stack), self.down_proj.weight, self.down_tickets, "gelu_tanh_mul")
-        return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
+            gate, up = F.linear(x, self.stack).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(gelu_tanh_mul(gate, up))
 
 
 def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
@@ -520,11 +517,19 @@ def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy RVQ of z [B, latent] through codebooks [k, codebook, latent] -> codes [B, k]:
     idx = argmin ||e_j||^2 - 2 r.e_j, then r -= e_idx (spec 4.6). norms [k, codebook]: the books'
-    squared norms, if the caller has them. k + 1 launches on the GPU (ops/rvq_quantise.py), else the torch
-    statements (one GEMM for the distances with the norms as its bias, then argmin, gather, subtract)."""
+    squared norms, if the caller has them."""
+    r = z.float()
     books = codebooks.float()
     norms = books.pow(2).sum(-1) if norms is None else norms
-    return rvq_quantise(z, books, norms)
+    codes = []
+    for book, norm in zip(books, norms):
+        # one GEMM for the distances. With the norms as a 1-D bias cuBLAS adds them in its epilogue; a
+        # [1, codebook] view was first copied into every output row (H200, 31 books: 435 -> 382 us at 32
+        # calls, 706 -> 637 at 128, bit for bit the same; docs/performance.md, session 10)
+        distances = torch.addmm(norm, r, book.T, alpha=-2)
+        idx, r = argmin_residual(distances, r, book)  # argmin, gather, subtract: one kernel on the GPU
+        codes.append(idx)
+    return torch.stack(codes, dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------------------

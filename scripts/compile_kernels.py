@@ -21,7 +21,6 @@ from triton.compiler import ASTSource
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels it compiles")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ops.act_linear import TILES as ACT_TILES, _act_linear_kernel  # noqa: E402
 from ops.argmax_top2 import _chunk_kernel, _merge_kernel  # noqa: E402
 from ops.argmin_residual import _argmin_residual_kernel  # noqa: E402
 from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
@@ -36,7 +35,6 @@ from ops.layernorm import _add_layer_norm_kernel  # noqa: E402
 from ops.mog_latent import _mog_latent_kernel  # noqa: E402
 from ops.rmsnorm import _rms_norm_rope_kernel  # noqa: E402
 from ops.rnnt_commit import _rnnt_commit_kernel  # noqa: E402
-from ops.rvq_quantise import PRECISION as RVQ_PRECISION, TILES as RVQ_TILES, _rvq_step_kernel  # noqa: E402
 from ops.top_p_sample import _top_p_gumbel_argmax_kernel  # noqa: E402
 from scripts.ptx_loads import load_widths  # noqa: E402
 
@@ -129,20 +127,8 @@ compile_(_istft_step_kernel, {n: f32 for n in ("head_ptr", "basis_ptr", "window_
                                                "env_tail_ptr", "wav_ptr")}
          | {"step_head_ptr": "*i1", "done_ptr": "*i64", "slots_ptr": "*i64"},
          {"N_FFT": 16, "HOP": 4, "BLOCK_T": 32, "BLOCK_F": 32, "BLOCK_HOP": 16, "BLOCK_TAIL": 16}, num_warps=4)
-# Session 18: the talker's RVQ (a codebook's search, the resolve of the previous one, and both), the text
-# logits' argmax with their top two values (per chunk, then the merge).
-for resolve, search in ((False, True), (True, True), (True, False)):
-    compile_(_rvq_step_kernel, {n: f32 for n in ("r_in_ptr", "r_out_ptr", "prev_book_ptr", "book_ptr", "norm_ptr",
-                                                 "prev_val_ptr", "val_ptr")}
-             | {"prev_idx_ptr": "*i32", "idx_ptr": "*i32", "codes_ptr": "*i64"},
-             {"RESOLVE": resolve, "SEARCH": search, "PREV_SLICES": 64, "PRECISION": RVQ_PRECISION, "BLOCK_B": RVQ_TILES[0],
-              "BLOCK_C": RVQ_TILES[1], "BLOCK_D": RVQ_TILES[2]}, num_warps=RVQ_TILES[3])
+# Session 18: the text logits' argmax with their top two values (per chunk, then the merge).
 compile_(_chunk_kernel, {"x_ptr": bf16, "best_ptr": f32, "index_ptr": "*i32", "second_ptr": f32}, {"BLOCK": 4096},
          num_warps=8)
 compile_(_merge_kernel, {"best_ptr": f32, "index_ptr": "*i32", "second_ptr": f32, "argmax_ptr": "*i64", "top2_ptr": f32},
          {"BLOCK_CHUNKS": 32}, num_warps=1)
-for gelu_mul in (False, True):  # the encoder's feed-forward (silu) and the talker's gated MLPs, their down GEMM
-    compile_(_act_linear_kernel, {"x_ptr": bf16, "w_ptr": bf16, "y_ptr": bf16, "part_ptr": f32, "ticket_ptr": "*i32"},
-             {"GELU_MUL": gelu_mul, "SPLIT_K": ACT_TILES[4], "BLOCK_M": 64 if gelu_mul else 32, "BLOCK_N": ACT_TILES[0],
-              "BLOCK_K": ACT_TILES[1], "BF16": True, "DOT_PRECISION": "tf32", "UPCAST": False},
-             num_warps=ACT_TILES[2], num_stages=ACT_TILES[3])

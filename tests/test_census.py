@@ -54,5 +54,9 @@ def test_census_with_the_full_layer_counts():
     # (on the CPU an addmm also copies its bias: 31 copy_ that the GPU's epilogue does not launch)
     assert full["talker.generate"]["mog_latent"] == 5 and full["talker.generate"]["bmm"] == 0
     assert total(full["talker.generate"]) <= 180
+    # session 18: the codec's iSTFT tail and state update as one kernel (107 ops in the stage before); the
+    # text's argmax and its top-2 margins as one op on the step's own stream (torch.topk's ~6 kernels before)
+    assert full["codec"]["istft_step"] == 1 and total(full["codec"]) <= 65
+    assert full["other"]["argmax_top2"] == 1 and full["other"]["topk"] == 0
     for fixed in ("talker.generate", "codec", "rnnt"):
         assert total(full[fixed]) == total(tiny[fixed]), fixed

@@ -2,6 +2,9 @@
 takes the torch steps, activation kernel then cuBLAS) or left on, for an A/B on one lease.
 
     python3 docs/runs/ab_s18_act_linear.py off|on <bench_step.py overrides...>
+
+ops/act_linear.py and its wiring were removed after this A/B (slower, docs/performance.md session 18): run it from
+a checkout of commit 60e741c.
 """
 import runpy
 import sys

@@ -6,6 +6,9 @@ Each variant runs the five passes as the step does, captured in a CUDA graph (10
 replays after 2); the codes are compared with the served loop's (count of differing codes).
 
     python3 docs/runs/probe_s18_2_rvq.py        # JSON to $OUT
+
+ops/rvq_quantise.py was removed after this probe (slower than the served loop, docs/performance.md session 18):
+run it from a checkout of commit 60e741c, which has the kernel.
 """
 import itertools
 import json
