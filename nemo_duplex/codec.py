@@ -41,12 +41,11 @@ import torch.nn.functional as F
 
 from ops import interpreting, use_triton
 from ops.codebook_sum import codebook_sum
-from ops.dft import irdft
 from ops.dwconv_layernorm import dwconv_layer_norm
 from ops.fp16x3_linear import Fp16Split, fp16x3_linear, split_fp16_rows, split_fp16_weight, unpack_weight_split
 from ops.fp16x3_linear import weight_split_numel
 from ops.fp32_linear import fp32_linear, split_tf32
-from ops.istft_step import istft_step
+from ops.istft_step import hann_window, istft_step, overlap_add, synthesis_frames, window_envelope
 
 from .config import CodecConfig
 
@@ -383,51 +382,7 @@ def _init_conv(conv: nn.Module, generator: torch.Generator) -> None:
 # iSTFT head (spec 5.3)
 # ----------------------------------------------------------------------------------------------------
 
-def hann_window(n: int, device: torch.device) -> torch.Tensor:
-    return torch.hann_window(n, periodic=True, dtype=torch.float32, device=device)
-
-
-def synthesis_frames(head: torch.Tensor, n_fft: int, by_matmul: bool, window: torch.Tensor | None = None,
-                     inner_bins: torch.Tensor | None = None) -> torch.Tensor:
-    """head [B, S, n_fft + 2] (decoder output, channels-last) -> windowed time frames [B, S, n_fft].
-
-    Channels 0..n/2 are the log-magnitude m, the rest the phase phi. |X| = 100 exp(-softplus(-m + ln 100))
-    (= 100 sigmoid(m - ln 100), NeMo's form kept for its rounding). DC and Nyquist are real (|X| cos phi):
-    their imaginary parts are zeroed here and ignored by the inverse DFT anyway. Each frame is clamped to
-    [-w, w] and multiplied by w (periodic Hann; `constrain_value_range`). `window` (the Hann window) and
-    `inner_bins` (1 for bins 1..n/2-1, 0 for DC and Nyquist), if the caller keeps them: a streaming step
-    then builds neither (RVQCodec's step constants); the values are the same."""
-    bins = n_fft // 2 + 1
-    log_mag, phase = head[..., :bins], head[..., bins:]
-    mag = 100.0 * torch.exp(-F.softplus(-log_mag + math.log(100.0)))
-    re = mag * torch.cos(phase)
-    im = mag * torch.sin(phase)
-    if inner_bins is None:
-        im = torch.cat([torch.zeros_like(im[..., :1]), im[..., 1:-1], torch.zeros_like(im[..., -1:])], dim=-1)
-    else:  # one multiply: the inner bins times 1 are exact, the real ones become (signed) zeros
-        im = im * inner_bins
-    if by_matmul:
-        frames = irdft(re, im, n_fft)  # ops/dft.py: no cuFFT (graph capture)
-    else:
-        frames = torch.fft.irfft(torch.complex(re, im), n=n_fft, dim=-1)
-    window = hann_window(n_fft, head.device) if window is None else window
-    return torch.clamp(frames, -window, window) * window
-
-
-def overlap_add(frames: torch.Tensor, hop: int) -> torch.Tensor:
-    """frames [B, S, n] (n a multiple of hop), frame s starting at sample s*hop -> [B, (S-1)*hop + n]."""
-    batch, num_frames, n = frames.shape
-    shifts = n // hop
-    out = frames.new_zeros(batch, num_frames + shifts - 1, hop)
-    for j in range(shifts):  # part j of frame s lands on hop-block s + j
-        out[:, j:j + num_frames] += frames[:, :, j * hop:(j + 1) * hop]
-    return out.flatten(1)
-
-
-def window_envelope(num_frames: int, n_fft: int, hop: int, device: torch.device) -> torch.Tensor:
-    """Sum of w^2 over the frames overlapping each sample, [1, (S-1)*hop + n] (the same overlap-add)."""
-    square = hann_window(n_fft, device).square()
-    return overlap_add(square.expand(1, num_frames, n_fft), hop)
+# hann_window, synthesis_frames, overlap_add and window_envelope: ops/istft_step.py, whose reference they are
 
 
 def istft(head: torch.Tensor, n_fft: int, hop: int, by_matmul: bool = False) -> torch.Tensor:

@@ -50,37 +50,70 @@ from ops.dft import irdft, irdft_basis
 # Reference
 # ----------------------------------------------------------------------------------------------------
 
-def istft_step_reference(head: torch.Tensor, window: torch.Tensor, inner_bins: torch.Tensor,
-                         envelope: torch.Tensor, step_head: torch.Tensor, ola_tail: torch.Tensor,
-                         envelope_tail: torch.Tensor, frames_done: torch.Tensor, slots: torch.Tensor,
-                         hop: int) -> torch.Tensor:
-    """The torch statements decode_step ran before the kernel, unchanged: nemo_duplex.codec's
-    `synthesis_frames` (the by_matmul path with the step's window and inner-bin mask) and `overlap_add`
-    written out here (ops does not import the model), then the state bookkeeping. Argument layout as
-    `istft_step`; returns wav [B, S hop] and updates the state rows `slots` in place."""
-    n_fft = window.shape[0]
+def hann_window(n: int, device: torch.device) -> torch.Tensor:
+    return torch.hann_window(n, periodic=True, dtype=torch.float32, device=device)
+
+
+def synthesis_frames(head: torch.Tensor, n_fft: int, by_matmul: bool, window: torch.Tensor | None = None,
+                     inner_bins: torch.Tensor | None = None) -> torch.Tensor:
+    """head [B, S, n_fft + 2] (decoder output, channels-last) -> windowed time frames [B, S, n_fft].
+
+    Channels 0..n/2 are the log-magnitude m, the rest the phase phi. |X| = 100 exp(-softplus(-m + ln 100))
+    (= 100 sigmoid(m - ln 100), NeMo's form kept for its rounding). DC and Nyquist are real (|X| cos phi):
+    their imaginary parts are zeroed here and ignored by the inverse DFT anyway. Each frame is clamped to
+    [-w, w] and multiplied by w (periodic Hann; `constrain_value_range`). `window` (the Hann window) and
+    `inner_bins` (1 for bins 1..n/2-1, 0 for DC and Nyquist), if the caller keeps them: a streaming step
+    then builds neither (RVQCodec's step constants); the values are the same."""
     bins = n_fft // 2 + 1
     log_mag, phase = head[..., :bins], head[..., bins:]
     mag = 100.0 * torch.exp(-F.softplus(-log_mag + math.log(100.0)))
     re = mag * torch.cos(phase)
     im = mag * torch.sin(phase)
-    im = im * inner_bins  # the inner bins times 1 are exact, the real ones become (signed) zeros
-    frames = irdft(re, im, n_fft)  # ops/dft.py: no cuFFT (graph capture)
-    frames = torch.clamp(frames, -window, window) * window  # [B, S, n]
-    # overlap_add: part j of frame s lands on hop-block s + j
-    batch, num_frames, _ = frames.shape
-    shifts = n_fft // hop
-    signal = frames.new_zeros(batch, num_frames + shifts - 1, hop)
-    for j in range(shifts):
-        signal[:, j:j + num_frames] += frames[:, :, j * hop:(j + 1) * hop]
-    signal = signal.flatten(1)  # [B, S hop + n - hop]
+    if inner_bins is None:
+        im = torch.cat([torch.zeros_like(im[..., :1]), im[..., 1:-1], torch.zeros_like(im[..., -1:])], dim=-1)
+    else:  # one multiply: the inner bins times 1 are exact, the real ones become (signed) zeros
+        im = im * inner_bins
+    if by_matmul:
+        frames = irdft(re, im, n_fft)  # ops/dft.py: no cuFFT (graph capture)
+    else:
+        frames = torch.fft.irfft(torch.complex(re, im), n=n_fft, dim=-1)
+    window = hann_window(n_fft, head.device) if window is None else window
+    return torch.clamp(frames, -window, window) * window
+
+
+def overlap_add(frames: torch.Tensor, hop: int) -> torch.Tensor:
+    """frames [B, S, n] (n a multiple of hop), frame s starting at sample s*hop -> [B, (S-1)*hop + n]."""
+    batch, num_frames, n = frames.shape
+    shifts = n // hop
+    out = frames.new_zeros(batch, num_frames + shifts - 1, hop)
+    for j in range(shifts):  # part j of frame s lands on hop-block s + j
+        out[:, j:j + num_frames] += frames[:, :, j * hop:(j + 1) * hop]
+    return out.flatten(1)
+
+
+def window_envelope(num_frames: int, n_fft: int, hop: int, device: torch.device) -> torch.Tensor:
+    """Sum of w^2 over the frames overlapping each sample, [1, (S-1)*hop + n] (the same overlap-add)."""
+    square = hann_window(n_fft, device).square()
+    return overlap_add(square.expand(1, num_frames, n_fft), hop)
+
+
+def istft_step_reference(head: torch.Tensor, window: torch.Tensor, inner_bins: torch.Tensor,
+                         envelope: torch.Tensor, step_head: torch.Tensor, ola_tail: torch.Tensor,
+                         envelope_tail: torch.Tensor, frames_done: torch.Tensor, slots: torch.Tensor,
+                         hop: int) -> torch.Tensor:
+    """The torch statements decode_step ran before the kernel, unchanged: `synthesis_frames` (the by_matmul
+    path with the step's window and inner-bin mask) and `overlap_add`, then the state bookkeeping. Argument
+    layout as `istft_step`; returns wav [B, S hop] and updates the state rows `slots` in place."""
+    n_fft = window.shape[0]
+    frames = synthesis_frames(head, n_fft, by_matmul=True, window=window, inner_bins=inner_bins)  # [B, S, n]
+    signal = overlap_add(frames, hop)  # [B, S hop + n - hop]
     envelope = envelope.expand_as(signal)
     # The previous frame's last n - hop overlap-add samples belong to the start of this one.
     tail = n_fft - hop
     signal = torch.cat([signal[:, :tail] + ola_tail.index_select(0, slots), signal[:, tail:]], dim=1)
     envelope = torch.cat([envelope[:, :tail] + envelope_tail.index_select(0, slots), envelope[:, tail:]], dim=1)
     done = frames_done.index_select(0, slots)
-    out_len = hop * num_frames
+    out_len = hop * frames.shape[1]
     # Sample i of this buffer is one-shot sample S hop t + i - delay; at a stream's start the first
     # `delay` samples precede the signal (one-shot trims them): emit zeros.
     before_start = (done[:, None] == 0) & step_head

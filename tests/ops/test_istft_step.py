@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from nemo_duplex.codec import hann_window, overlap_add, synthesis_frames, window_envelope
 from ops.dft import irdft_basis
-from ops.istft_step import istft_step, istft_step_op, istft_step_reference, istft_step_triton
+from ops.istft_step import (hann_window, istft_step, istft_step_op, istft_step_reference, istft_step_triton,
+                             overlap_add, synthesis_frames, window_envelope)
 from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,8 +119,8 @@ def test_repeated_steps_carry_state():
 
 
 def test_reference_is_the_decode_step_statements():
-    """The reference computes what decode_step's statements did (nemo_duplex.codec's synthesis_frames and
-    overlap_add, then the bookkeeping), bit for bit."""
+    """The reference computes what decode_step's statements did (synthesis_frames and overlap_add, then the
+    bookkeeping), bit for bit."""
     gen = torch.Generator().manual_seed(3)
     n_fft, hop, num_frames = 16, 4, 441
     head = _head(gen, 3, num_frames, n_fft, "cpu")
