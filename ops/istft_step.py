@@ -19,7 +19,8 @@ before-start mask and three index_copy_), each ~2 us in a captured CUDA graph fo
 The inverse DFT stays a dot product with ops/dft.py's float64-built basis (no FFT): output hop-block t,
 sample r is sum_j frames[t - j, j hop + r] (j = 0..n/hop-1, in that order, as `overlap_add` adds them), so a
 program computes, for each j, only the hop columns j hop..j hop+hop-1 of the frames t - j it needs: every
-frame's n columns once in all, with the spectrum's exp / cos / sin recomputed n/hop times (cheap).
+frame's n columns once in all, with the spectrum's exp / cos / sin recomputed n/hop times. Not cheap, it turned
+out: 0.046 ms per step at 32 calls on the H200, with register spills (docs/performance.md, session 18).
 
 Programs: (row, block of BLOCK_T output hop-blocks). Only the first block of a row touches the row's state:
 its samples 0..n-hop-1 take the previous tails, its samples below stream_delay the before-start mask (so
@@ -32,6 +33,9 @@ Numerics: fp32 throughout, the torch statement's operations in its order (the ov
 tail add, the division), but the DFT's multiply-adds are summed in a different order than the matmul's, and
 exp / cos / sin are the hardware's (or numpy's, interpreted), a few ulps apart: tests/ops/test_istft_step.py
 states the tolerance.
+
+The reference section also holds the iSTFT's torch functions (the Hann window, the synthesis frames, the
+overlap-add, the window envelope), which nemo_duplex/codec.py's one-shot `istft` uses as well.
 """
 from __future__ import annotations
 
