@@ -100,8 +100,11 @@ class StepRunner:
 
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
-                 side_stream: bool = True, pad_eager: bool = False):
+                 side_stream: bool = True, pad_eager: bool = False, pipeline: bool = False):
         self.model, self.state, self.specials = model, state, specials
+        # pipeline: each step's speech half is that of the rows' previous frames (frame_step's speech_slots,
+        # engine.pipeline); every call then takes a speech-slot row beside its slot row
+        self.pipeline = pipeline
         self.pad_eager = pad_eager  # eager steps padded to the buckets as the graphs are (batch invariance)
         # greedy_graphs: every bucket also gets a variant for batches of greedy calls only (frame_step's
         # sampling=False: no sort over the vocabulary), at twice the captures; the general one serves all
@@ -126,8 +129,11 @@ class StepRunner:
         # frame_step's second stream (its `branch`), on CUDA when the step runs eagerly or is captured by
         # hand; not inside torch.compile's whole-step graphs, which would have to trace the stream switches
         hand_run = not self.graphs or backend.startswith("cudagraph")
-        self.side_stream = (torch.cuda.Stream(self.device) if side_stream and hand_run and self.device.type == "cuda"
-                            else None)
+        streams = side_stream and hand_run and self.device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(self.device) if streams else None
+        # the pipelined step's speech half, a third path beside the encoder + LLM chain and the side branch
+        # (stream priorities, either way round, changed nothing measurable: docs/performance.md, session 19)
+        self.speech_stream = torch.cuda.Stream(self.device) if streams and pipeline else None
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if self.graphs and backend == "cudagraph-eager":
@@ -147,10 +153,14 @@ class StepRunner:
                                            backend=compiler, fullgraph=True, dynamic=False)
 
     def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
-               sampling: bool = True) -> StepOutput:
-        return self._step(slots, audio, forced, sampling)
+               speech: torch.Tensor | None = None, sampling: bool = True) -> StepOutput:
+        return self._step(slots, audio, forced, speech, sampling)
 
-    def _step(self, slots, audio, forced, sampling: bool) -> StepOutput:
+    def _step(self, slots, audio, forced, speech, sampling: bool) -> StepOutput:
+        if self.pipeline:
+            return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling,
+                              side_stream=self.side_stream, speech_slots=slots if speech is None else speech,
+                              speech_stream=self.speech_stream)
         return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling,
                           side_stream=self.side_stream)
 
@@ -166,15 +176,19 @@ class StepRunner:
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _padded_inputs(self, b: int, slots, audio, forced):
+    def _padded_inputs(self, b: int, slots, audio, forced, speech=None):
+        """The rows padded to b: slots, audio, forced, speech slots (None: the slots)."""
         n = slots.shape[0]
+        speech = slots if speech is None else speech
         s = torch.full((b,), self.sink, dtype=torch.int64, device=self.device)
         a = torch.zeros(b, audio.shape[1], dtype=torch.float32, device=self.device)
         f = torch.full((b,), -1, dtype=torch.int64, device=self.device)
+        ss = torch.full((b,), self.sink, dtype=torch.int64, device=self.device)
         s[:n] = slots.to(self.device, non_blocking=True)
         a[:n] = audio.to(self.device, non_blocking=True)
         f[:n] = forced.to(self.device, non_blocking=True)
-        return s, a, f
+        ss[:n] = speech.to(self.device, non_blocking=True)
+        return s, a, f, ss
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -189,10 +203,10 @@ class StepRunner:
                 if self.backend.startswith("cudagraph") and self.device.type == "cuda":
                     self._capture_cuda_graph(b, sampling)
                 else:
-                    s, a, f = self._padded_inputs(b, torch.empty(0, dtype=torch.int64), torch.empty(0, n_in),
-                                                  torch.empty(0, dtype=torch.int64))
+                    none = torch.empty(0, dtype=torch.int64)
+                    inputs = self._padded_inputs(b, none, torch.empty(0, n_in), none, none)
                     for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
-                        self._compiled(s, a, f, sampling)
+                        self._compiled(*inputs, sampling)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.capture_seconds[b] = time.perf_counter() - t0
@@ -207,38 +221,38 @@ class StepRunner:
         """A bucket's static inputs as views of ONE device buffer, with a pinned host twin: a step then
         moves its inputs with one copy (step_to_host). Audio first, so every view stays aligned."""
         n_in = self.model.cfg.samples_per_frame_in
-        nbytes = b * n_in * 4 + 2 * b * 8
+        nbytes = b * n_in * 4 + 3 * b * 8
         device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
         def split(buf):
             a = buf[: b * n_in * 4].view(torch.float32).view(b, n_in)
-            s = buf[b * n_in * 4: b * n_in * 4 + b * 8].view(torch.int64)
-            f = buf[b * n_in * 4 + b * 8:].view(torch.int64)
-            return s, a, f
-        s, a, f = split(device_buf)
+            s, f, ss = buf[b * n_in * 4:].view(torch.int64).view(3, b)
+            return s, a, f, ss
+        s, a, f, ss = split(device_buf)
         s.fill_(self.sink)
         a.zero_()
         f.fill_(-1)
+        ss.fill_(self.sink)
         host = tuple(t.numpy() for t in split(host_buf))
-        return (s, a, f), (device_buf, host_buf, host)
+        return (s, a, f, ss), (device_buf, host_buf, host)
 
     def _capture_cuda_graph(self, b: int, sampling: bool = True) -> None:
         if b not in self._inputs:
             self._inputs[b] = self._staged_inputs(b)
-        (s, a, f), staging = self._inputs[b]
+        (s, a, f, ss), staging = self._inputs[b]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                self._compiled(s, a, f, sampling)
+                self._compiled(s, a, f, ss, sampling)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every bucket: the graphs replay one at a time on one stream and each
         # replay's outputs are copied out before the next (__call__), so a bucket may reuse the memory of
         # another's intermediates. Private pools would cost one step's activations per bucket.
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._compiled(s, a, f, sampling)
+            out = self._compiled(s, a, f, ss, sampling)
             # the fields the engine takes to the host, packed into one buffer inside the graph: one copy out
             packed = torch.cat([getattr(out, k).reshape(b, -1).contiguous().view(torch.uint8).reshape(-1)
                                 for k in HOST_FIELDS])
@@ -251,7 +265,7 @@ class StepRunner:
             nbytes = t.numel() * t.element_size()
             views[k] = flat[offset: offset + nbytes].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
             offset += nbytes
-        self._cuda_graphs[(b, sampling)] = (graph, s, a, f, out)
+        self._cuda_graphs[(b, sampling)] = (graph, s, a, f, ss, out)
         self._staging[(b, sampling)] = staging + (packed, host_out, views)
         # Replay once now, on the sink rows the static inputs still hold, so that whatever a graph's first
         # launch costs (its upload to the device) is paid at start-up, not by the first calls in a bucket.
@@ -275,28 +289,29 @@ class StepRunner:
 
     @torch.no_grad()
     def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
-                 sampling: bool = True) -> StepOutput:
-        """`sampling=False`: the caller vouches that every row is greedy (frame_step)."""
+                 sampling: bool = True, speech: torch.Tensor | None = None) -> StepOutput:
+        """`sampling=False`: the caller vouches that every row is greedy (frame_step). `speech`: the rows'
+        speech slots when pipelined (None: the rows' own slots, every call with a frame awaiting speech)."""
         n = slots.shape[0]
+        speech = slots if speech is None else speech
         if not self.graphs and not self.pad_eager:
-            return self._step(slots.to(self.device), audio.to(self.device), forced.to(self.device), sampling)
+            return self._step(slots.to(self.device), audio.to(self.device), forced.to(self.device),
+                              speech.to(self.device), sampling)
         sampling = sampling or False not in self.variants  # only what capture() prepared, never a new compile
         largest = self.buckets[-1]
         if n > largest:  # groups of at most the largest bucket, each replayed
-            parts = [self(slots[i: i + largest], audio[i: i + largest], forced[i: i + largest], sampling)
-                     for i in range(0, n, largest)]
+            parts = [self(slots[i: i + largest], audio[i: i + largest], forced[i: i + largest], sampling,
+                          speech[i: i + largest]) for i in range(0, n, largest)]
             return StepOutput(**{fl.name: torch.cat([getattr(p, fl.name) for p in parts]) for fl in fields(StepOutput)})
         b = self.bucket_for(n)
         key = self.variant(b, sampling)
         if key in self._cuda_graphs:
-            graph, s, a, f, out = self._cuda_graphs[key]
-            ns, na, nf = self._padded_inputs(b, slots, audio, forced)
-            s.copy_(ns)
-            a.copy_(na)
-            f.copy_(nf)
+            graph, *static, out = self._cuda_graphs[key]
+            for buf, new in zip(static, self._padded_inputs(b, slots, audio, forced, speech)):
+                buf.copy_(new)
             graph.replay()
         else:
-            out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced), sampling)
+            out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced, speech), sampling)
         # a replayed graph reuses its output memory on the next replay: copy the real rows out now
         return StepOutput(**{fl.name: getattr(out, fl.name)[:n].clone() for fl in fields(StepOutput)})
 
@@ -329,43 +344,55 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarray,
-                 sampling: bool = True) -> HostStep:
+                 sampling: bool = True, speech: np.ndarray | None = None, events=None) -> HostStep:
     """One step of `runner` (a StepRunner, or anything called like one) for rows slots [n] int64, audio
-    [n, 1280] float32, forced [n] int64; `sampling=False` when every row is greedy. A StepRunner's
+    [n, 1280] float32, forced [n] int64, speech slots [n] int64 (pipelined runners; None = slots);
+    `sampling=False` when every row is greedy. A StepRunner's
     captured buckets take the staged path; anything else (eager, compiled back ends, test doubles and
-    wrappers) runs `runner(...)` and copies out."""
+    wrappers) runs `runner(...)` and copies out. `events` (two CUDA timing events, staged path only): recorded
+    just before the step's input copy and just after its output copy are queued (scripts/bench_step.py)."""
     n = len(slots)
+    speech = slots if speech is None else speech
     if getattr(runner, "_staging", None):   # (duck-typed: tests stand doubles in for StepRunner)
         largest = runner.buckets[-1]
         key = runner.variant(runner.bucket_for(n), sampling) if n <= largest else None
         if key in runner._staging:
-            return _staged_step(runner, key, slots, audio, forced)
+            return _staged_step(runner, key, slots, audio, forced, speech, events)
         if n > largest:  # groups of at most the largest bucket, each its own staged step
             parts = [step_to_host(runner, slots[i: i + largest], audio[i: i + largest], forced[i: i + largest],
-                                  sampling) for i in range(0, n, largest)]
+                                  sampling, speech[i: i + largest]) for i in range(0, n, largest)]
             return HostStep({k: np.concatenate([p.outputs[k] for p in parts]) for k in HOST_FIELDS},
                             parts[-1].launched, sum(p.padded_rows for p in parts))
     args = (torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
             torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)),
             torch.from_numpy(np.ascontiguousarray(forced, dtype=np.int64)))
-    out = runner(*args, sampling=sampling) if getattr(runner, "takes_sampling_flag", False) else runner(*args)
+    if getattr(runner, "takes_sampling_flag", False):
+        extra = {} if speech is slots else {"speech": torch.from_numpy(np.ascontiguousarray(speech, dtype=np.int64))}
+        out = runner(*args, sampling=sampling, **extra)
+    else:
+        out = runner(*args)
     launched = time.perf_counter()
     host = to_host([getattr(out, k) for k in HOST_FIELDS])
     padded = runner.padded_rows(n) if hasattr(runner, "padded_rows") else n
     return HostStep({k: t.numpy() for k, t in zip(HOST_FIELDS, host)}, launched, padded)
 
 
-def _staged_step(runner: StepRunner, key: tuple[int, bool], slots, audio, forced) -> HostStep:
+def _staged_step(runner: StepRunner, key: tuple[int, bool], slots, audio, forced, speech, events=None) -> HostStep:
     graph = runner._cuda_graphs[key][0]
-    device_in, host_in, (s, a, f), packed, host_out, views = runner._staging[key]
+    device_in, host_in, (s, a, f, ss), packed, host_out, views = runner._staging[key]
     b = key[0]
     n = len(slots)
     s[:n], s[n:] = slots, runner.sink   # padding rows: the sink, silence, nothing forced
     a[:n], a[n:] = audio, 0.0
     f[:n], f[n:] = forced, -1
+    ss[:n], ss[n:] = speech, runner.sink
+    if events is not None:
+        events[0].record()
     device_in.copy_(host_in, non_blocking=True)
     graph.replay()
     host_out.copy_(packed, non_blocking=True)
+    if events is not None:
+        events[1].record()
     launched = time.perf_counter()
     torch.cuda.current_stream(runner.device).synchronize()
     # copies: the pinned buffers are overwritten by the bucket's next step

@@ -85,6 +85,12 @@ class EngineConfig:
     # Run the step's off-critical-path work (the RNN-T, the text's bookkeeping) on a second CUDA stream,
     # a parallel branch of each captured graph (frame_step.branch); false = one stream, the plain order.
     side_stream: bool = True
+    # Pipelined steps: a step's talker + codec run for the frame each call heard in its previous step, on a
+    # third CUDA stream beside this step's encoder + LLM (frame_step's speech_slots). The two chains leave
+    # most of the GPU idle between their small kernels, so beside each other they take less than one after
+    # the other. Outputs are the serial step's bit for bit; each frame's event comes one step later (80 ms
+    # more audio latency), and a call that ends its input takes one more step for its last frame's speech.
+    pipeline: bool = False
     # Every step runs one row count: only the capture bucket that covers max_calls (or the largest
     # configured), eager steps padded to it too. Then a call's output never depends on which calls share
     # its step, bit for bit, also in bf16 on the GPU, where with several buckets cuBLASLt's split-K and
@@ -153,6 +159,18 @@ class EndedEvent:
     message: str = ""
 
 
+@dataclass
+class SpeechDue:
+    """A pipelined frame between its two steps: what its text half gave, for its FrameEvent."""
+    frame: int
+    text: int
+    func: int
+    top2: tuple[float, float]
+    user: list[int]
+    ready_at: float
+    stepped_at: float        # monotonic time its text half's step ended
+
+
 class Call:
     """A client's handle on one call. All methods are thread safe and never wait on the GPU."""
 
@@ -167,7 +185,10 @@ class Call:
         self.closed = False
         self.frames_in = 0        # whole frames received
         self.last_ready: float | None = None  # when the last whole frame arrived (engine.coalesce_ms)
-        self.frames_out = 0       # frames stepped
+        self.frames_out = 0       # frames handed out (FrameEvents)
+        self.frames_stepped = 0   # frames whose text half has run (frames_out, or one more when pipelined)
+        # engine.pipeline: the last stepped frame's text half, waiting for its speech half (Engine._step)
+        self._speech_due: SpeechDue | None = None
         self.admitted = False
         self.opened_at = time.monotonic()   # its rhythm's phase until its first frame (opened_together)
 
@@ -274,7 +295,7 @@ class Engine:
                                       buckets[-1:] if self.cfg.batch_invariant else buckets,
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend,
                                       greedy_graphs=self.cfg.greedy_graphs, side_stream=self.cfg.side_stream,
-                                      pad_eager=self.cfg.batch_invariant)
+                                      pad_eager=self.cfg.batch_invariant, pipeline=self.cfg.pipeline)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)
@@ -369,7 +390,7 @@ class Engine:
             return min(self._last_open + quiet, deadline)
 
         # calls opened with a call whose first frame is pending, still without a frame of their own
-        firsts = sorted(c.opened_at for c, (_, _, pending) in zip(live, pacing) if pending and c.frames_out == 0)
+        firsts = sorted(c.opened_at for c, (_, _, pending) in zip(live, pacing) if pending and c.frames_stepped == 0)
         fresh = [c for c, (_, last, pending) in zip(live, pacing)
                  if last is None and not pending and opened_together(c.opened_at, firsts, limit)] \
             if self.cfg.wait_opened_together and firsts and deadline is not None and now < deadline else []
@@ -435,15 +456,23 @@ class Engine:
         batch = []
         with self._lock:
             calls = list(self._calls.values())
+        now = time.monotonic()
         for call in calls:
             if not call.admitted or call.closed:
                 continue
-            if call.frames_out >= self.max_frames:
+            due = call._speech_due
+            if call.frames_stepped >= self.max_frames and due is None:
                 self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
                 continue
-            item = call._take_frame()
+            item = call._take_frame() if call.frames_stepped < self.max_frames else None
             if item is not None:
                 batch.append((call, *item))
+            elif due is not None and (call.input_ended or call.frames_stepped >= self.max_frames
+                                      or now - due.stepped_at > self.frame_seconds):
+                # pipelined: the last frame's speech half, in a row of its own (no new frame: the sink on
+                # the text half), once no next frame will carry it: the input ended, the call hit its limit,
+                # or its next frame is late by a whole frame period
+                batch.append((call, None, due.ready_at, -1))
             elif call.input_ended:
                 call.on_event(DrainedEvent(call.id, call.frames_out))
                 self._end(call, "completed")
@@ -480,11 +509,17 @@ class Engine:
         started = time.monotonic()
         t0 = time.perf_counter()
         n = len(batch)
-        slots = np.array([c.slot for c, *_ in batch], dtype=np.int64)
-        audio = np.stack([a for _, a, _, _ in batch])
+        sink = self.state.sink
+        silence = np.zeros(self.frame_samples, dtype=np.float32)
+        # a row's text half: its call's new frame (the sink for a pipelined speech-only row); its speech half
+        # (engine.pipeline): the call's frame awaiting speech, or the sink
+        slots = np.array([c.slot if a is not None else sink for c, a, _, _ in batch], dtype=np.int64)
+        speech = np.array([c.slot if c._speech_due is not None else sink for c, *_ in batch], dtype=np.int64)
+        audio = np.stack([a if a is not None else silence for _, a, _, _ in batch])
         forced = np.array([f for *_, f in batch], dtype=np.int64)
         sampling = not all(call.options.sampling.greedy for call, *_ in batch)
-        host = step_to_host(self.step_runner, slots, audio, forced, sampling)  # numpy in and out (graphs/capture.py)
+        host = step_to_host(self.step_runner, slots, audio, forced, sampling,
+                            speech if self.cfg.pipeline else None)  # numpy in and out (graphs/capture.py)
         waited = time.perf_counter()
         launched = host.launched
         out = host.outputs
@@ -497,11 +532,23 @@ class Engine:
         # calls: 1.0 ms per step frame by frame, 0.15 ms batched)
         pcm16 = to_pcm16(pcm)
         sent = time.monotonic()
-        for i, (call, _, ready, _) in enumerate(batch):
-            ev = FrameEvent(call.id, call.frames_out, text[i], func[i], pcm[i], [t for t in user[i] if t >= 0],
-                            (top2[i][0], top2[i][1]), codes[i], ready, sent, pcm16[i].tobytes())
+        for i, (call, frame_audio, ready, _) in enumerate(batch):
+            if speech[i] != sink and self.cfg.pipeline:   # the previous frame's speech: its event is whole now
+                due, call._speech_due = call._speech_due, None
+                call.frames_out += 1
+                call.on_event(FrameEvent(call.id, due.frame, due.text, due.func, pcm[i], due.user, due.top2,
+                                         codes[i], due.ready_at, sent, pcm16[i].tobytes()))
+            if frame_audio is None:
+                continue
+            part = SpeechDue(call.frames_stepped, text[i], func[i], (top2[i][0], top2[i][1]),
+                             [t for t in user[i] if t >= 0], ready, sent)
+            call.frames_stepped += 1
+            if self.cfg.pipeline:
+                call._speech_due = part
+                continue
             call.frames_out += 1
-            call.on_event(ev)
+            call.on_event(FrameEvent(call.id, part.frame, part.text, part.func, pcm[i], part.user, part.top2,
+                                     codes[i], ready, sent, pcm16[i].tobytes()))
         done = time.perf_counter()
         self._last_step = (started, done - t0)
         self.stats.record_step(n, done - t0, gather=t0 - gathered, prep=launched - t0, device=waited - launched,

@@ -60,18 +60,34 @@ def join(side_stream: torch.cuda.Stream | None) -> None:
 
 def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, forced_func: torch.Tensor,
                special_ids: torch.Tensor, sampling: bool = True,
-               side_stream: torch.cuda.Stream | None = None) -> StepOutput:
+               side_stream: torch.cuda.Stream | None = None, speech_slots: torch.Tensor | None = None,
+               speech_stream: torch.cuda.Stream | None = None) -> StepOutput:
     """slots [B] int64, audio [B, 1280] float32, forced_func [B] int64 (-1 = use the head; else the
     tool-result token to force, with the text channel forced to PAD, spec 3.9). `sampling=False` when the
     caller knows every row is greedy: the text token is then the argmax, which is what `sample_text`
     returns for greedy rows, without its sort and cumulative sums over the vocabulary. `side_stream`
     (CUDA): the work off the step's critical path (the RNN-T; the text's bookkeeping) runs there, beside
-    the rest (`branch`); the results are the same bit for bit, only the kernels' order changes."""
+    the rest (`branch`); the results are the same bit for bit, only the kernels' order changes.
+
+    Pipelined (`speech_slots` given, engine.pipeline): the step's speech half (talker + codec) is that of
+    the frame each row's call heard in its previous step, whose text token that step left in
+    `st.pending_text`; rows `speech_slots` [B] (a call's slot, or the sink where the call has no frame
+    waiting for its speech: its first frame, a padding row). The row's `slots` entry is the sink where the
+    call has no new frame (the last step of a call that has ended its input). The two halves read no
+    state the other writes, so on CUDA the speech half runs on `speech_stream` beside the encoder and LLM,
+    filling the time their chain of small dependent kernels leaves the GPU part idle (H200, N=32, position
+    1000: 16.90 -> 14.60 ms a step; docs/performance.md, session 19). codes and pcm then belong to
+    `speech_slots`' frames; the values are the serial step's, one step later (tests/test_pipeline.py)."""
     cfg = model.cfg
     pad = cfg.tokens.pad_id
     # Padding rows all point at the sink: it must never advance, or after max_frames padded steps its
     # positions would index past the KV pools (a device-side assert that ends every call on the GPU).
     advance = (slots != st.sink).to(torch.int64)
+    if speech_slots is not None:
+        # gathered on the step's stream before this step writes pending_text below
+        speech_text = st.pending_text[speech_slots]
+        with branch(speech_stream):
+            codes, pcm = speech_step(model, st, speech_slots, speech_text)
     with record_function("encoder"):
         enc = model.perception.stream_step(audio, st.encoder, slots)
         a = model.perception.project(enc).to(model.stt_model.embed_tokens.weight.dtype)
@@ -109,6 +125,26 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
         newly_seen &= ~torch.isin(text, special_ids)[:, None]
         st.seen.index_copy_(0, slots, st.seen[slots] | newly_seen)
 
+    if speech_slots is None:  # serial: the frame and its advance are the text half's own (no second gather)
+        codes, pcm = speech_step(model, st, slots, text, frame, advance)
+    else:
+        st.pending_text.index_copy_(0, slots, text)
+    st.frame.index_copy_(0, slots, frame + advance)
+    join(side_stream)
+    join(speech_stream)
+    return StepOutput(text=text, func=func, top2=top2, codes=codes, pcm=pcm, user=user, enc=enc)
+
+
+def speech_step(model, st: CallState, slots: torch.Tensor, text: torch.Tensor, frame: torch.Tensor | None = None,
+                advance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The talker's 31 codes and the codec's 1764 samples of each row's next speech frame, from that
+    frame's text token [B]; advances the rows' talker position and speech frame (sink rows excepted).
+    The talker's draws are keyed by the speech frame, which is the frame the text was made in, so the
+    serial and pipelined steps draw the same numbers. `frame`, `advance`: the rows' speech frame and
+    (slots != sink) when the caller has them already (the serial step: there speech_frame == frame)."""
+    cfg = model.cfg
+    advance = (slots != st.sink).to(torch.int64) if advance is None else advance
+    frame = st.speech_frame[slots] if frame is None else frame
     with record_function("talker"):
         u, z = rng.talker_draws(st.seed[slots], frame, model.talker.num_passes, cfg.talker.mog.num_predictions,
                                 cfg.talker.latent_size)
@@ -117,11 +153,9 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
         st.talker_pos.index_copy_(0, slots, positions + advance)
     with record_function("codec"):
         pcm = model.codec.decode_step(codes, st.codec, slots)
-
     st.prev_codes.index_copy_(0, slots, codes)
-    st.frame.index_copy_(0, slots, frame + advance)
-    join(side_stream)
-    return StepOutput(text=text, func=func, top2=top2, codes=codes, pcm=pcm, user=user, enc=enc)
+    st.speech_frame.index_copy_(0, slots, frame + advance)
+    return codes, pcm
 
 
 @torch.no_grad()
@@ -155,6 +189,8 @@ def admit(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed
     st.llm_len[slot] = P
     st.talker_pos[slot] = cfg.prompt_frames
     st.frame[slot] = 0
+    st.speech_frame[slot] = 0
+    st.pending_text[slot] = pad
     st.prev_text[slot] = pad
     st.prev_func[slot] = pad
     st.prev_codes[slot] = cfg.talker.speech_pad_code

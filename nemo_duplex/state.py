@@ -24,6 +24,8 @@ class CallState:
     llm_len: torch.Tensor    # [S] int64: tokens in the LLM attention KV
     talker_pos: torch.Tensor  # [S] int64: next talker position
     frame: torch.Tensor      # [S] int64: audio frames done (the call's RNG counter)
+    speech_frame: torch.Tensor  # [S] int64: frames whose speech (talker + codec) is done (the talker's RNG counter)
+    pending_text: torch.Tensor  # [S] int64: the text token of the frame whose speech is next (pipelined steps)
     prev_text: torch.Tensor  # [S] int64
     prev_func: torch.Tensor  # [S] int64
     prev_codes: torch.Tensor  # [S, Q] int64
@@ -47,8 +49,8 @@ class CallState:
             return sum(t.numel() * t.element_size() for _, t in state_tensors(obj))
         per = {name: size(getattr(self, name)) // rows for name in ("encoder", "rnnt", "llm", "talker", "codec")}
         per["scalars"] = sum(size(getattr(self, n)) for n in (
-            "llm_len", "talker_pos", "frame", "prev_text", "prev_func", "prev_codes", "seed", "temperature",
-            "top_p", "rep_penalty", "greedy", "seen")) // rows
+            "llm_len", "talker_pos", "frame", "speech_frame", "pending_text", "prev_text", "prev_func", "prev_codes",
+            "seed", "temperature", "top_p", "rep_penalty", "greedy", "seen")) // rows
         return per
 
 
@@ -85,6 +87,7 @@ def allocate_call_state(model, max_calls: int, max_frames: int, device: torch.de
         talker=model.talker.allocate_cache(S, cfg.prompt_frames + max_frames, device, talker_dtype),
         codec=model.codec.allocate_stream_state(S, device),
         llm_len=torch.zeros(S, **i64), talker_pos=torch.zeros(S, **i64), frame=torch.zeros(S, **i64),
+        speech_frame=torch.zeros(S, **i64), pending_text=torch.zeros(S, **i64),
         prev_text=torch.zeros(S, **i64), prev_func=torch.zeros(S, **i64),
         prev_codes=torch.zeros(S, cfg.talker.num_quantizers, **i64), seed=torch.zeros(S, **i64),
         temperature=torch.zeros(S, device=device), top_p=torch.ones(S, device=device),

@@ -8,7 +8,8 @@ Eager (default): each stage of frame_step (its record_function range) with the s
 time, then the busiest ops. With `+profile_graphs=true`: the step captured as the serving path captures
 it (`engine.graph_backend`), and the kernels of its replays by name and by kind (GEMM, attention, Mamba,
 elementwise, ...), with the kernel count per step: launch gaps are gone there, so this is where the
-remaining time is.
+remaining time is. Then, per CUDA stream of the replay, how long it had a kernel running, and each stage's
+span in the step (which stages ran beside which: engine.pipeline, frame_step's branches).
 """
 from __future__ import annotations
 
@@ -51,7 +52,65 @@ def kernel_events(prof):
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def print_graph_profile(prof, n: int, pos: int, top: int = 45) -> None:
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (us)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def print_stream_overlap(kernels) -> None:
+    """Per CUDA stream (the profiler's resource id), the time it had a kernel running, and the time the
+    GPU had any kernel running, per step: with work on several streams (frame_step's branches), what ran
+    beside what, and how long the GPU sat without a kernel."""
+    spans = defaultdict(list)
+    for e in kernels:
+        spans[e.device_resource_id].append((e.time_range.start, e.time_range.end))
+    every = [iv for ivs in spans.values() for iv in ivs]
+    wall = (max(b for _, b in every) - min(a for a, _ in every)) / STEPS / 1e3
+    print(f"streams: wall {wall:.2f} ms per step, some kernel running {busy_us(every) / STEPS / 1e3:.2f} ms")
+    for sid, ivs in sorted(spans.items(), key=lambda kv: -len(kv[1])):
+        print(f"  stream {sid}: {len(ivs) / STEPS:.0f} kernels, running {busy_us(ivs) / STEPS / 1e3:.2f} ms per step")
+
+
+STAGE_MARKERS = [  # kernels only one stage launches: the stage's span runs from its first to its last
+    ("encoder", r"_bounded_attention_kernel|_conformer_conv_kernel|_add_layer_norm_kernel"),
+    ("llm", r"_ssm_step_kernel|_conv_step_kernel|_relu_square_kernel|_decode_attention_group_kernel"),
+    ("heads", r"_argmax_top2_kernel|_top_p"),
+    ("talker", r"_decode_attention_vector_kernel|_rms_norm_rope_kernel|_gelu_tanh_mul_kernel|_mog_latent_kernel|"
+               r"_argmin_residual_kernel"),
+    ("codec", r"_fp16x3_kernel|_dwconv_layer_norm_kernel|_istft_step_kernel"),
+    ("rnnt", r"lstm_cell|_rnnt_commit_kernel"),
+]
+
+
+def print_stage_spans(kernels, first_kernels: int = 40) -> None:
+    """Each stage's span in a step (from its first marker kernel's start to its last one's end, ms after
+    the step's first kernel), averaged over the profiled steps: which stages ran beside which."""
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    per = len(ordered) // STEPS
+    spans = defaultdict(lambda: [0.0, 0.0])
+    for k in range(STEPS):
+        step = ordered[k * per: (k + 1) * per]
+        t0 = step[0].time_range.start
+        for stage, pattern in STAGE_MARKERS:
+            hits = [e for e in step if re.search(pattern, e.name)]
+            if hits:
+                spans[stage][0] += (min(e.time_range.start for e in hits) - t0) / STEPS / 1e3
+                spans[stage][1] += (max(e.time_range.end for e in hits) - t0) / STEPS / 1e3
+        spans["step"][1] += (max(e.time_range.end for e in step) - t0) / STEPS / 1e3
+    first = ordered[per: 2 * per][:first_kernels]
+    t0 = first[0].time_range.start
+    print("the second step's first kernels (start, length in us): " +
+          "; ".join(f"{(e.time_range.start - t0):.0f} +{e.time_range.elapsed_us():.0f} {e.name[:70]}" for e in first))
+    print("stage spans (ms from the step's first kernel): " +
+          ", ".join(f"{name} {a:.2f}-{b:.2f}" for name, (a, b) in spans.items()))
+
+
+def print_graph_profile(prof, n: int, pos: int, top: int = 45, first_kernels: int = 40) -> None:
     by_name, by_kind, count = defaultdict(float), defaultdict(float), defaultdict(int)
     kernels = kernel_events(prof)
     for e in kernels:
@@ -64,6 +123,8 @@ def print_graph_profile(prof, n: int, pos: int, top: int = 45) -> None:
           f"of kernel time per step ====")
     for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"{k:>20}: {t:8.2f} ms  {count[k] / STEPS:6.0f} kernels")
+    print_stream_overlap(kernels)
+    print_stage_spans(kernels, first_kernels)
     print("busiest kernels (ms per step):")
     calls = defaultdict(int)
     for e in kernels:
@@ -95,7 +156,8 @@ def main(cfg: DictConfig) -> None:
             # +profile_greedy=true: the greedy-only graph (engine.greedy_graphs), what bench_step times
             greedy = bool(cfg.get("profile_greedy", False))
             runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
-                                side_stream=cfg.engine.side_stream, greedy_graphs=greedy)
+                                side_stream=cfg.engine.side_stream, greedy_graphs=greedy,
+                                pipeline=cfg.engine.pipeline)
             runner.capture()
             step = lambda: runner(slots, audio, forced, sampling=not greedy)  # noqa: E731
         else:
@@ -109,7 +171,8 @@ def main(cfg: DictConfig) -> None:
                     step()
                 torch.cuda.synchronize()
         if on_graphs:
-            print_graph_profile(prof, n, pos, int(cfg.get("profile_top", 45)))  # +profile_top=N: more names
+            # +profile_top=N: more names; +profile_first=N: the second step's first N kernels with their times
+            print_graph_profile(prof, n, pos, int(cfg.get("profile_top", 45)), int(cfg.get("profile_first", 40)))
             del runner
             continue
         print(f"\n==== N={n} position={pos}: stages (kernel time per step, eager) ====")

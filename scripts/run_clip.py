@@ -42,11 +42,13 @@ def write_outputs(out: Path, res, tokenizer, rnnt_vocab, sample_rate: int) -> No
 
 
 def engine_config(cfg, n_clips: int):
-    """mode=engine's engine: a slot per clip; engine.max_call_s and engine.batch_invariant from the config."""
+    """mode=engine's engine: a slot per clip; engine.max_call_s, engine.batch_invariant and engine.pipeline
+    from the config."""
     from nemo_duplex.engine import EngineConfig
 
     return EngineConfig(max_calls=max(n_clips, 1), max_call_s=cfg.engine.max_call_s,
-                        batch_invariant=bool(cfg.engine.get("batch_invariant", False)))
+                        batch_invariant=bool(cfg.engine.get("batch_invariant", False)),
+                        pipeline=bool(cfg.engine.get("pipeline", False)))
 
 
 def run_engine(model, tokenizer, cfg, clips, offsets, prompt, sampling):

@@ -35,9 +35,9 @@ def tensor_bytes(obj) -> int:
 def measured_per_slot(st) -> dict[str, int]:
     rows = st.max_calls + 1
     per = {name: tensor_bytes(getattr(st, name)) for name in ("encoder", "rnnt", "llm", "talker", "codec")}
-    per["scalars"] = sum(tensor_bytes(getattr(st, n)) for n in ("llm_len", "talker_pos", "frame", "prev_text",
-                                                                   "prev_func", "prev_codes", "seed", "temperature",
-                                                                   "top_p", "rep_penalty", "greedy", "seen"))
+    # every other tensor field of CallState (so a field added there cannot be left out of the plan)
+    per["scalars"] = sum(tensor_bytes(getattr(st, f.name)) for f in fields(st)
+                         if f.name not in per and isinstance(getattr(st, f.name), torch.Tensor))
     for name, total in per.items():
         assert total % rows == 0, f"{name}: {total} bytes is not a whole number of slot rows"
     return {k: v // rows for k, v in per.items()}

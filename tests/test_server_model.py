@@ -44,11 +44,11 @@ def tiny():
     patch.undo()
 
 
-def serve(tiny, max_calls: int, **kw) -> RunningServer:
+def serve(tiny, max_calls: int, pipeline: bool = False, **kw) -> RunningServer:
     model, tokenizer, rnnt_vocab, _ = tiny
     cfg = ServeConfig(max_calls=max_calls, max_call_s=20.0, warmup_frames=1, **kw)
     engine = Engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=cfg.max_call_s,
-                                                   max_pending_s=cfg.max_pending_s))
+                                                   max_pending_s=cfg.max_pending_s, pipeline=pipeline))
     return RunningServer(Server(engine, tokenizer, rnnt_vocab, cfg))
 
 
@@ -144,15 +144,17 @@ def test_sixteen_paced_calls_and_uploads(tiny):
         assert lines[-1] == {"type": "ended", "reason": "completed"}
 
 
-def test_served_frames_equal_streaming_loop(tiny):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_served_frames_equal_streaming_loop(tiny, pipeline):
     """Native WS with {"tokens": true}: the served text/function tokens equal stream_inference's for the
-    same clip and seed (greedy), and the served PCM16 equals its waveform to within 1 LSB of rounding."""
+    same clip and seed (greedy), and the served PCM16 equals its waveform to within 1 LSB of rounding; also
+    with engine.pipeline (each frame's speech one step later, the last one after end_input)."""
     from nemo_duplex.frame_step import stream_inference
 
     model, tokenizer, _, clip = tiny
     x = clip[: int(1.2 * 16000)]
     ref = stream_inference(model, torch.from_numpy(x), None, seed=4)
-    srv = serve(tiny, max_calls=1)
+    srv = serve(tiny, max_calls=1, pipeline=pipeline)
     try:
         async def go():
             async with aiohttp.ClientSession() as http:

@@ -1,0 +1,46 @@
+"""scripts/profile_step.py's timeline summaries (what session 19's stream measurements rest on), on made-up
+kernel records: the union of busy intervals, and each stage's span within a step."""
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load():
+    sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("profile_step", REPO / "scripts" / "profile_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+profile_step = _load()
+
+
+def _kernel(name, start, end, stream):
+    return SimpleNamespace(name=name, device_resource_id=stream,
+                           time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
+
+
+def test_busy_us_is_the_union_of_intervals():
+    assert profile_step.busy_us([]) == 0.0
+    assert profile_step.busy_us([(0, 10), (5, 12), (20, 25)]) == 17.0     # overlap counted once, gap not at all
+    assert profile_step.busy_us([(3, 4), (0, 10)]) == 10.0                # contained, any order
+
+
+def test_stream_overlap_and_stage_spans(capsys, monkeypatch):
+    monkeypatch.setattr(profile_step, "STEPS", 2)
+    kernels = []
+    for step in range(2):           # two identical steps 10 ms apart: the LLM on one stream, the talker beside it
+        t = step * 10_000
+        kernels += [_kernel("_ssm_step_kernel", t + 0, t + 4000, 7), _kernel("_relu_square_kernel", t + 4000, t + 6000, 7),
+                    _kernel("_decode_attention_vector_kernel", t + 1000, t + 3000, 9)]
+    profile_step.print_stream_overlap(kernels)
+    profile_step.print_stage_spans(kernels, first_kernels=2)
+    out = capsys.readouterr().out
+    assert "wall 8.00 ms per step, some kernel running 6.00 ms" in out
+    assert "stream 7: 2 kernels, running 6.00 ms per step" in out
+    assert "stream 9: 1 kernels, running 2.00 ms per step" in out
+    assert "llm 0.00-6.00" in out and "talker 1.00-3.00" in out and "step 0.00-6.00" in out
