@@ -58,7 +58,7 @@ class ScriptedModel:
 
     # engine hooks
     def allocate(self, model, max_calls, max_frames, device, max_prompt_tokens=0):
-        return SimpleNamespace()
+        return SimpleNamespace(sink=max_calls)   # as CallState: the padding rows' slot
 
     def admit(self, model, st, slot, prompt_ids, seed, sampling, speaker=None, prefix_cache=None):
         if speaker not in (None, self.cfg.talker.speaker):

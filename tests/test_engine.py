@@ -149,8 +149,11 @@ def test_tool_result_injection_forces_function_channel(tiny, example_clip):
     assert isinstance(events[-2], DrainedEvent) and events[-1].reason == "completed"
 
 
-def test_limits_busy_budget_and_call_length(tiny, example_clip):
-    eng = _engine(tiny, max_calls=2, max_call_s=0.4, max_pending_s=0.5)
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_limits_busy_budget_and_call_length(tiny, example_clip, pipeline):
+    """Also pipelined (engine.pipeline): the limit still hands out every stepped frame, the last one's speech
+    in a row of its own."""
+    eng = _engine(tiny, max_calls=2, max_call_s=0.4, max_pending_s=0.5, pipeline=pipeline)
     events = []
     a = eng.open_call(on_event=events.append)
     eng.open_call()
@@ -163,14 +166,15 @@ def test_limits_busy_budget_and_call_length(tiny, example_clip):
         eng.tick()
     ended = [e for e in events if isinstance(e, EndedEvent)]
     assert ended and ended[0].reason == "limit" and "engine.max_call_s" in ended[0].message
-    assert sum(isinstance(e, FrameEvent) for e in events) == 5
+    assert [e.frame for e in events if isinstance(e, FrameEvent)] == [0, 1, 2, 3, 4]
     with pytest.raises(CallClosed):
         a.append(np.zeros(1280, dtype=np.float32))
     assert eng.slots.in_use == 1                      # the other call still holds its slot
 
 
-def test_abort_frees_slot_and_others_continue(tiny, example_clip):
-    eng = _engine(tiny, max_calls=2)
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_abort_frees_slot_and_others_continue(tiny, example_clip, pipeline):
+    eng = _engine(tiny, max_calls=2, pipeline=pipeline)
     ev_a, ev_b = [], []
     a = eng.open_call(on_event=ev_a.append)
     b = eng.open_call(on_event=ev_b.append)
@@ -185,7 +189,7 @@ def test_abort_frees_slot_and_others_continue(tiny, example_clip):
     b.end_input()
     while not b.closed:
         eng.tick()
-    assert sum(isinstance(e, FrameEvent) for e in ev_b) == 4 and ev_b[-1].reason == "completed"
+    assert [e.frame for e in ev_b if isinstance(e, FrameEvent)] == [0, 1, 2, 3] and ev_b[-1].reason == "completed"
     eng.open_call()                                   # the freed slot is usable
 
 
