@@ -86,10 +86,11 @@ class EngineConfig:
     # a parallel branch of each captured graph (frame_step.branch); false = one stream, the plain order.
     side_stream: bool = True
     # Pipelined steps: a step's talker + codec run for the frame each call heard in its previous step, on a
-    # third CUDA stream beside this step's encoder + LLM (frame_step's speech_slots). The two chains leave
-    # most of the GPU idle between their small kernels, so beside each other they take less than one after
-    # the other. Outputs are the serial step's bit for bit; each frame's event comes one step later (80 ms
-    # more audio latency), and a call that ends its input takes one more step for its last frame's speech.
+    # third CUDA stream beside this step's encoder + LLM (frame_step's speech_slots). Neither chain of small
+    # dependent kernels fills the GPU alone, so beside each other they take less than one after the other
+    # (H200, N=32: 16.81 -> 14.67 ms a step; docs/performance.md, session 19). Outputs are the serial step's
+    # bit for bit; each frame's event comes one step later (80 ms more audio latency), and a call that ends
+    # its input takes one more step for its last frame's speech.
     pipeline: bool = False
     # Every step runs one row count: only the capture bucket that covers max_calls (or the largest
     # configured), eager steps padded to it too. Then a call's output never depends on which calls share

@@ -76,7 +76,7 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     call has no new frame (the last step of a call that has ended its input). The two halves read no
     state the other writes, so on CUDA the speech half runs on `speech_stream` beside the encoder and LLM,
     filling the time their chain of small dependent kernels leaves the GPU part idle (H200, N=32, position
-    1000: 16.90 -> 14.60 ms a step; docs/performance.md, session 19). codes and pcm then belong to
+    1000: 16.81 -> 14.67 ms a step; docs/performance.md, session 19). codes and pcm then belong to
     `speech_slots`' frames; the values are the serial step's, one step later (tests/test_pipeline.py)."""
     cfg = model.cfg
     pad = cfg.tokens.pad_id

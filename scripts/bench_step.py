@@ -133,7 +133,7 @@ def time_staged_steps(runner, slots, audio, forced, sampling: bool, iters: int, 
     output copy, numpy out), timed on the device from just before its input copy to just after its output
     copy, and on the host from the call to the last launch. Why beside `time_steps`: that one times
     `runner(...)`, whose inputs are padded and copied by some ten torch calls after its start event, so
-    the device waits for the host there (~0.5 ms a step on the H200, session 19), which no served step does."""
+    the device waits for the host there (0.16-0.62 ms a step on the H200, session 19), which no served step does."""
     args = (slots.numpy(), audio.numpy(), forced.numpy())
     for _ in range(warmup):
         step_to_host(runner, *args, sampling=sampling)
