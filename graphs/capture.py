@@ -352,22 +352,22 @@ def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarra
     wrappers) runs `runner(...)` and copies out. `events` (two CUDA timing events, staged path only): recorded
     just before the step's input copy and just after its output copy are queued (scripts/bench_step.py)."""
     n = len(slots)
-    speech = slots if speech is None else speech
     if getattr(runner, "_staging", None):   # (duck-typed: tests stand doubles in for StepRunner)
         largest = runner.buckets[-1]
         key = runner.variant(runner.bucket_for(n), sampling) if n <= largest else None
         if key in runner._staging:
-            return _staged_step(runner, key, slots, audio, forced, speech, events)
+            return _staged_step(runner, key, slots, audio, forced, slots if speech is None else speech, events)
         if n > largest:  # groups of at most the largest bucket, each its own staged step
             parts = [step_to_host(runner, slots[i: i + largest], audio[i: i + largest], forced[i: i + largest],
-                                  sampling, speech[i: i + largest]) for i in range(0, n, largest)]
+                                  sampling, None if speech is None else speech[i: i + largest])
+                     for i in range(0, n, largest)]
             return HostStep({k: np.concatenate([p.outputs[k] for p in parts]) for k in HOST_FIELDS},
                             parts[-1].launched, sum(p.padded_rows for p in parts))
     args = (torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
             torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)),
             torch.from_numpy(np.ascontiguousarray(forced, dtype=np.int64)))
     if getattr(runner, "takes_sampling_flag", False):
-        extra = {} if speech is slots else {"speech": torch.from_numpy(np.ascontiguousarray(speech, dtype=np.int64))}
+        extra = {} if speech is None else {"speech": torch.from_numpy(np.ascontiguousarray(speech, dtype=np.int64))}
         out = runner(*args, sampling=sampling, **extra)
     else:
         out = runner(*args)

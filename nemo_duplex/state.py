@@ -48,9 +48,9 @@ class CallState:
         def size(obj) -> int:
             return sum(t.numel() * t.element_size() for _, t in state_tensors(obj))
         per = {name: size(getattr(self, name)) // rows for name in ("encoder", "rnnt", "llm", "talker", "codec")}
-        per["scalars"] = sum(size(getattr(self, n)) for n in (
-            "llm_len", "talker_pos", "frame", "speech_frame", "pending_text", "prev_text", "prev_func", "prev_codes",
-            "seed", "temperature", "top_p", "rep_penalty", "greedy", "seen")) // rows
+        # every other tensor field: the per-call scalars, masks and token rows (none can be left out of the count)
+        per["scalars"] = sum(size(getattr(self, f.name)) for f in fields(self)
+                             if f.name not in per and isinstance(getattr(self, f.name), torch.Tensor)) // rows
         return per
 
 

@@ -79,7 +79,7 @@ def print_stream_overlap(kernels) -> None:
 STAGE_MARKERS = [  # kernels only one stage launches: the stage's span runs from its first to its last
     ("encoder", r"_bounded_attention_kernel|_conformer_conv_kernel|_add_layer_norm_kernel"),
     ("llm", r"_ssm_step_kernel|_conv_step_kernel|_relu_square_kernel|_decode_attention_group_kernel"),
-    ("heads", r"_argmax_top2_kernel|_top_p"),
+    ("heads", r"_argmax_top2_kernel"),  # (not "_top_p": that is the talker's _top_p_gumbel_argmax_kernel)
     ("talker", r"_decode_attention_vector_kernel|_rms_norm_rope_kernel|_gelu_tanh_mul_kernel|_mog_latent_kernel|"
                r"_argmin_residual_kernel"),
     ("codec", r"_fp16x3_kernel|_dwconv_layer_norm_kernel|_istft_step_kernel"),
