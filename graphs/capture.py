@@ -100,11 +100,14 @@ class StepRunner:
 
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
-                 side_stream: bool = True, pad_eager: bool = False, pipeline: bool = False):
+                 side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0):
         self.model, self.state, self.specials = model, state, specials
-        # pipeline: each step's speech half is that of the rows' previous frames (frame_step's speech_slots,
-        # engine.pipeline); every call then takes a speech-slot row beside its slot row
-        self.pipeline = pipeline
+        # pipeline (engine.pipeline): 1, each step's speech half is that of the rows' previous frames
+        # (frame_step's speech_slots); 2, also its text half (text_slots), the speech half two frames back.
+        # Every row then carries a slot per half (the sink where its call has no frame for that half).
+        self.pipeline = int(pipeline)
+        if self.pipeline not in (0, 1, 2):
+            raise ValueError(f"engine.pipeline must be 0, 1 or 2 (false / true = 0 / 1), got {pipeline!r}")
         self.pad_eager = pad_eager  # eager steps padded to the buckets as the graphs are (batch invariance)
         # greedy_graphs: every bucket also gets a variant for batches of greedy calls only (frame_step's
         # sampling=False: no sort over the vocabulary), at twice the captures; the general one serves all
@@ -132,8 +135,12 @@ class StepRunner:
         streams = side_stream and hand_run and self.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(self.device) if streams else None
         # the pipelined step's speech half, a third path beside the encoder + LLM chain and the side branch
-        # (stream priorities, either way round, changed nothing measurable: docs/performance.md, session 19)
-        self.speech_stream = torch.cuda.Stream(self.device) if streams and pipeline else None
+        # (stream priorities, either way round, changed nothing measurable: docs/performance.md, sessions 19-20)
+        self.speech_stream = torch.cuda.Stream(self.device) if streams and self.pipeline else None
+        # two deep: the listening half (encoder, RNN-T) on a fourth path; with it on the step's stream the
+        # encoder's ~400 small kernels, slowed by the speech half beside them, were the chain's first 4 ms
+        # (docs/performance.md, session 20)
+        self.encoder_stream = torch.cuda.Stream(self.device) if streams and self.pipeline == 2 else None
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if self.graphs and backend == "cudagraph-eager":
@@ -153,16 +160,20 @@ class StepRunner:
                                            backend=compiler, fullgraph=True, dynamic=False)
 
     def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
-               speech: torch.Tensor | None = None, sampling: bool = True) -> StepOutput:
-        return self._step(slots, audio, forced, speech, sampling)
+               speech: torch.Tensor | None = None, text: torch.Tensor | None = None,
+               sampling: bool = True) -> StepOutput:
+        return self._step(slots, audio, forced, speech, text, sampling)
 
-    def _step(self, slots, audio, forced, speech, sampling: bool) -> StepOutput:
-        if self.pipeline:
-            return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling,
-                              side_stream=self.side_stream, speech_slots=slots if speech is None else speech,
-                              speech_stream=self.speech_stream)
+    def _step(self, slots, audio, forced, speech, text, sampling: bool) -> StepOutput:
+        """frame_step for the rows, as deep as `pipeline` (speech, text: the rows' slots on those halves;
+        None: the rows' own slots)."""
+        halves = {}
+        if self.pipeline >= 1:
+            halves.update(speech_slots=slots if speech is None else speech, speech_stream=self.speech_stream)
+        if self.pipeline == 2:
+            halves.update(text_slots=slots if text is None else text, encoder_stream=self.encoder_stream)
         return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling,
-                          side_stream=self.side_stream)
+                          side_stream=self.side_stream, **halves)
 
     def padded_rows(self, n: int) -> int:
         """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager
@@ -176,19 +187,18 @@ class StepRunner:
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _padded_inputs(self, b: int, slots, audio, forced, speech=None):
-        """The rows padded to b: slots, audio, forced, speech slots (None: the slots)."""
+    def _padded_inputs(self, b: int, slots, audio, forced, speech=None, text=None):
+        """The rows padded to b: slots, audio, forced, speech slots, text slots (None: the slots)."""
         n = slots.shape[0]
-        speech = slots if speech is None else speech
-        s = torch.full((b,), self.sink, dtype=torch.int64, device=self.device)
-        a = torch.zeros(b, audio.shape[1], dtype=torch.float32, device=self.device)
-        f = torch.full((b,), -1, dtype=torch.int64, device=self.device)
-        ss = torch.full((b,), self.sink, dtype=torch.int64, device=self.device)
-        s[:n] = slots.to(self.device, non_blocking=True)
-        a[:n] = audio.to(self.device, non_blocking=True)
-        f[:n] = forced.to(self.device, non_blocking=True)
-        ss[:n] = speech.to(self.device, non_blocking=True)
-        return s, a, f, ss
+        s, a, f, ss, ts = (torch.full((b,), self.sink, dtype=torch.int64, device=self.device),
+                           torch.zeros(b, audio.shape[1], dtype=torch.float32, device=self.device),
+                           torch.full((b,), -1, dtype=torch.int64, device=self.device),
+                           torch.full((b,), self.sink, dtype=torch.int64, device=self.device),
+                           torch.full((b,), self.sink, dtype=torch.int64, device=self.device))
+        for buf, rows in ((s, slots), (a, audio), (f, forced), (ss, slots if speech is None else speech),
+                          (ts, slots if text is None else text)):
+            buf[:n] = rows.to(self.device, non_blocking=True)
+        return s, a, f, ss, ts
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -204,7 +214,7 @@ class StepRunner:
                     self._capture_cuda_graph(b, sampling)
                 else:
                     none = torch.empty(0, dtype=torch.int64)
-                    inputs = self._padded_inputs(b, none, torch.empty(0, n_in), none, none)
+                    inputs = self._padded_inputs(b, none, torch.empty(0, n_in), none)
                     for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
                         self._compiled(*inputs, sampling)
             if self.device.type == "cuda":
@@ -221,38 +231,38 @@ class StepRunner:
         """A bucket's static inputs as views of ONE device buffer, with a pinned host twin: a step then
         moves its inputs with one copy (step_to_host). Audio first, so every view stays aligned."""
         n_in = self.model.cfg.samples_per_frame_in
-        nbytes = b * n_in * 4 + 3 * b * 8
+        nbytes = b * n_in * 4 + 4 * b * 8
         device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
         def split(buf):
             a = buf[: b * n_in * 4].view(torch.float32).view(b, n_in)
-            s, f, ss = buf[b * n_in * 4:].view(torch.int64).view(3, b)
-            return s, a, f, ss
-        s, a, f, ss = split(device_buf)
-        s.fill_(self.sink)
+            s, f, ss, ts = buf[b * n_in * 4:].view(torch.int64).view(4, b)
+            return s, a, f, ss, ts
+        s, a, f, ss, ts = split(device_buf)
+        for t in (s, ss, ts):
+            t.fill_(self.sink)
         a.zero_()
         f.fill_(-1)
-        ss.fill_(self.sink)
         host = tuple(t.numpy() for t in split(host_buf))
-        return (s, a, f, ss), (device_buf, host_buf, host)
+        return (s, a, f, ss, ts), (device_buf, host_buf, host)
 
     def _capture_cuda_graph(self, b: int, sampling: bool = True) -> None:
         if b not in self._inputs:
             self._inputs[b] = self._staged_inputs(b)
-        (s, a, f, ss), staging = self._inputs[b]
+        static, staging = self._inputs[b]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                self._compiled(s, a, f, ss, sampling)
+                self._compiled(*static, sampling)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every bucket: the graphs replay one at a time on one stream and each
         # replay's outputs are copied out before the next (__call__), so a bucket may reuse the memory of
         # another's intermediates. Private pools would cost one step's activations per bucket.
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._compiled(s, a, f, ss, sampling)
+            out = self._compiled(*static, sampling)
             # the fields the engine takes to the host, packed into one buffer inside the graph: one copy out
             packed = torch.cat([getattr(out, k).reshape(b, -1).contiguous().view(torch.uint8).reshape(-1)
                                 for k in HOST_FIELDS])
@@ -265,7 +275,7 @@ class StepRunner:
             nbytes = t.numel() * t.element_size()
             views[k] = flat[offset: offset + nbytes].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
             offset += nbytes
-        self._cuda_graphs[(b, sampling)] = (graph, s, a, f, ss, out)
+        self._cuda_graphs[(b, sampling)] = (graph, *static, out)
         self._staging[(b, sampling)] = staging + (packed, host_out, views)
         # Replay once now, on the sink rows the static inputs still hold, so that whatever a graph's first
         # launch costs (its upload to the device) is paid at start-up, not by the first calls in a bucket.
@@ -289,29 +299,32 @@ class StepRunner:
 
     @torch.no_grad()
     def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
-                 sampling: bool = True, speech: torch.Tensor | None = None) -> StepOutput:
-        """`sampling=False`: the caller vouches that every row is greedy (frame_step). `speech`: the rows'
-        speech slots when pipelined (None: the rows' own slots, every call with a frame awaiting speech)."""
+                 sampling: bool = True, speech: torch.Tensor | None = None,
+                 text: torch.Tensor | None = None) -> StepOutput:
+        """`sampling=False`: the caller vouches that every row is greedy (frame_step). `speech`, `text`: the
+        rows' slots on those halves when pipelined (None: the rows' own slots)."""
         n = slots.shape[0]
         speech = slots if speech is None else speech
+        text = slots if text is None else text
         if not self.graphs and not self.pad_eager:
             return self._step(slots.to(self.device), audio.to(self.device), forced.to(self.device),
-                              speech.to(self.device), sampling)
+                              speech.to(self.device), text.to(self.device), sampling)
         sampling = sampling or False not in self.variants  # only what capture() prepared, never a new compile
         largest = self.buckets[-1]
         if n > largest:  # groups of at most the largest bucket, each replayed
             parts = [self(slots[i: i + largest], audio[i: i + largest], forced[i: i + largest], sampling,
-                          speech[i: i + largest]) for i in range(0, n, largest)]
+                          speech[i: i + largest], text[i: i + largest]) for i in range(0, n, largest)]
             return StepOutput(**{fl.name: torch.cat([getattr(p, fl.name) for p in parts]) for fl in fields(StepOutput)})
         b = self.bucket_for(n)
         key = self.variant(b, sampling)
         if key in self._cuda_graphs:
             graph, *static, out = self._cuda_graphs[key]
-            for buf, new in zip(static, self._padded_inputs(b, slots, audio, forced, speech)):
+            for buf, new in zip(static, self._padded_inputs(b, slots, audio, forced, speech, text)):
                 buf.copy_(new)
             graph.replay()
         else:
-            out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced, speech), sampling)
+            out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced, speech, text),
+                                                  sampling)
         # a replayed graph reuses its output memory on the next replay: copy the real rows out now
         return StepOutput(**{fl.name: getattr(out, fl.name)[:n].clone() for fl in fields(StepOutput)})
 
@@ -344,9 +357,10 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarray,
-                 sampling: bool = True, speech: np.ndarray | None = None, events=None) -> HostStep:
+                 sampling: bool = True, speech: np.ndarray | None = None, text: np.ndarray | None = None,
+                 events=None) -> HostStep:
     """One step of `runner` (a StepRunner, or anything called like one) for rows slots [n] int64, audio
-    [n, 1280] float32, forced [n] int64, speech slots [n] int64 (pipelined runners; None = slots);
+    [n, 1280] float32, forced [n] int64, speech and text slots [n] int64 (pipelined runners; None = slots);
     `sampling=False` when every row is greedy. A StepRunner's
     captured buckets take the staged path; anything else (eager, compiled back ends, test doubles and
     wrappers) runs `runner(...)` and copies out. `events` (two CUDA timing events, staged path only): recorded
@@ -356,10 +370,12 @@ def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarra
         largest = runner.buckets[-1]
         key = runner.variant(runner.bucket_for(n), sampling) if n <= largest else None
         if key in runner._staging:
-            return _staged_step(runner, key, slots, audio, forced, slots if speech is None else speech, events)
+            return _staged_step(runner, key, slots, audio, forced, slots if speech is None else speech,
+                                slots if text is None else text, events)
         if n > largest:  # groups of at most the largest bucket, each its own staged step
+            part = lambda rows, i: None if rows is None else rows[i: i + largest]  # noqa: E731
             parts = [step_to_host(runner, slots[i: i + largest], audio[i: i + largest], forced[i: i + largest],
-                                  sampling, None if speech is None else speech[i: i + largest])
+                                  sampling, part(speech, i), part(text, i))
                      for i in range(0, n, largest)]
             return HostStep({k: np.concatenate([p.outputs[k] for p in parts]) for k in HOST_FIELDS},
                             parts[-1].launched, sum(p.padded_rows for p in parts))
@@ -367,7 +383,8 @@ def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarra
             torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)),
             torch.from_numpy(np.ascontiguousarray(forced, dtype=np.int64)))
     if getattr(runner, "takes_sampling_flag", False):
-        extra = {} if speech is None else {"speech": torch.from_numpy(np.ascontiguousarray(speech, dtype=np.int64))}
+        extra = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64))
+                 for k, v in (("speech", speech), ("text", text)) if v is not None}
         out = runner(*args, sampling=sampling, **extra)
     else:
         out = runner(*args)
@@ -377,15 +394,17 @@ def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarra
     return HostStep({k: t.numpy() for k, t in zip(HOST_FIELDS, host)}, launched, padded)
 
 
-def _staged_step(runner: StepRunner, key: tuple[int, bool], slots, audio, forced, speech, events=None) -> HostStep:
+def _staged_step(runner: StepRunner, key: tuple[int, bool], slots, audio, forced, speech, text,
+                 events=None) -> HostStep:
     graph = runner._cuda_graphs[key][0]
-    device_in, host_in, (s, a, f, ss), packed, host_out, views = runner._staging[key]
+    device_in, host_in, (s, a, f, ss, ts), packed, host_out, views = runner._staging[key]
     b = key[0]
     n = len(slots)
-    s[:n], s[n:] = slots, runner.sink   # padding rows: the sink, silence, nothing forced
+    s[:n], s[n:] = slots, runner.sink   # padding rows: the sink on every half, silence, nothing forced
     a[:n], a[n:] = audio, 0.0
     f[:n], f[n:] = forced, -1
     ss[:n], ss[n:] = speech, runner.sink
+    ts[:n], ts[n:] = text, runner.sink
     if events is not None:
         events[0].record()
     device_in.copy_(host_in, non_blocking=True)

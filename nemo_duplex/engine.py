@@ -85,13 +85,15 @@ class EngineConfig:
     # Run the step's off-critical-path work (the RNN-T, the text's bookkeeping) on a second CUDA stream,
     # a parallel branch of each captured graph (frame_step.branch); false = one stream, the plain order.
     side_stream: bool = True
-    # Pipelined steps: a step's talker + codec run for the frame each call heard in its previous step, on a
-    # third CUDA stream beside this step's encoder + LLM (frame_step's speech_slots). Neither chain of small
-    # dependent kernels fills the GPU alone, so beside each other they take less than one after the other
-    # (H200, N=32: 16.81 -> 14.67 ms a step; docs/performance.md, session 19). Outputs are the serial step's
-    # bit for bit; each frame's event comes one step later (80 ms more audio latency), and a call that ends
-    # its input takes one more step for its last frame's speech.
-    pipeline: bool = False
+    # Pipelined steps (frame_step): 1, a step's talker + codec run for the frame each call heard in its
+    # previous step, on a third CUDA stream beside this step's encoder + LLM; 2, also its LLM for that
+    # frame, and the encoder for the new frame on a fourth stream, the talker + codec two frames back. No
+    # chain of small dependent kernels fills the GPU alone, so beside each other they take less than one
+    # after the other (H200, N=32, position 1000, one lease: 16.98 / 14.79 / 14.04 ms a step for 0 / 1 / 2;
+    # docs/performance.md, session 20). Outputs are the serial step's bit for bit; each frame's event
+    # comes `pipeline` steps later (80 ms more audio latency each), and a call that ends its input takes
+    # that many more steps for its last frames. false / true = 0 / 1.
+    pipeline: int = 0
     # Every step runs one row count: only the capture bucket that covers max_calls (or the largest
     # configured), eager steps padded to it too. Then a call's output never depends on which calls share
     # its step, bit for bit, also in bf16 on the GPU, where with several buckets cuBLASLt's split-K and
@@ -161,15 +163,17 @@ class EndedEvent:
 
 
 @dataclass
-class SpeechDue:
-    """A pipelined frame between its two steps: what its text half gave, for its FrameEvent."""
+class InFlight:
+    """A pipelined frame between its steps: what its halves so far gave, for its FrameEvent. Heard (two
+    deep, its text half next): text, func and top2 still None."""
     frame: int
-    text: int
-    func: int
-    top2: tuple[float, float]
-    user: list[int]
     ready_at: float
-    stepped_at: float        # monotonic time its text half's step ended
+    stepped_at: float        # monotonic time its last step ended
+    user: list[int]
+    forced: int = -1         # the function token forced on its text half (-1: none)
+    text: int | None = None
+    func: int | None = None
+    top2: tuple[float, float] | None = None
 
 
 class Call:
@@ -187,9 +191,11 @@ class Call:
         self.frames_in = 0        # whole frames received
         self.last_ready: float | None = None  # when the last whole frame arrived (engine.coalesce_ms)
         self.frames_out = 0       # frames handed out (FrameEvents)
-        self.frames_stepped = 0   # frames whose text half has run (frames_out, or one more when pipelined)
-        # engine.pipeline: the last stepped frame's text half, waiting for its speech half (Engine._step)
-        self._speech_due: SpeechDue | None = None
+        self.frames_stepped = 0   # frames a step has heard (frames_out, plus those in flight when pipelined)
+        # engine.pipeline: the frames between their steps (Engine._step): heard, its text half next (two
+        # deep); its text half done, its speech half next
+        self._text_due: InFlight | None = None
+        self._speech_due: InFlight | None = None
         self.admitted = False
         self.opened_at = time.monotonic()   # its rhythm's phase until its first frame (opened_together)
 
@@ -461,19 +467,19 @@ class Engine:
         for call in calls:
             if not call.admitted or call.closed:
                 continue
-            due = call._speech_due
-            if call.frames_stepped >= self.max_frames and due is None:
+            last = call._text_due or call._speech_due   # the frame in flight that stepped last
+            if call.frames_stepped >= self.max_frames and last is None:
                 self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
                 continue
             item = call._take_frame() if call.frames_stepped < self.max_frames else None
             if item is not None:
                 batch.append((call, *item))
-            elif due is not None and (call.input_ended or call.frames_stepped >= self.max_frames
-                                      or now - due.stepped_at > self.frame_seconds):
-                # pipelined: the last frame's speech half, in a row of its own (no new frame: the sink on
-                # the text half), once no next frame will carry it: the input ended, the call hit its limit,
-                # or its next frame is late by a whole frame period
-                batch.append((call, None, due.ready_at, -1))
+            elif last is not None and (call.input_ended or call.frames_stepped >= self.max_frames
+                                       or now - last.stepped_at > self.frame_seconds):
+                # pipelined: the frames in flight go on in a row with no new frame (the sink on the
+                # listening half) once no next frame will carry them: the input ended, the call hit its
+                # limit, or its next frame is late by a whole frame period
+                batch.append((call, None, None, -1))
             elif call.input_ended:
                 call.on_event(DrainedEvent(call.id, call.frames_out))
                 self._end(call, "completed")
@@ -511,45 +517,59 @@ class Engine:
         t0 = time.perf_counter()
         n = len(batch)
         sink = self.state.sink
+        depth = int(self.cfg.pipeline)
         silence = np.zeros(self.frame_samples, dtype=np.float32)
-        # a row's text half: its call's new frame (the sink for a pipelined speech-only row); its speech half
-        # (engine.pipeline): the call's frame awaiting speech, or the sink
+        # a row's slot on each half: the listening half hears its call's new frame (the sink for a row with
+        # none); pipelined, the text half runs the frame heard last step (two deep; one deep: the new frame)
+        # and the speech half the frame whose text is done, each the sink where the call has no such frame
         slots = np.array([c.slot if a is not None else sink for c, a, _, _ in batch], dtype=np.int64)
-        speech = np.array([c.slot if c._speech_due is not None else sink for c, *_ in batch], dtype=np.int64)
         audio = np.stack([a if a is not None else silence for _, a, _, _ in batch])
-        forced = np.array([f for *_, f in batch], dtype=np.int64)
+        speech = text = None
+        if depth >= 1:
+            speech = np.array([c.slot if c._speech_due is not None else sink for c, *_ in batch], dtype=np.int64)
+        if depth == 2:   # the forced token goes with its frame's text half
+            text = np.array([c.slot if c._text_due is not None else sink for c, *_ in batch], dtype=np.int64)
+            forced = np.array([c._text_due.forced if c._text_due is not None else -1 for c, *_ in batch],
+                              dtype=np.int64)
+        else:
+            forced = np.array([f for *_, f in batch], dtype=np.int64)
         sampling = not all(call.options.sampling.greedy for call, *_ in batch)
-        host = step_to_host(self.step_runner, slots, audio, forced, sampling,
-                            speech if self.cfg.pipeline else None)  # numpy in and out (graphs/capture.py)
+        host = step_to_host(self.step_runner, slots, audio, forced, sampling, speech, text)  # numpy in and out
         waited = time.perf_counter()
         launched = host.launched
         out = host.outputs
         # Python lists and numpy rows once per step: indexing torch tensors per call costs ~0.1 ms a call
         # (9 ms per step at 96 calls, measured on the CPU), which the GPU would wait for.
-        text, func, top2, user, codes, pcm = (out["text"].tolist(), out["func"].tolist(), out["top2"].tolist(),
-                                              out["user"].tolist(), out["codes"], out["pcm"])
+        text_out, func, top2, user, codes, pcm = (out["text"].tolist(), out["func"].tolist(), out["top2"].tolist(),
+                                                  out["user"].tolist(), out["codes"], out["pcm"])
         # the packets' int16 audio in one numpy pass here rather than one per frame on the server's event
         # loop, which sends a lockstep batch's packets one after another (this repository's CPU, 160
         # calls: 1.0 ms per step frame by frame, 0.15 ms batched)
         pcm16 = to_pcm16(pcm)
         sent = time.monotonic()
-        for i, (call, frame_audio, ready, _) in enumerate(batch):
-            if speech[i] != sink and self.cfg.pipeline:   # the previous frame's speech: its event is whole now
+        for i, (call, frame_audio, ready, forced_i) in enumerate(batch):
+            if speech is not None and speech[i] != sink:   # a frame's speech: its event is whole now
                 due, call._speech_due = call._speech_due, None
                 call.frames_out += 1
                 call.on_event(FrameEvent(call.id, due.frame, due.text, due.func, pcm[i], due.user, due.top2,
                                          codes[i], due.ready_at, sent, pcm16[i].tobytes()))
-            if frame_audio is None:
+            heard = None
+            if frame_audio is not None:
+                heard = InFlight(call.frames_stepped, ready, sent, [t for t in user[i] if t >= 0], forced_i)
+                call.frames_stepped += 1
+            if depth == 2:   # the text half ran last step's frame; the new one waits for its own
+                spoken, call._text_due = call._text_due, heard
+            else:
+                spoken = heard
+            if spoken is None:
                 continue
-            part = SpeechDue(call.frames_stepped, text[i], func[i], (top2[i][0], top2[i][1]),
-                             [t for t in user[i] if t >= 0], ready, sent)
-            call.frames_stepped += 1
-            if self.cfg.pipeline:
-                call._speech_due = part
+            spoken.text, spoken.func, spoken.top2, spoken.stepped_at = text_out[i], func[i], tuple(top2[i]), sent
+            if depth >= 1:
+                call._speech_due = spoken
                 continue
             call.frames_out += 1
-            call.on_event(FrameEvent(call.id, part.frame, part.text, part.func, pcm[i], part.user, part.top2,
-                                     codes[i], ready, sent, pcm16[i].tobytes()))
+            call.on_event(FrameEvent(call.id, spoken.frame, spoken.text, spoken.func, pcm[i], spoken.user,
+                                     spoken.top2, codes[i], ready, sent, pcm16[i].tobytes()))
         done = time.perf_counter()
         self._last_step = (started, done - t0)
         self.stats.record_step(n, done - t0, gather=t0 - gathered, prep=launched - t0, device=waited - launched,

@@ -61,33 +61,63 @@ def join(side_stream: torch.cuda.Stream | None) -> None:
 def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, forced_func: torch.Tensor,
                special_ids: torch.Tensor, sampling: bool = True,
                side_stream: torch.cuda.Stream | None = None, speech_slots: torch.Tensor | None = None,
-               speech_stream: torch.cuda.Stream | None = None) -> StepOutput:
-    """slots [B] int64, audio [B, 1280] float32, forced_func [B] int64 (-1 = use the head; else the
-    tool-result token to force, with the text channel forced to PAD, spec 3.9). `sampling=False` when the
-    caller knows every row is greedy: the text token is then the argmax, which is what `sample_text`
-    returns for greedy rows, without its sort and cumulative sums over the vocabulary. `side_stream`
-    (CUDA): the work off the step's critical path (the RNN-T; the text's bookkeeping) runs there, beside
-    the rest (`branch`); the results are the same bit for bit, only the kernels' order changes.
+               speech_stream: torch.cuda.Stream | None = None, text_slots: torch.Tensor | None = None,
+               encoder_stream: torch.cuda.Stream | None = None) -> StepOutput:
+    """slots [B] int64: each row's call, whose next 80 ms audio [B, 1280] float32 this step hears.
+    forced_func [B] int64 (-1 = use the head; else the tool-result token to force, with the text channel
+    forced to PAD, spec 3.9). `sampling=False` when the caller knows every row is greedy: the text token is
+    then the argmax, which is what `sample_text` returns for greedy rows, without its sort and cumulative
+    sums over the vocabulary. `side_stream` (CUDA): the work off the step's critical path (the RNN-T; the
+    text's bookkeeping) runs there, beside the rest (`branch`); the results are the same bit for bit, only
+    the kernels' order changes.
 
-    Pipelined (`speech_slots` given, engine.pipeline): the step's speech half (talker + codec) is that of
-    the frame each row's call heard in its previous step, whose text token that step left in
-    `st.pending_text`; rows `speech_slots` [B] (a call's slot, or the sink where the call has no frame
-    waiting for its speech: its first frame, a padding row). The row's `slots` entry is the sink where the
-    call has no new frame (the last step of a call that has ended its input). The two halves read no
-    state the other writes, so on CUDA the speech half runs on `speech_stream` beside the encoder and LLM,
-    filling the time their chain of small dependent kernels leaves the GPU part idle (H200, N=32, position
-    1000: 16.81 -> 14.67 ms a step; docs/performance.md, session 19). codes and pcm then belong to
-    `speech_slots`' frames; the values are the serial step's, one step later (tests/test_pipeline.py)."""
-    cfg = model.cfg
-    pad = cfg.tokens.pad_id
-    # Padding rows all point at the sink: it must never advance, or after max_frames padded steps its
-    # positions would index past the KV pools (a device-side assert that ends every call on the GPU).
-    advance = (slots != st.sink).to(torch.int64)
+    A frame goes through three halves: listening (encoder, its projection, the RNN-T), text (LLM, heads,
+    sampling) and speech (talker, codec). Serially (the default) one step runs all three for the frame it
+    hears. Pipelined (engine.pipeline), a step's halves belong to different frames of the call, and read
+    no state another half of the same step writes, so on CUDA each runs on its own stream, filling the time
+    the others' chains of small dependent kernels leave the GPU part idle:
+    - one deep (`speech_slots` given): the speech half is that of the frame the row's call heard in its
+      previous step, whose text token that step left in `st.pending_text`. H200, N=32, position 1000:
+      16.81 -> 14.67 ms a step (docs/performance.md, session 19).
+    - two deep (`text_slots` given too): the text half is that of the frame heard in the previous step,
+      whose projected encoder frame that step left in `st.pending_audio`, and the speech half that of the
+      frame heard two steps ago. The listening half runs on `encoder_stream`, so the encoder is off the
+      step's critical path: 14.79 -> 14.04 ms on one lease (session 20).
+    A row's entry in `slots`, `text_slots` or `speech_slots` is the sink where its call has no frame for
+    that half (a call's first steps, its last steps after its input ended, a padding row). The outputs
+    belong to the halves' frames: enc and user to `slots`', text, func and top2 to `text_slots`', codes
+    and pcm to `speech_slots`'. Their values are the serial step's, one or two steps later
+    (tests/test_pipeline.py)."""
     if speech_slots is not None:
         # gathered on the step's stream before this step writes pending_text below
         speech_text = st.pending_text[speech_slots]
         with branch(speech_stream):
             codes, pcm = speech_step(model, st, speech_slots, speech_text)
+    if text_slots is None:  # the text half is this step's frame
+        enc, a, user = listen_step(model, st, slots, audio, side_stream)
+        text_slots = slots
+    else:
+        a = st.pending_audio[text_slots]  # gathered before the listening half below writes the pool
+        with branch(encoder_stream):
+            enc, heard, user = listen_step(model, st, slots, audio, side_stream)
+            st.pending_audio.index_copy_(0, slots, heard)
+    text, func, top2, frame, advance = text_step(model, st, text_slots, a, forced_func, special_ids, sampling,
+                                                 side_stream)
+    if speech_slots is None:  # serial: the frame and its advance are the text half's own (no second gather)
+        codes, pcm = speech_step(model, st, text_slots, text, frame, advance)
+    else:
+        st.pending_text.index_copy_(0, text_slots, text)
+    st.frame.index_copy_(0, text_slots, frame + advance)
+    join(side_stream)
+    join(encoder_stream)
+    join(speech_stream)
+    return StepOutput(text=text, func=func, top2=top2, codes=codes, pcm=pcm, user=user, enc=enc)
+
+
+def listen_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor,
+                side_stream: torch.cuda.Stream | None = None):
+    """The encoder frame of each row's next 80 ms (before projection), its projection into the LLM's
+    embedding space (the LLM's dtype), and the RNN-T's user-transcript tokens of the frame."""
     with record_function("encoder"):
         enc = model.perception.stream_step(audio, st.encoder, slots)
         a = model.perception.project(enc).to(model.stt_model.embed_tokens.weight.dtype)
@@ -96,8 +126,20 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
             user = model.stt_model.rnnt_decoder.stream_step(model.stt_model.rnnt_joint, enc, st.rnnt, slots)
         else:
             user = torch.full((slots.shape[0], 1), -1, dtype=torch.int64, device=slots.device)
-    x = model.fuse(a, st.prev_text[slots], st.prev_func[slots])
+    return enc, a, user
 
+
+def text_step(model, st: CallState, slots: torch.Tensor, a: torch.Tensor, forced_func: torch.Tensor,
+              special_ids: torch.Tensor, sampling: bool, side_stream: torch.cuda.Stream | None):
+    """The LLM step of each row's frame from its projected encoder frame `a`: (text, func, top2, frame,
+    advance), frame the rows' frame counters (the sampler's key) and advance (slots != sink); the caller
+    advances `st.frame`."""
+    cfg = model.cfg
+    pad = cfg.tokens.pad_id
+    # Padding rows all point at the sink: it must never advance, or after max_frames padded steps its
+    # positions would index past the KV pools (a device-side assert that ends every call on the GPU).
+    advance = (slots != st.sink).to(torch.int64)
+    x = model.fuse(a, st.prev_text[slots], st.prev_func[slots])
     with record_function("llm"):
         lengths = st.llm_len[slots]
         h = model.llm.step(x, st.llm, slots, lengths)
@@ -124,15 +166,7 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
         newly_seen = torch.zeros_like(st.seen[slots]).scatter_(1, text[:, None], True)
         newly_seen &= ~torch.isin(text, special_ids)[:, None]
         st.seen.index_copy_(0, slots, st.seen[slots] | newly_seen)
-
-    if speech_slots is None:  # serial: the frame and its advance are the text half's own (no second gather)
-        codes, pcm = speech_step(model, st, slots, text, frame, advance)
-    else:
-        st.pending_text.index_copy_(0, slots, text)
-    st.frame.index_copy_(0, slots, frame + advance)
-    join(side_stream)
-    join(speech_stream)
-    return StepOutput(text=text, func=func, top2=top2, codes=codes, pcm=pcm, user=user, enc=enc)
+    return text, func, top2, frame, advance
 
 
 def speech_step(model, st: CallState, slots: torch.Tensor, text: torch.Tensor, frame: torch.Tensor | None = None,

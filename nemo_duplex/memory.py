@@ -92,8 +92,8 @@ def bytes_per_call(cfg: ModelConfig, max_call_s: float, max_prompt_tokens: int =
 
     q = cfg.talker.num_quantizers
     # llm_len, talker_pos, frame, speech_frame, pending_text, prev_text, prev_func, seed; the codes; the
-    # sampling settings; the seen-token mask (state.CallState)
-    scalars = 8 * INT64 + q * INT64 + 3 * FLOAT32 + BOOL + llm.vocab_size * BOOL
+    # sampling settings; the seen-token mask; the projected encoder frame awaiting its text (state.CallState)
+    scalars = 8 * INT64 + q * INT64 + 3 * FLOAT32 + BOOL + llm.vocab_size * BOOL + llm.hidden_size * llm_b
 
     return CallBytes(mamba_ssm, mamba_conv, llm_kv, talker_kv, encoder_window, encoder_other, rnnt, codec,
                      scalars)

@@ -26,6 +26,7 @@ class CallState:
     frame: torch.Tensor      # [S] int64: audio frames done (the call's RNG counter)
     speech_frame: torch.Tensor  # [S] int64: frames whose speech (talker + codec) is done (the talker's RNG counter)
     pending_text: torch.Tensor  # [S] int64: the text token of the frame whose speech is next (pipelined steps)
+    pending_audio: torch.Tensor  # [S, H] LLM dtype: the projected encoder frame whose text is next (two-deep steps)
     prev_text: torch.Tensor  # [S] int64
     prev_func: torch.Tensor  # [S] int64
     prev_codes: torch.Tensor  # [S, Q] int64
@@ -88,6 +89,7 @@ def allocate_call_state(model, max_calls: int, max_frames: int, device: torch.de
         codec=model.codec.allocate_stream_state(S, device),
         llm_len=torch.zeros(S, **i64), talker_pos=torch.zeros(S, **i64), frame=torch.zeros(S, **i64),
         speech_frame=torch.zeros(S, **i64), pending_text=torch.zeros(S, **i64),
+        pending_audio=torch.zeros(S, cfg.llm.hidden_size, dtype=llm_dtype, device=device),
         prev_text=torch.zeros(S, **i64), prev_func=torch.zeros(S, **i64),
         prev_codes=torch.zeros(S, cfg.talker.num_quantizers, **i64), seed=torch.zeros(S, **i64),
         temperature=torch.zeros(S, device=device), top_p=torch.ones(S, device=device),

@@ -4,7 +4,7 @@
     python scripts/bench_step.py ... bench.batch_sizes=[32] bench.positions=[1000] engine.graph_backend=cudagraph
     python scripts/bench_step.py -m engine.capture_buckets=[1,8,32,128],[1,2,4,8,16,32,64,128] ...
 
-    python scripts/bench_step.py ... engine.pipeline=true   # the pipelined step (nemo_duplex/engine.py)
+    python scripts/bench_step.py ... engine.pipeline=2      # the pipelined step, 1 or 2 deep (nemo_duplex/engine.py)
 
 Per (N, position): median GPU time per frame step (CUDA events around the served path: one input copy, the
 replay, one output copy; `time_staged_steps`; the old timing of `runner(...)` stays as "call"), host time per

@@ -48,7 +48,7 @@ def engine_config(cfg, n_clips: int):
 
     return EngineConfig(max_calls=max(n_clips, 1), max_call_s=cfg.engine.max_call_s,
                         batch_invariant=bool(cfg.engine.get("batch_invariant", False)),
-                        pipeline=bool(cfg.engine.get("pipeline", False)))
+                        pipeline=int(cfg.engine.get("pipeline", 0)))
 
 
 def run_engine(model, tokenizer, cfg, clips, offsets, prompt, sampling):

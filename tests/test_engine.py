@@ -132,8 +132,11 @@ def test_prefix_cache_copy_equals_fresh_admission(tiny, example_clip):
         assert torch.equal(r.text_tokens, first.text_tokens) and torch.equal(r.codes, first.codes)
 
 
-def test_tool_result_injection_forces_function_channel(tiny, example_clip):
-    eng = _engine(tiny)
+@pytest.mark.parametrize("pipeline", [0, 1, 2])
+def test_tool_result_injection_forces_function_channel(tiny, example_clip, pipeline):
+    """Pipelined, a frame's forced token goes with it to its text half, a step after it was heard when two
+    deep: the same frames carry it."""
+    eng = _engine(tiny, pipeline=pipeline)
     events = []
     call = eng.open_call(CallOptions(seed=1), on_event=events.append)
     injected = [300, 301, 302]
@@ -149,10 +152,10 @@ def test_tool_result_injection_forces_function_channel(tiny, example_clip):
     assert isinstance(events[-2], DrainedEvent) and events[-1].reason == "completed"
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("pipeline", [0, 1, 2])
 def test_limits_busy_budget_and_call_length(tiny, example_clip, pipeline):
-    """Also pipelined (engine.pipeline): the limit still hands out every stepped frame, the last one's speech
-    in a row of its own."""
+    """Also pipelined (engine.pipeline): the limit still hands out every stepped frame, the last ones' halves
+    in rows of their own."""
     eng = _engine(tiny, max_calls=2, max_call_s=0.4, max_pending_s=0.5, pipeline=pipeline)
     events = []
     a = eng.open_call(on_event=events.append)
@@ -172,7 +175,7 @@ def test_limits_busy_budget_and_call_length(tiny, example_clip, pipeline):
     assert eng.slots.in_use == 1                      # the other call still holds its slot
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("pipeline", [0, 1, 2])
 def test_abort_frees_slot_and_others_continue(tiny, example_clip, pipeline):
     eng = _engine(tiny, max_calls=2, pipeline=pipeline)
     ev_a, ev_b = [], []

@@ -111,7 +111,7 @@ def test_graphs_match_eager_teacher_forced(tiny, example_clip, compiler):
     forced = torch.tensor([-1, -1])
 
     def eager(slots, chunk, forced):  # the same padded batch (2 sink rows), uncompiled
-        s, a, f, _ = graphs._padded_inputs(4, slots, chunk, forced)
+        s, a, f, *_ = graphs._padded_inputs(4, slots, chunk, forced)
         out = frame_step(model, st, s, a, f, specials)
         return type(out)(**{k: v[:2] for k, v in out.__dict__.items()})
     n = 1280
@@ -140,7 +140,7 @@ def test_compiled_step_copies_only_its_rows_in(tiny, backend):
         return gm
     torch._dynamo.reset()
     runner = StepRunner(model, st, specials, [4], graphs=True, backend=backend, compiler=backend_seeing_inputs)
-    s, a, f, _ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
+    s, a, f, *_ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
     runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
     runner.capture()         # what the engine runs at start-up: the build of each bucket, with its inputs
     copied = [x for x in inputs if not isinstance(x, torch.nn.Parameter)
@@ -187,7 +187,7 @@ def test_reduce_overhead_records_a_graph_and_matches_eager(tiny, static_pools, m
     specials = special_ids(model, dev)
     torch._dynamo.reset()
     runner = StepRunner(model, st, specials, [4], graphs=True, backend="reduce-overhead")
-    s, a, f, _ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
+    s, a, f, *_ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
     runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
     skips = capture.cudagraph_skips()
     with torch._inductor.config.patch(force_disable_caches=True):
@@ -241,7 +241,7 @@ def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
     for t in range(FRAMES):
         chunk = torch.randn(n_calls, 1280, generator=g) * 0.1
         before = _snapshot(st)
-        s, a, f, _ = graphs._padded_inputs(16, slots, chunk, forced)
+        s, a, f, *_ = graphs._padded_inputs(16, slots, chunk, forced)
         with regions_bypassed(model):  # the plain eager step, not the compiled regions uncaptured
             out_e = frame_step(model, st, s, a, f, specials)
         after_e = _snapshot(st)
@@ -286,7 +286,7 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit(serving_blas):
         if t < frames:
             outs = [one(slots, chunk, forced), two(slots, chunk, forced)]
         else:  # eager, the padded batch as the graphs see it
-            s, a, f, _ = one._padded_inputs(16, slots, chunk, forced)
+            s, a, f, *_ = one._padded_inputs(16, slots, chunk, forced)
             outs = [frame_step(model, st, s, a, f, specials, side_stream=side)
                     for st, side in zip(states, (None, two.side_stream))]
         for name in ("text", "func", "top2", "codes", "pcm", "user", "enc"):
@@ -513,7 +513,7 @@ def test_padded_eager_step_runs_the_bucket_and_its_groups(tiny):
     states = [_admitted_state(model, 5) for _ in range(2)]
     padded = StepRunner(model, states[0], specials, [2], graphs=False, pad_eager=True)
     seen = []
-    padded._step = lambda s, a, f, speech, sampling: seen.append(s.tolist()) or frame_step(model, states[0], s, a, f, specials)
+    padded._step = lambda s, a, f, speech, text, sampling: seen.append(s.tolist()) or frame_step(model, states[0], s, a, f, specials)
     slots, forced = torch.arange(5), torch.full((5,), -1)
     audio = torch.randn(5, 1280, generator=torch.Generator().manual_seed(2)) * 0.1
     out_p = padded(slots, audio, forced)
@@ -563,9 +563,9 @@ def test_greedy_batches_use_only_what_was_captured(tiny):
     def counting(runner):
         real = runner._compiled
 
-        def wrapped(s, a, f, speech=None, sampling=True):
+        def wrapped(s, a, f, speech=None, text=None, sampling=True):
             calls.append(sampling)
-            return real(s, a, f, speech, sampling)
+            return real(s, a, f, speech, text, sampling)
         runner._compiled = wrapped
         return runner
 

@@ -14,10 +14,11 @@ from nemo_duplex.state import allocate_call_state
 ROWS = 4
 
 
-def _padded(slots, speech, chunks, sink):
-    pad = ROWS - len(slots)
-    return (torch.tensor(slots + [sink] * pad), torch.tensor(speech + [sink] * pad),
-            torch.stack(chunks + [torch.zeros(1280)] * pad), torch.full((ROWS,), -1, dtype=torch.int64))
+def _padded(rows, sink):
+    """rows: (slot, text slot, speech slot, chunk) per row -> those four padded to ROWS (sink, silence)."""
+    pad = [(sink, sink, sink, torch.zeros(1280))] * (ROWS - len(rows))
+    slots, text, speech, chunks = zip(*(rows + pad))
+    return torch.tensor(slots), torch.tensor(text), torch.tensor(speech), torch.stack(chunks)
 
 
 def _state(model, n_calls: int, frames: int, sampling: SamplingParams):
@@ -27,7 +28,11 @@ def _state(model, n_calls: int, frames: int, sampling: SamplingParams):
     return st
 
 
-def test_pipelined_speech_equals_serial(tiny):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_pipelined_speech_equals_serial(tiny, depth):
+    """One deep (speech_slots) and two deep (text_slots too): each half's outputs equal the serial step's
+    for the same frame, bit for bit: the RNN-T tokens of the frame heard, the text of the frame a step
+    back (two deep), the codes and PCM of the frame `depth` steps back."""
     model = tiny[0]
     torch.manual_seed(1)
     frames, n_calls = 6, 3
@@ -35,48 +40,53 @@ def test_pipelined_speech_equals_serial(tiny):
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
     audio = torch.randn(n_calls, frames, 1280) * 0.1
     specials = special_ids(model, torch.device("cpu"))
+    no_force = torch.full((ROWS,), -1, dtype=torch.int64)
 
     serial = _state(model, n_calls, frames + 2, sampling)
     expected = {c: [] for c in range(n_calls)}
     for c in range(n_calls):      # each call alone, serially
         for k in range(frames):
-            s, _, a, f = _padded([c], [c], [audio[c, k]], serial.sink)
-            out = frame_step(model, serial, s, a, f, specials)
-            expected[c].append((out.text[0].item(), out.codes[0].clone(), out.pcm[0].clone()))
+            s, _, _, a = _padded([(c, c, c, audio[c, k])], serial.sink)
+            out = frame_step(model, serial, s, a, no_force, specials)
+            expected[c].append((out.user[0].clone(), out.text[0].item(), out.codes[0].clone(), out.pcm[0].clone()))
 
-    # pipelined: call c starts at step c; a call's row has its slot on the main half while it has frames,
-    # and on the speech half from its second step through the step after its last frame (the drain)
+    # pipelined: call c starts at step c and hears frame step - c; its text half runs the frame
+    # heard `depth - 1` steps back and its speech half the one `depth` steps back: each half's slot is
+    # the call's while that frame exists, the sink otherwise (the first steps, and the drain)
     piped = _state(model, n_calls, frames + 2, sampling)
     sink = piped.sink
-    got = {c: [] for c in range(n_calls)}
-    texts = {c: [] for c in range(n_calls)}
-    for step in range(frames + n_calls + 1):
-        slots, speech, chunks = [], [], []
+    got = {c: {"user": [], "text": [], "speech": []} for c in range(n_calls)}
+    for step in range(frames + n_calls + depth):
+        rows, owners = [], []
         for c in range(n_calls):
             k = step - c                       # the frame call c hears in this step
-            main_row = 0 <= k < frames
-            speech_row = 1 <= k <= frames
-            slots.append(c if main_row else sink)
-            speech.append(c if speech_row else sink)
-            chunks.append(audio[c, k] if main_row else torch.zeros(1280))
-        rows = [i for i in range(n_calls) if slots[i] != sink or speech[i] != sink]   # in-between rows padded
-        s, ss, a, f = _padded([slots[i] for i in rows], [speech[i] for i in rows], [chunks[i] for i in rows], sink)
-        out = frame_step(model, piped, s, a, f, specials, speech_slots=ss)
-        for r, i in enumerate(rows):
-            if slots[i] != sink:
-                texts[i].append(out.text[r].item())
-            if speech[i] != sink:
-                got[i].append((out.codes[r].clone(), out.pcm[r].clone()))
+            ks = {"listen": k, "text": k - (depth - 1), "speech": k - depth}
+            on = {half: 0 <= kk < frames for half, kk in ks.items()}
+            if not any(on.values()):
+                continue
+            rows.append(tuple(c if on[h] else sink for h in ("listen", "text", "speech"))
+                        + (audio[c, k] if on["listen"] else torch.zeros(1280),))
+            owners.append((c, on))
+        s, ts, ss, a = _padded(rows, sink)
+        halves = dict(speech_slots=ss, text_slots=ts if depth == 2 else None)
+        out = frame_step(model, piped, s, a, no_force, specials, **halves)
+        for r, (c, on) in enumerate(owners):
+            if on["listen"]:
+                got[c]["user"].append(out.user[r].clone())
+            if on["text"]:
+                got[c]["text"].append(out.text[r].item())
+            if on["speech"]:
+                got[c]["speech"].append((out.codes[r].clone(), out.pcm[r].clone()))
     for c in range(n_calls):
-        assert texts[c] == [t for t, _, _ in expected[c]]
-        assert len(got[c]) == frames
-        for k, ((codes, pcm), (_, codes_e, pcm_e)) in enumerate(zip(got[c], expected[c])):
+        assert got[c]["text"] == [t for _, t, _, _ in expected[c]]
+        assert all(torch.equal(u, e[0]) for u, e in zip(got[c]["user"], expected[c], strict=True))
+        assert len(got[c]["speech"]) == frames
+        for k, ((codes, pcm), (_, _, codes_e, pcm_e)) in enumerate(zip(got[c]["speech"], expected[c])):
             assert torch.equal(codes, codes_e), (c, k)
             assert torch.equal(pcm, pcm_e), (c, k)
     # every slot's state ends where the serial run left it
-    assert torch.equal(piped.talker_pos[:n_calls], serial.talker_pos[:n_calls])
-    assert torch.equal(piped.speech_frame[:n_calls], serial.speech_frame[:n_calls])
-    assert torch.equal(piped.frame[:n_calls], serial.frame[:n_calls])
+    for name in ("talker_pos", "speech_frame", "frame", "llm_len"):
+        assert torch.equal(getattr(piped, name)[:n_calls], getattr(serial, name)[:n_calls]), name
 
 
 # ---- the engine with engine.pipeline ------------------------------------------------------------------
@@ -92,7 +102,8 @@ def _clips(example_clip, n, frames):
             for i in range(n)]
 
 
-def test_pipelined_engine_equals_serial_engine(tiny, example_clip):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_pipelined_engine_equals_serial_engine(tiny, example_clip, depth):
     """Staggered live calls and uploads, sampled text: every call's text, function tokens, codes and PCM
     through the pipelined engine equal the serial engine's bit for bit (both batch-invariant: every step
     runs the same rows, so only the pipelining differs), every frame arrives, in order."""
@@ -103,7 +114,7 @@ def test_pipelined_engine_equals_serial_engine(tiny, example_clip):
     args = dict(offsets=[0, 2, 1, 4, 3], uploads=[False, True, False, False, True], seed=40,
                 sampling=SamplingParams(temperature=0.7, top_p=0.9))
     serial = _engine(tiny, **kw).run_clips(clips, **args)
-    piped_engine = _engine(tiny, pipeline=True, **kw)
+    piped_engine = _engine(tiny, pipeline=depth, **kw)
     piped = piped_engine.run_clips(clips, **args)
     for s, p in zip(serial, piped):
         assert p.text_tokens.shape[0] == frames
@@ -111,24 +122,33 @@ def test_pipelined_engine_equals_serial_engine(tiny, example_clip):
         assert torch.equal(s.function_tokens, p.function_tokens)
         assert torch.equal(s.codes, p.codes)
         assert torch.equal(s.wav, p.wav)
+        assert s.user_tokens == p.user_tokens
     assert piped_engine.slots.in_use == 0
 
 
-def test_pipelined_engine_runs_a_late_frames_speech_alone(tiny, example_clip):
-    """A live call whose next frame is late by a frame period gets its last frame's speech (a row of its
-    own, the sink on the text half) without waiting for that frame. (The limit and abort rules, pipelined
-    too: tests/test_engine.py.)"""
+def test_pipeline_depth_out_of_range_is_refused(tiny):
+    with pytest.raises(ValueError, match="engine.pipeline must be 0, 1 or 2"):
+        _engine(tiny, pipeline=3)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_pipelined_engine_runs_a_late_frames_speech_alone(tiny, example_clip, depth):
+    """A live call whose next frame is late by a frame period gets its last frame's remaining halves (rows
+    of their own, the sink on the listening half), one per period, without waiting for that frame. (The
+    limit and abort rules, pipelined too: tests/test_engine.py.)"""
     import time
 
     from nemo_duplex.engine import FrameEvent
-    eng = _engine(tiny, max_calls=2, pipeline=True)
+    eng = _engine(tiny, max_calls=2, pipeline=depth)
     events = []
     call = eng.open_call(on_event=events.append)
     call.append(example_clip[: 1280].numpy())
-    eng.tick()                                       # the frame's text half
-    assert not any(isinstance(e, FrameEvent) for e in events)
-    time.sleep(eng.frame_seconds * 1.2)
-    eng.tick()                                       # a period late: its speech runs alone
+    eng.tick()                                       # the frame is heard
+    for _ in range(depth):
+        assert not any(isinstance(e, FrameEvent) for e in events)
+        eng.tick()                                   # not late yet: nothing to step
+        time.sleep(eng.frame_seconds * 1.2)
+        eng.tick()                                   # a period late: its next half runs alone
     assert [e.frame for e in events if isinstance(e, FrameEvent)] == [0]
     call.abort()
     eng.tick()
@@ -136,11 +156,13 @@ def test_pipelined_engine_runs_a_late_frames_speech_alone(tiny, example_clip):
 
 
 @pytest.mark.gpu
-def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny):
-    """On CUDA the pipelined step's speech half runs on its own stream inside the captured graph
-    (graphs/capture.py, cudagraph-eager), beside the encoder and LLM on the step's stream: a missed
-    ordering between the streams would show here as codes or PCM that differ from the serial eager step's
-    (same bucket rows on both sides, fp32 tiny model; compared bit for bit over 12 frames of 3 calls)."""
+@pytest.mark.parametrize("depth", [1, 2])
+def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, depth):
+    """On CUDA the pipelined step's halves run on their own streams inside the captured graph
+    (graphs/capture.py, cudagraph-eager): the speech half beside the step's stream, and two deep the
+    listening half too. A missed ordering between the streams would show here as tokens, codes or PCM
+    that differ from the serial eager step's (same bucket rows on both sides, fp32 tiny model; compared bit
+    for bit over 12 frames of 3 calls)."""
     import copy
 
     from graphs.capture import StepRunner
@@ -155,8 +177,8 @@ def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny):
         for s in range(n_calls):
             admit(model, st, s, None, 60 + s, sampling)
     serial = StepRunner(model, states[0], specials, [ROWS], graphs=False, pad_eager=True)
-    piped = StepRunner(model, states[1], specials, [ROWS], graphs=True, backend="cudagraph-eager", pipeline=True)
-    assert piped.speech_stream is not None
+    piped = StepRunner(model, states[1], specials, [ROWS], graphs=True, backend="cudagraph-eager", pipeline=depth)
+    assert piped.speech_stream is not None and (piped.encoder_stream is not None) == (depth == 2)
     piped.capture()
     sink = states[1].sink
     slots = torch.arange(n_calls)
@@ -164,13 +186,16 @@ def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny):
     expected = []
     for k in range(frames):
         out = serial(slots, audio[:, k], forced)
-        expected.append((out.text.cpu(), out.codes.cpu(), out.pcm.cpu()))
-    for k in range(frames + 1):
-        main = slots if k < frames else torch.full((n_calls,), sink)
-        speech = slots if k > 0 else torch.full((n_calls,), sink)
-        out = piped(main, audio[:, min(k, frames - 1)], forced, speech=speech)
-        if k < frames:
-            assert torch.equal(out.text.cpu(), expected[k][0]), k
-        if k > 0:
-            assert torch.equal(out.codes.cpu(), expected[k - 1][1]), k
-            assert torch.equal(out.pcm.cpu(), expected[k - 1][2]), k
+        expected.append((out.user.cpu(), out.text.cpu(), out.codes.cpu(), out.pcm.cpu()))
+    none = torch.full((n_calls,), sink)
+    for k in range(frames + depth):
+        heard, text_k, speech_k = k, k - (depth - 1), k - depth
+        out = piped(slots if heard < frames else none, audio[:, min(k, frames - 1)], forced,
+                    speech=slots if speech_k >= 0 else none, text=slots if 0 <= text_k < frames else none)
+        if heard < frames:
+            assert torch.equal(out.user.cpu(), expected[heard][0]), k
+        if 0 <= text_k < frames:
+            assert torch.equal(out.text.cpu(), expected[text_k][1]), k
+        if speech_k >= 0:
+            assert torch.equal(out.codes.cpu(), expected[speech_k][2]), k
+            assert torch.equal(out.pcm.cpu(), expected[speech_k][3]), k

@@ -44,7 +44,7 @@ def tiny():
     patch.undo()
 
 
-def serve(tiny, max_calls: int, pipeline: bool = False, **kw) -> RunningServer:
+def serve(tiny, max_calls: int, pipeline: int = 0, **kw) -> RunningServer:
     model, tokenizer, rnnt_vocab, _ = tiny
     cfg = ServeConfig(max_calls=max_calls, max_call_s=20.0, warmup_frames=1, **kw)
     engine = Engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=cfg.max_call_s,
@@ -144,11 +144,11 @@ def test_sixteen_paced_calls_and_uploads(tiny):
         assert lines[-1] == {"type": "ended", "reason": "completed"}
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("pipeline", [0, 1, 2])
 def test_served_frames_equal_streaming_loop(tiny, pipeline):
     """Native WS with {"tokens": true}: the served text/function tokens equal stream_inference's for the
     same clip and seed (greedy), and the served PCM16 equals its waveform to within 1 LSB of rounding; also
-    with engine.pipeline (each frame's speech one step later, the last one after end_input)."""
+    with engine.pipeline (each frame's event one or two steps later, the last ones after end_input)."""
     from nemo_duplex.frame_step import stream_inference
 
     model, tokenizer, _, clip = tiny
