@@ -1,6 +1,7 @@
-"""Pipelined frame steps (engine.pipeline, frame_step's speech_slots): the speech half of a step is the
-previous frame's. Its codes and audio must be the serial step's, bit for bit, one step later, with calls
-that start, drain and sit out steps at different times (fp32 tiny model, CPU). Every step runs ROWS rows
+"""Pipelined frame steps (engine.pipeline, frame_step's speech_slots and text_slots): one deep, the speech
+half of a step is the previous frame's; two deep, the text half is too and the speech half the one before.
+Every half's outputs must be the serial step's, bit for bit, one or two steps later, with calls that start,
+drain and sit out steps at different times (fp32 tiny model, CPU). Every step runs ROWS rows
 (sink padding), as engine.batch_invariant does: the CPU's GEMMs may round differently for other row
 counts, which is not what this compares."""
 import pytest
