@@ -88,6 +88,17 @@ def mark_static_inputs(state, specials: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(specials)
 
 
+def check_sm_carveout(sms, device: torch.device) -> int:
+    """engine.llm_sm_carveout as an int, or a ValueError naming its bounds (0 .. the device's SMs - 1)."""
+    sms = int(sms)
+    total = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    if sms < 0 or (total is not None and sms >= total):
+        raise ValueError(f"engine.llm_sm_carveout must be 0 .. {total - 1 if total else 'the SMs - 1'}, got {sms}")
+    if sms and not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        raise ValueError(f"engine.llm_sm_carveout needs torch's SM carveout (torch {torch.__version__} has none)")
+    return sms
+
+
 def cudagraph_skips() -> int:
     """Inductor's count of compiled functions that reduce-overhead ran without a CUDA graph (each skip
     is logged with its reason under TORCH_LOGS=cudagraphs)."""
@@ -100,7 +111,7 @@ class StepRunner:
 
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
-                 side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0):
+                 side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0, llm_sm_carveout: int = 0):
         self.model, self.state, self.specials = model, state, specials
         # pipeline (engine.pipeline): 1, each step's speech half is that of the rows' previous frames
         # (frame_step's speech_slots); 2, also its text half (text_slots), the speech half two frames back.
@@ -143,6 +154,11 @@ class StepRunner:
         self.encoder_stream = torch.cuda.Stream(self.device) if streams and self.pipeline == 2 else None
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.llm_sm_carveout = check_sm_carveout(llm_sm_carveout, self.device)
+        if self.llm_sm_carveout and self.graphs and backend in ("reduce-overhead", "cudagraph"):
+            # a process-wide setting flipped around part of the step: nothing torch.compile can trace
+            raise ValueError("engine.llm_sm_carveout works with the hand capture (cudagraph-eager, cudagraph-regions) "
+                             f"or eager steps, not engine.graph_backend={backend}")
         if self.graphs and backend == "cudagraph-eager":
             self._compiled = self._eager
         elif self.graphs and backend == "cudagraph-regions":
@@ -173,7 +189,7 @@ class StepRunner:
         if self.pipeline == 2:
             halves.update(text_slots=slots if text is None else text, encoder_stream=self.encoder_stream)
         return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling,
-                          side_stream=self.side_stream, **halves)
+                          side_stream=self.side_stream, llm_sm_carveout=self.llm_sm_carveout, **halves)
 
     def padded_rows(self, n: int) -> int:
         """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager

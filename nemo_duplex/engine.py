@@ -94,6 +94,12 @@ class EngineConfig:
     # comes `pipeline` steps later (80 ms more audio latency each), and a call that ends its input takes
     # that many more steps for its last frames. false / true = 0 / 1.
     pipeline: int = 0
+    # SMs the text half's cuBLASLt GEMMs (the LLM's, the heads') leave free for the other halves' kernels
+    # (frame_step.sm_carveout), for pipelined steps, where the speech half's chain beside the LLM is the
+    # critical path. A lead, not yet measured against its own baseline: two deep, N=32, one lease without
+    # a k = 0 run: 13.98 / 13.86 / 13.77 ms for 8 / 16 / 32 against 13.96-14.04 on other leases
+    # (docs/performance.md, session 20). 0: off.
+    llm_sm_carveout: int = 0
     # Every step runs one row count: only the capture bucket that covers max_calls (or the largest
     # configured), eager steps padded to it too. Then a call's output never depends on which calls share
     # its step, bit for bit, also in bf16 on the GPU, where with several buckets cuBLASLt's split-K and
@@ -302,7 +308,8 @@ class Engine:
                                       buckets[-1:] if self.cfg.batch_invariant else buckets,
                                       graphs=self.cfg.graphs, backend=self.cfg.graph_backend,
                                       greedy_graphs=self.cfg.greedy_graphs, side_stream=self.cfg.side_stream,
-                                      pad_eager=self.cfg.batch_invariant, pipeline=self.cfg.pipeline)
+                                      pad_eager=self.cfg.batch_invariant, pipeline=self.cfg.pipeline,
+                                      llm_sm_carveout=self.cfg.llm_sm_carveout)
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)

@@ -58,11 +58,28 @@ def join(side_stream: torch.cuda.Stream | None) -> None:
         torch.cuda.current_stream().wait_stream(side_stream)
 
 
+@contextlib.contextmanager
+def sm_carveout(sms: int):
+    """cuBLASLt GEMMs queued inside target all SMs but `sms` (torch's SM carveout), so that kernels of
+    the step's other streams find SMs free while they run; captured, the GEMMs keep that launch shape.
+    Another SM target can make cuBLASLt pick another kernel, and so round differently: a step's outputs
+    are comparable bit for bit only between steps run with the same carveout. 0: untouched."""
+    if not sms:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, forced_func: torch.Tensor,
                special_ids: torch.Tensor, sampling: bool = True,
                side_stream: torch.cuda.Stream | None = None, speech_slots: torch.Tensor | None = None,
                speech_stream: torch.cuda.Stream | None = None, text_slots: torch.Tensor | None = None,
-               encoder_stream: torch.cuda.Stream | None = None) -> StepOutput:
+               encoder_stream: torch.cuda.Stream | None = None, llm_sm_carveout: int = 0) -> StepOutput:
     """slots [B] int64: each row's call, whose next 80 ms audio [B, 1280] float32 this step hears.
     forced_func [B] int64 (-1 = use the head; else the tool-result token to force, with the text channel
     forced to PAD, spec 3.9). `sampling=False` when the caller knows every row is greedy: the text token is
@@ -87,7 +104,8 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     that half (a call's first steps, its last steps after its input ended, a padding row). The outputs
     belong to the halves' frames: enc and user to `slots`', text, func and top2 to `text_slots`', codes
     and pcm to `speech_slots`'. Their values are the serial step's, one or two steps later
-    (tests/test_pipeline.py)."""
+    (tests/test_pipeline.py). `llm_sm_carveout`: the text half's GEMMs leave that many SMs to the other
+    halves' kernels (`sm_carveout`; engine.llm_sm_carveout)."""
     if speech_slots is not None:
         # gathered on the step's stream before this step writes pending_text below
         speech_text = st.pending_text[speech_slots]
@@ -101,8 +119,9 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
         with branch(encoder_stream):
             enc, heard, user = listen_step(model, st, slots, audio, side_stream)
             st.pending_audio.index_copy_(0, slots, heard)
-    text, func, top2, frame, advance = text_step(model, st, text_slots, a, forced_func, special_ids, sampling,
-                                                 side_stream)
+    with sm_carveout(llm_sm_carveout):
+        text, func, top2, frame, advance = text_step(model, st, text_slots, a, forced_func, special_ids,
+                                                     sampling, side_stream)
     if speech_slots is None:  # serial: the frame and its advance are the text half's own (no second gather)
         codes, pcm = speech_step(model, st, text_slots, text, frame, advance)
     else:

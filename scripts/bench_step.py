@@ -175,12 +175,12 @@ def main(cfg: DictConfig) -> None:
     buckets = buckets_for(cfg.engine.capture_buckets, max_n)
     graphs = StepRunner(model, st, specials, buckets, graphs=cfg.engine.graphs, backend=cfg.engine.graph_backend,
                         greedy_graphs=cfg.engine.greedy_graphs, side_stream=cfg.engine.side_stream,
-                        pipeline=cfg.engine.pipeline)
+                        pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
     # the benchmark's calls are greedy (SamplingParams' default): with engine.greedy_graphs the engine would
     # run them through the greedy-only graphs, so those are what is timed then
     sampling = not cfg.engine.greedy_graphs
     eager = StepRunner(model, st, specials, buckets, graphs=False, side_stream=cfg.engine.side_stream,
-                       pipeline=cfg.engine.pipeline)
+                       pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
     t0 = time.perf_counter()
     graphs.capture()
     capture_s = time.perf_counter() - t0

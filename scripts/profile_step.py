@@ -157,7 +157,7 @@ def main(cfg: DictConfig) -> None:
             greedy = bool(cfg.get("profile_greedy", False))
             runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
                                 side_stream=cfg.engine.side_stream, greedy_graphs=greedy,
-                                pipeline=cfg.engine.pipeline)
+                                pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
             runner.capture()
             step = lambda: runner(slots, audio, forced, sampling=not greedy)  # noqa: E731
         else:
