@@ -107,7 +107,7 @@ class ScriptedRunner:
     """Stands in for graphs.capture.StepRunner: nothing to capture, the step is the script."""
 
     def __init__(self, model, state, specials, buckets, graphs=False, backend=None, greedy_graphs=False,
-                 side_stream=True, pad_eager=False, pipeline=0):
+                 side_stream=True, pad_eager=False, pipeline=0, llm_sm_carveout=0):
         self.model = model
 
     def capture(self) -> None:   # (engine.start calls this before serving)
