@@ -90,10 +90,13 @@ def test_openai_sdk_call(tiny):
     assert "input_audio_buffer.drained" in kinds
 
 
-def test_sixteen_paced_calls_and_uploads(tiny):
+@pytest.mark.parametrize("pipeline", [0, 2])
+def test_sixteen_paced_calls_and_uploads(tiny, pipeline):
+    """Also two deep (engine.pipeline=2): every frame of every call arrives, in order, and every call ends
+    completed, with frames in flight drained at each call's end."""
     clip = tiny[3]
     n_live, n_up = 16, 2
-    srv = serve(tiny, max_calls=n_live + n_up)
+    srv = serve(tiny, max_calls=n_live + n_up, pipeline=pipeline)
     lens = [int((0.8 + 0.04 * i) * 16000) for i in range(n_live + n_up)]
 
     async def live(i):
