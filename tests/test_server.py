@@ -530,6 +530,10 @@ def test_prompt_longer_than_the_limit_is_refused_when_it_is_set(server, tok):
 def test_native_ws(server, tok):
     srv, model = server()
     model.text[9] = scripted(tok, say="hi")
+    # Steps slow enough that the call still has frames to step when the audio after end_input arrives: had
+    # the engine stepped them all and ended the call first, the server would close the socket without
+    # reading that audio, and the append_after_end error below would never come (seen once in CI).
+    model.step_s = 0.05
 
     async def go():
         async with aiohttp.ClientSession() as http:
