@@ -88,10 +88,20 @@ def mark_static_inputs(state, specials: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(specials)
 
 
-def check_sm_carveout(sms, device: torch.device) -> int:
-    """engine.llm_sm_carveout as an int, or a ValueError naming its bounds (0 .. the device's SMs - 1)."""
-    sms = int(sms)
+def check_sm_carveout(sms, device: torch.device, pipeline: int = 0, hand_run: bool = True) -> int:
+    """engine.llm_sm_carveout as an int, or a ValueError naming its bounds (0 .. the device's SMs - 1).
+    "auto": half the device's SMs where the step is two deep on CUDA and captured by hand or eager (the
+    only steps whose GEMMs can take a carveout: StepRunner), else 0. Half because on the H200 (132 SMs)
+    64, 80 and 96 gave the same step, 13.37-13.56 ms at N=32 against 13.93-14.05 without, 48 and less
+    less; one deep and serial it neither helped nor hurt (docs/performance.md, session 21)."""
     total = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    if sms == "auto":
+        usable = total is not None and pipeline == 2 and hand_run and hasattr(torch._C, "_set_sm_carveout_experimental")
+        return total // 2 if usable else 0
+    try:
+        sms = int(sms)
+    except (TypeError, ValueError):
+        raise ValueError(f"engine.llm_sm_carveout must be auto or an int, got {sms!r}") from None
     if sms < 0 or (total is not None and sms >= total):
         raise ValueError(f"engine.llm_sm_carveout must be 0 .. {total - 1 if total else 'the SMs - 1'}, got {sms}")
     if sms and not hasattr(torch._C, "_set_sm_carveout_experimental"):
@@ -111,7 +121,7 @@ class StepRunner:
 
     def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
-                 side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0, llm_sm_carveout: int = 0):
+                 side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0, llm_sm_carveout: int | str = 0):
         self.model, self.state, self.specials = model, state, specials
         # pipeline (engine.pipeline): 1, each step's speech half is that of the rows' previous frames
         # (frame_step's speech_slots); 2, also its text half (text_slots), the speech half two frames back.
@@ -154,7 +164,8 @@ class StepRunner:
         self.encoder_stream = torch.cuda.Stream(self.device) if streams and self.pipeline == 2 else None
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        self.llm_sm_carveout = check_sm_carveout(llm_sm_carveout, self.device)
+        self.llm_sm_carveout = check_sm_carveout(llm_sm_carveout, self.device, self.pipeline,
+                                                 hand_run=not self.graphs or backend.startswith("cudagraph-"))
         if self.llm_sm_carveout and self.graphs and backend in ("reduce-overhead", "cudagraph"):
             # a process-wide setting flipped around part of the step: nothing torch.compile can trace
             raise ValueError("engine.llm_sm_carveout works with the hand capture (cudagraph-eager, cudagraph-regions) "

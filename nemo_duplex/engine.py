@@ -95,11 +95,11 @@ class EngineConfig:
     # that many more steps for its last frames. false / true = 0 / 1.
     pipeline: int = 0
     # SMs the text half's cuBLASLt GEMMs (the LLM's, the heads') leave free for the other halves' kernels
-    # (frame_step.sm_carveout), for pipelined steps, where the speech half's chain beside the LLM is the
-    # critical path. A lead, not yet measured against its own baseline: two deep, N=32, one lease without
-    # a k = 0 run: 13.98 / 13.86 / 13.77 ms for 8 / 16 / 32 against 13.96-14.04 on other leases
-    # (docs/performance.md, session 20). 0: off.
-    llm_sm_carveout: int = 0
+    # (frame_step.sm_carveout), where the speech half's chain beside the LLM is the step's critical path.
+    # "auto": half the SMs two deep with the hand capture or eager steps, else 0 (graphs/capture.py
+    # check_sm_carveout). H200, two deep, N = 1 / 32 / 64 / 128: 7.10 / 13.99 / 22.04 / 37.24 ms without,
+    # 6.82 / 13.46 / 21.17 / 36.37 with 64 (docs/performance.md, session 21). 0: off.
+    llm_sm_carveout: int | str = "auto"
     # Every step runs one row count: only the capture bucket that covers max_calls (or the largest
     # configured), eager steps padded to it too. Then a call's output never depends on which calls share
     # its step, bit for bit, also in bf16 on the GPU, where with several buckets cuBLASLt's split-K and

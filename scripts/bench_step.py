@@ -218,6 +218,7 @@ def main(cfg: DictConfig) -> None:
     result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
               "copy_bandwidth_GBps": bw / 1e9, "bf16_gemm_TFLOPs": flops / 1e12,
               "capture_s": capture_s, "backend": cfg.engine.graph_backend, "graphs": graphs.graphs,
+              "pipeline": graphs.pipeline, "llm_sm_carveout": graphs.llm_sm_carveout,
               "regions": {r.name: r.failed or "compiled" for r in graphs.regions},
               "buckets": buckets, "dtype": b.dtype, "rows": rows,
               "config": OmegaConf.to_container(cfg, resolve=True)}
@@ -225,7 +226,8 @@ def main(cfg: DictConfig) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"bench_step_{int(time.time())}.json").write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s, capture {capture_s:.0f} s "
-          f"({cfg.engine.graph_backend}), weights {wbytes / 2**30:.1f} GiB, read per step {read_fixed / 2**30:.2f} GiB "
+          f"({cfg.engine.graph_backend}, pipeline {graphs.pipeline}, LLM SM carveout {graphs.llm_sm_carveout}), "
+          f"weights {wbytes / 2**30:.1f} GiB, read per step {read_fixed / 2**30:.2f} GiB "
           f"+ {read_per_call / 2**10:.0f} KiB per call")
     for r in graphs.regions:
         print(f"region {r.name}: {'compiled' if r.failed is None else 'eager after a failed compile: ' + r.failed}")

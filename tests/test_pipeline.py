@@ -181,6 +181,35 @@ def test_sm_carveout_bounds(tiny):
     with pytest.raises(ValueError, match="not engine.graph_backend=reduce-overhead"):
         StepRunner(model, st, specials, [1], graphs=True, backend="reduce-overhead", llm_sm_carveout=8)
     assert StepRunner(model, st, specials, [1], graphs=False, llm_sm_carveout="8").llm_sm_carveout == 8
+    with pytest.raises(ValueError, match="must be auto or an int, got 'half'"):
+        StepRunner(model, st, specials, [1], graphs=False, llm_sm_carveout="half")
+    # "auto" on the CPU: no SMs to leave, whatever the depth
+    assert StepRunner(model, st, specials, [1], graphs=False, pipeline=2, llm_sm_carveout="auto").llm_sm_carveout == 0
+
+
+def test_sm_carveout_auto_is_half_the_sms_two_deep_only(monkeypatch):
+    """"auto" resolves to half the device's SMs only where a carveout is both usable and measured to help:
+    two deep, steps captured by hand or eager, torch with the carveout; else 0. Explicit values are
+    checked against the device's SM count."""
+    from types import SimpleNamespace
+
+    import torch._C as C
+
+    from graphs.capture import check_sm_carveout
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(C, "_set_sm_carveout_experimental", lambda v: None, raising=False)
+    cuda = torch.device("cuda")
+    assert check_sm_carveout("auto", cuda, pipeline=2, hand_run=True) == 66
+    assert check_sm_carveout("auto", cuda, pipeline=1, hand_run=True) == 0
+    assert check_sm_carveout("auto", cuda, pipeline=0, hand_run=True) == 0
+    assert check_sm_carveout("auto", cuda, pipeline=2, hand_run=False) == 0   # reduce-overhead: no carveout
+    assert check_sm_carveout(131, cuda) == 131
+    with pytest.raises(ValueError, match=r"must be 0 \.\. 131, got 132"):
+        check_sm_carveout(132, cuda)
+    monkeypatch.delattr(C, "_set_sm_carveout_experimental")
+    assert check_sm_carveout("auto", cuda, pipeline=2, hand_run=True) == 0
+    with pytest.raises(ValueError, match="needs torch's SM carveout"):
+        check_sm_carveout(8, cuda)
 
 
 def test_pipeline_depth_out_of_range_is_refused(tiny):
@@ -213,14 +242,14 @@ def test_pipelined_engine_runs_a_late_frames_speech_alone(tiny, example_clip, de
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("depth, carveout", [(1, 0), (2, 0), (2, 16)])
+@pytest.mark.parametrize("depth, carveout", [(1, 0), (2, 0), (2, "auto")])
 def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, depth, carveout):
     """On CUDA the pipelined step's halves run on their own streams inside the captured graph
     (graphs/capture.py, cudagraph-eager): the speech half beside the step's stream, and two deep the
     listening half too. A missed ordering between the streams would show here as tokens, codes or PCM
     that differ from the serial eager step's (same bucket rows on both sides, fp32 tiny model; compared bit
-    for bit over 12 frames of 3 calls). With engine.llm_sm_carveout on both sides too (the same SM target,
-    so the same GEMM kernels)."""
+    for bit over 12 frames of 3 calls). With engine.llm_sm_carveout "auto" (half the SMs, two deep) on both
+    sides too (the same SM target, so the same GEMM kernels)."""
     import copy
 
     from graphs.capture import StepRunner
@@ -234,9 +263,12 @@ def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, depth, carveout)
     for st in states:
         for s in range(n_calls):
             admit(model, st, s, None, 60 + s, sampling)
-    serial = StepRunner(model, states[0], specials, [ROWS], graphs=False, pad_eager=True, llm_sm_carveout=carveout)
     piped = StepRunner(model, states[1], specials, [ROWS], graphs=True, backend="cudagraph-eager", pipeline=depth,
                        llm_sm_carveout=carveout)
+    assert (piped.llm_sm_carveout > 0) == (carveout == "auto")  # two deep, hand capture: half the SMs
+    # the serial side with the SM target the pipelined step resolved ("auto" would be 0 there)
+    serial = StepRunner(model, states[0], specials, [ROWS], graphs=False, pad_eager=True,
+                        llm_sm_carveout=piped.llm_sm_carveout)
     assert piped.speech_stream is not None and (piped.encoder_stream is not None) == (depth == 2)
     piped.capture()
     sink = states[1].sink
