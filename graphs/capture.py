@@ -248,8 +248,8 @@ class StepRunner:
                 torch.cuda.synchronize()
             self.capture_seconds[b] = time.perf_counter() - t0
             replays = ", ".join("%.1f / %.1f" % self.replay_ms[(b, v)] for v in self.variants if (b, v) in self.replay_ms)
-            log.info("captured bucket %d (%s) in %.1f s; first / second replay %s ms", b, self.backend,
-                     self.capture_seconds[b], replays or "-")
+            log.info("captured bucket %d (%s, pipeline %d, LLM SM carveout %d) in %.1f s; first / second replay %s ms",
+                     b, self.backend, self.pipeline, self.llm_sm_carveout, self.capture_seconds[b], replays or "-")
             if self.backend == "reduce-overhead" and self.device.type == "cuda" and cudagraph_skips() > skips:
                 raise RuntimeError(f"engine.graph_backend=reduce-overhead recorded no CUDA graph for bucket {b} "
                                    "(torch.compile skipped it; TORCH_LOGS=cudagraphs says why)")
