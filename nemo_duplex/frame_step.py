@@ -99,7 +99,8 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     - two deep (`text_slots` given too): the text half is that of the frame heard in the previous step,
       whose projected encoder frame that step left in `st.pending_audio`, and the speech half that of the
       frame heard two steps ago. The listening half runs on `encoder_stream`, so the encoder is off the
-      step's critical path: 14.79 -> 14.04 ms on one lease (session 20).
+      step's critical path: 14.79 -> 14.04 ms on one lease (session 20), 13.4-13.6 with the text half's
+      GEMMs leaving half the SMs to the talker (engine.llm_sm_carveout=auto, session 21).
     A row's entry in `slots`, `text_slots` or `speech_slots` is the sink where its call has no frame for
     that half (a call's first steps, its last steps after its input ended, a padding row). The outputs
     belong to the halves' frames: enc and user to `slots`', text, func and top2 to `text_slots`', codes
