@@ -88,7 +88,7 @@ def mark_static_inputs(state, specials: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(specials)
 
 
-def check_sm_carveout(sms, device: torch.device, pipeline: int = 0, hand_run: bool = True) -> int:
+def check_sm_carveout(sms, device: torch.device, pipeline: int = 0, takes_carveout: bool = True) -> int:
     """engine.llm_sm_carveout as an int, or a ValueError naming its bounds (0 .. the device's SMs - 1).
     "auto": half the device's SMs where the step is two deep on CUDA and captured by hand or eager (the
     only steps whose GEMMs can take a carveout: StepRunner), else 0. Half because on the H200 (132 SMs)
@@ -96,7 +96,8 @@ def check_sm_carveout(sms, device: torch.device, pipeline: int = 0, hand_run: bo
     less; one deep and serial it neither helped nor hurt (docs/performance.md, session 21)."""
     total = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
     if sms == "auto":
-        usable = total is not None and pipeline == 2 and hand_run and hasattr(torch._C, "_set_sm_carveout_experimental")
+        usable = (total is not None and pipeline == 2 and takes_carveout
+                  and hasattr(torch._C, "_set_sm_carveout_experimental"))
         return total // 2 if usable else 0
     try:
         sms = int(sms)
@@ -164,10 +165,11 @@ class StepRunner:
         self.encoder_stream = torch.cuda.Stream(self.device) if streams and self.pipeline == 2 else None
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        self.llm_sm_carveout = check_sm_carveout(llm_sm_carveout, self.device, self.pipeline,
-                                                 hand_run=not self.graphs or backend.startswith("cudagraph-"))
-        if self.llm_sm_carveout and self.graphs and backend in ("reduce-overhead", "cudagraph"):
-            # a process-wide setting flipped around part of the step: nothing torch.compile can trace
+        # the carveout is a process-wide setting flipped around the text half while it is queued: eager steps
+        # and the hand capture of them take it, nothing torch.compile traces (reduce-overhead, cudagraph)
+        takes_carveout = not self.graphs or backend in ("cudagraph-eager", "cudagraph-regions")
+        self.llm_sm_carveout = check_sm_carveout(llm_sm_carveout, self.device, self.pipeline, takes_carveout)
+        if self.llm_sm_carveout and not takes_carveout:
             raise ValueError("engine.llm_sm_carveout works with the hand capture (cudagraph-eager, cudagraph-regions) "
                              f"or eager steps, not engine.graph_backend={backend}")
         if self.graphs and backend == "cudagraph-eager":

@@ -199,15 +199,15 @@ def test_sm_carveout_auto_is_half_the_sms_two_deep_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(C, "_set_sm_carveout_experimental", lambda v: None, raising=False)
     cuda = torch.device("cuda")
-    assert check_sm_carveout("auto", cuda, pipeline=2, hand_run=True) == 66
-    assert check_sm_carveout("auto", cuda, pipeline=1, hand_run=True) == 0
-    assert check_sm_carveout("auto", cuda, pipeline=0, hand_run=True) == 0
-    assert check_sm_carveout("auto", cuda, pipeline=2, hand_run=False) == 0   # reduce-overhead: no carveout
+    assert check_sm_carveout("auto", cuda, pipeline=2, takes_carveout=True) == 66
+    assert check_sm_carveout("auto", cuda, pipeline=1, takes_carveout=True) == 0
+    assert check_sm_carveout("auto", cuda, pipeline=0, takes_carveout=True) == 0
+    assert check_sm_carveout("auto", cuda, pipeline=2, takes_carveout=False) == 0   # reduce-overhead: no carveout
     assert check_sm_carveout(131, cuda) == 131
     with pytest.raises(ValueError, match=r"must be 0 \.\. 131, got 132"):
         check_sm_carveout(132, cuda)
     monkeypatch.delattr(C, "_set_sm_carveout_experimental")
-    assert check_sm_carveout("auto", cuda, pipeline=2, hand_run=True) == 0
+    assert check_sm_carveout("auto", cuda, pipeline=2, takes_carveout=True) == 0
     with pytest.raises(ValueError, match="needs torch's SM carveout"):
         check_sm_carveout(8, cuda)
 
