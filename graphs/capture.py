@@ -92,8 +92,8 @@ def check_sm_carveout(sms, device: torch.device, pipeline: int = 0, takes_carveo
     """engine.llm_sm_carveout as an int, or a ValueError naming its bounds (0 .. the device's SMs - 1).
     "auto": half the device's SMs where the step is two deep on CUDA and captured by hand or eager (the
     only steps whose GEMMs can take a carveout: StepRunner), else 0. Half because on the H200 (132 SMs)
-    64, 80 and 96 gave the same step, 13.37-13.56 ms at N=32 against 13.93-14.05 without, 48 and less
-    less; one deep and serial it neither helped nor hurt (docs/performance.md, session 21)."""
+    64, 80 and 96 gave the same step, 13.37-13.56 ms at N=32 against 13.93-14.05 without, and 16-48 SMs
+    gained less; one deep and serial it neither helped nor hurt (docs/performance.md, session 21)."""
     total = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
     if sms == "auto":
         usable = (total is not None and pipeline == 2 and takes_carveout
