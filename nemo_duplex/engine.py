@@ -554,12 +554,16 @@ class Engine:
         # calls: 1.0 ms per step frame by frame, 0.15 ms batched)
         pcm16 = to_pcm16(pcm)
         sent = time.monotonic()
+
+        def hand_out(call: Call, frame: InFlight, i: int) -> None:
+            """The frame's event, whole now that its speech half ran in row i."""
+            call.frames_out += 1
+            call.on_event(FrameEvent(call.id, frame.frame, frame.text, frame.func, pcm[i], frame.user, frame.top2,
+                                     codes[i], frame.ready_at, sent, pcm16[i].tobytes()))
         for i, (call, frame_audio, ready, forced_i) in enumerate(batch):
             if speech is not None and speech[i] != sink:   # a frame's speech: its event is whole now
                 due, call._speech_due = call._speech_due, None
-                call.frames_out += 1
-                call.on_event(FrameEvent(call.id, due.frame, due.text, due.func, pcm[i], due.user, due.top2,
-                                         codes[i], due.ready_at, sent, pcm16[i].tobytes()))
+                hand_out(call, due, i)
             heard = None
             if frame_audio is not None:
                 heard = InFlight(call.frames_stepped, ready, sent, [t for t in user[i] if t >= 0], forced_i)
@@ -574,9 +578,7 @@ class Engine:
             if depth >= 1:
                 call._speech_due = spoken
                 continue
-            call.frames_out += 1
-            call.on_event(FrameEvent(call.id, spoken.frame, spoken.text, spoken.func, pcm[i], spoken.user,
-                                     spoken.top2, codes[i], ready, sent, pcm16[i].tobytes()))
+            hand_out(call, spoken, i)
         done = time.perf_counter()
         self._last_step = (started, done - t0)
         self.stats.record_step(n, done - t0, gather=t0 - gathered, prep=launched - t0, device=waited - launched,
