@@ -1,7 +1,7 @@
-"""The correctness gate (issue 6): one command says whether a build, a config or a checkpoint is still right.
+"""The correctness gate: one command says whether a build, a config or a checkpoint is still right.
 
     python eval/gate.py                                   # rows and criteria of conf/eval/gate.yaml
-    python eval/gate.py checkpoint=<dir> eval.checkpoint_kind=trained eval.asr.backend=whisper eval.asr.model_path=<m>
+    python eval/gate.py checkpoint=<dir or repo id> eval.asr.backend=whisper eval.asr.model_path=<m>
     python eval/gate.py eval.only_clips=[question_capital,noise_white] wandb.mode=disabled
     python eval/gate.py device=cuda model=nemotron_duplex checkpoint=<dir> eval.models.max_seconds=null
 
@@ -230,20 +230,15 @@ def run_rows(rows: list[Row], criteria: Criteria, ctx: GateContext, run_name: st
 # Entry point
 
 
-def resolve_checkpoint_kind(kind: str, weights: str | None, checkpoint: str | None) -> str:
-    """auto -> random when model.weights=random, when no checkpoint is given (conf/config.yaml: the
-    seeded tiny model is generated), or when the checkpoint's config.json has "random_weights": true
-    (what scripts/make_checkpoint.py is asked to write); trained otherwise."""
+def resolve_checkpoint_kind(kind: str, random_weights: bool) -> str:
+    """auto -> random when the weights are noise by construction (runtime.ResolvedModel.random_weights:
+    model.weights=random, the embedded tiny checkpoint, or a checkpoint whose config.json has
+    "random_weights": true, as scripts/make_checkpoint.py writes); trained otherwise."""
     if kind in ("random", "trained"):
         return kind
     if kind != "auto":
         raise ValueError(f"eval.checkpoint_kind must be auto, random or trained, not {kind!r}")
-    if weights == "random" or not checkpoint:
-        return "random"
-    config_json = Path(checkpoint) / "config.json"
-    if config_json.exists() and json.loads(config_json.read_text()).get("random_weights", False):
-        return "random"
-    return "trained"
+    return "random" if random_weights else "trained"
 
 
 def prepare_clips(clips_cfg: dict, out_dir: Path, only: list[str] | None) -> list[Clip]:
@@ -268,20 +263,24 @@ def streaming_reply(models: ModelSet, clip: Clip, seed: int = 0) -> AgentReply:
 
 
 def gate_main(cfg, respond: Callable[[Clip], AgentReply] | None = None, show_progress: bool = True,
-              models: ModelSet | None = None) -> int:
-    """The gate on a composed config (the `eval`, `wandb`, `model` and `checkpoint` nodes of
-    conf/config.yaml). Returns the exit status. The models are loaded from `cfg` when a row first
-    needs them, unless given (`models`); agent replies come from `respond`, by default the configured
-    model streaming each clip."""
+              models: ModelSet | None = None, overrides: list[str] | None = None) -> int:
+    """The gate on a composed config (conf/gate.yaml; schema eval/settings.py GateApp). Returns the exit
+    status. The checkpoint is resolved first (a missing one fails here, in seconds); the models are loaded
+    from `cfg` when a row first needs them, unless given (`models`); agent replies come from `respond`, by
+    default the configured model streaming each clip. `overrides`: the command line's (runtime.load)."""
     from omegaconf import OmegaConf
+
+    from nemo_duplex import runtime
 
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
     criteria = freeze(ev["criteria"])  # read once; rows only ever see read-only views
     rows = select_rows(ev["rows"], criteria)
     out_dir = Path(ev["out_dir"]) if ev.get("out_dir") else _hydra_run_dir()
     run_name = f"gate-{out_dir.parent.name}-{out_dir.name}"
-    kind = resolve_checkpoint_kind(ev["checkpoint_kind"], OmegaConf.select(cfg, "model.weights"),
-                                   OmegaConf.select(cfg, "checkpoint"))
+    resolved = runtime.resolve_model(cfg, overrides)
+    print(runtime.summary(cfg, resolved, "gate"), flush=True)
+    runtime.write_settings(out_dir, cfg, resolved)
+    kind = resolve_checkpoint_kind(ev["checkpoint_kind"], resolved.random_weights)
     clips = prepare_clips(ev["clips"], out_dir, ev.get("only_clips"))
     settings = freeze(ev["models"])
     device = str(OmegaConf.select(cfg, "device", default="cpu"))
@@ -294,12 +293,13 @@ def gate_main(cfg, respond: Callable[[Clip], AgentReply] | None = None, show_pro
     ctx = GateContext(clips=clips, out_dir=out_dir, checkpoint_kind=kind, asr_backend=ev["asr"]["backend"],
                       asr_model_path=ev["asr"]["model_path"], respond=respond, show_progress=show_progress,
                       load_models=(lambda: models) if models is not None else
-                      (lambda: load_model_set(cfg, settings["bf16_dtype"])),
+                      (lambda: load_model_set(cfg, settings["bf16_dtype"], resolved)),
                       settings=settings)
     if ctx.respond is None:
         ctx.respond = lambda clip: streaming_reply(ctx.models(), clip, int(settings.get("seed", 0)))
     config = {"eval": ev, "checkpoint": OmegaConf.select(cfg, "checkpoint"),
-              "model": OmegaConf.select(cfg, "model.name"), "checkpoint_kind": kind,
+              "weights": resolved.source.describe() if resolved.source is not None else "random",
+              "model": resolved.cfg.name, "checkpoint_kind": kind,
               "clips": [{"name": c.name, "kind": c.kind, "sha256": c.sha256} for c in clips]}
     report, samples = run_rows(rows, criteria, ctx, run_name, config, ev["audio_samples"])
     print(format_table(report))
@@ -317,19 +317,26 @@ def _hydra_run_dir() -> Path:
 
 
 def row_app(row: str | None = None) -> None:
-    """The gate as a Hydra app (conf/config.yaml): every configured row, or only `row` (how each row
+    """The gate as a Hydra app (conf/gate.yaml): every configured row, or only `row` (how each row
     module runs alone: `python eval/margins.py ...`). Exits with the gate's status."""
     import hydra
-    from omegaconf import open_dict
 
+    from eval.settings import register
+    from nemo_duplex import runtime
+
+    register()
     conf = Path(__file__).resolve().parents[1] / "conf"  # absolute: the caller may be another module
 
-    @hydra.main(version_base="1.3", config_path=str(conf), config_name="config")
+    @hydra.main(version_base="1.3", config_path=str(conf), config_name="gate")
     def main(cfg) -> None:
         if row is not None:
-            with open_dict(cfg):
-                cfg.eval.rows = [row]
-        sys.exit(gate_main(cfg))
+            if any(o.split("=")[0] == "eval.rows" for o in runtime.cli_overrides()):
+                raise SystemExit(f"eval/{row}.py runs the {row} row only; eval.rows would be ignored "
+                                 "(use eval/gate.py for a choice of rows)")
+            cfg.eval.rows = [row]
+        with runtime.refusals("gate"):
+            status = gate_main(cfg)
+        sys.exit(status)
 
     main()
 

@@ -65,16 +65,17 @@ class ModelSet:
         return ModelSet(fp32=fp32, bf16=bf16, configured=configured, tokenizer=tokenizer, rnnt_vocab=rnnt_vocab)
 
 
-def load_model_set(cfg, bf16_dtype: dict) -> ModelSet:
-    """Load the configured checkpoint (runtime.load) in fp32, whatever the config's dtypes: the
-    yardstick must come from the checkpoint's own fp32 weights, not from a bf16 round trip."""
-    from omegaconf import OmegaConf
-
+def load_model_set(cfg, bf16_dtype: dict, resolved=None) -> ModelSet:
+    """Load the configured checkpoint (runtime.load; `resolved` when the caller resolved it already) in
+    fp32, whatever the config's dtypes: the yardstick must come from the checkpoint's own fp32 weights,
+    not from a bf16 round trip."""
     from nemo_duplex import runtime
+    from nemo_duplex.config import DtypeConfig
 
-    configured_dtype = OmegaConf.to_container(cfg.model.dtype, resolve=True) if "dtype" in cfg.model else {}
-    cfg32 = OmegaConf.merge(cfg, {"model": {"dtype": FP32}})
-    fp32, tokenizer, rnnt_vocab, _ = runtime.load(cfg32)
+    resolved = resolved or runtime.resolve_model(cfg)
+    configured_dtype = dataclasses.asdict(resolved.cfg.dtype)
+    fp32_only = dataclasses.replace(resolved, cfg=dataclasses.replace(resolved.cfg, dtype=DtypeConfig()))
+    fp32, tokenizer, rnnt_vocab, _ = runtime.load(cfg, resolved=fp32_only)
     return ModelSet.from_fp32(fp32, tokenizer, rnnt_vocab, bf16_dtype, configured_dtype)
 
 

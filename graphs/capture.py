@@ -139,6 +139,8 @@ class StepRunner:
             raise ValueError(f"engine.capture_buckets must be positive sizes, got {buckets}")
         self.device = state.llm_len.device
         # "auto": captured on CUDA (the serving path), eager on the CPU (no graphs there)
+        if graphs not in ("auto", True, False):
+            raise ValueError(f"engine.graphs must be auto, true or false, got {graphs!r}")
         self.graphs = self.device.type == "cuda" if graphs == "auto" else bool(graphs)
         self.backend = backend
         self.sink = state.sink

@@ -314,10 +314,13 @@ def _read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def config_from_official(official: dict, ckpt_dir: str | Path, base: ModelConfig) -> ModelConfig:
+def config_from_official(official: dict, ckpt_dir: str | Path, base: ModelConfig,
+                         llm_config_json: str | Path | None = None) -> ModelConfig:
     """Inverse of `official_config`. What config.json does not carry (dtypes, front-end variant,
     `weights`, RNN-T... defaults that are absent) keeps `base`'s values. LLM dims come from
-    `<ckpt_dir>/<pretrained_llm>/config.json` if that exists, else Nemotron-Nano-9B-v2's (spec 12.4).
+    `llm_config_json` when given (the HF config of `pretrained_llm`, found through the hub:
+    hub.find_file), else `<ckpt_dir>/<pretrained_llm>/config.json` if that exists, else
+    Nemotron-Nano-9B-v2's (spec 12.4).
     `cas.num_chars` and (when config.json does not name it) the speaker come from the safetensors
     header when the weights are there."""
     ckpt_dir = Path(ckpt_dir)
@@ -366,7 +369,7 @@ def config_from_official(official: dict, ckpt_dir: str | Path, base: ModelConfig
 
     # LLM (spec 12.4): dims from the named local HF dir, else the built-in Nano-9B-v2 dims.
     pretrained_llm = stt.get("pretrained_llm", base.pretrained_llm)
-    llm_json = ckpt_dir / pretrained_llm / "config.json"
+    llm_json = Path(llm_config_json) if llm_config_json is not None else ckpt_dir / pretrained_llm / "config.json"
     llm = llm_config_from_hf(_read_json(llm_json)) if llm_json.is_file() else LLMConfig()
     if "use_function_head" in stt:
         use_function_head = bool(stt["use_function_head"])
@@ -749,47 +752,83 @@ def _token_ids(cfg: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
     return replace(cfg, tokens=replace(t, **ids))
 
 
-def _find_tokenizer(ckpt_dir: Path, tokenizer_path) -> Path:
-    beside = ckpt_dir / "tokenizer.json"
-    candidates = ([Path(tokenizer_path)] if tokenizer_path else []) + [beside]
-    for c in candidates:
+def find_tokenizer(ckpt_dir: Path, tokenizer: str | Path | None, pretrained_llm: str) -> Path:
+    """The LLM's tokenizer.json: `tokenizer` (a file, a directory holding one, or a repo id) when given;
+    else beside the checkpoint; else that of `pretrained_llm` (a directory relative to the checkpoint, or
+    a repo id through the hub's cache: the release does not ship it, spec 3.8)."""
+    from .hub import describe_search, find_file, is_repo_id
+
+    looked = []
+    if tokenizer:
+        c = Path(tokenizer).expanduser()
         c = c / "tokenizer.json" if c.is_dir() else c
         if c.is_file():
             return c
+        if is_repo_id(str(tokenizer)) and (found := find_file("tokenizer.json", ckpt_dir, str(tokenizer))):
+            return found
+        raise CheckpointError(f"tokenizer={tokenizer}: not a tokenizer.json file, a directory holding one, or a "
+                              f"repo id with one (looked for {describe_search('tokenizer.json', Path('.'), str(tokenizer))})")
+    beside = ckpt_dir / "tokenizer.json"
+    if beside.is_file():
+        return beside
+    looked.append(str(beside))
+    found = find_file("tokenizer.json", ckpt_dir, pretrained_llm)
+    if found is not None:
+        return found
+    looked.append(describe_search("tokenizer.json", ckpt_dir, pretrained_llm))
     raise CheckpointError(
-        f"no LLM tokenizer: looked for {tokenizer_path or '(tokenizer=null)'} and {beside}. The release "
-        "checkpoint does not ship it (spec 3.8): use tokenizer.json of nvidia/NVIDIA-Nemotron-Nano-9B-v2 "
-        "(set tokenizer=<path> or copy it beside model.safetensors).")
+        f"no LLM tokenizer: looked for {' and '.join(looked)}. The release checkpoint does not ship it "
+        f"(spec 3.8): it is tokenizer.json of {pretrained_llm} (set tokenizer=<file, dir or repo id>, or copy it "
+        "beside model.safetensors).")
 
 
-def load_model(ckpt_dir: str | Path, base: ModelConfig, device: str | torch.device = "cpu",
-               tokenizer_path: str | Path | None = None):
-    """(VoiceChat, Tokenizer, RNNTVocab | None, ModelConfig) from a checkpoint directory. The config
-    comes from its config.json (fields it lacks from `base`); dimensions are checked against the tensor
-    shapes before anything is allocated; then a strict load."""
+def load_weights(ckpt_dir: str | Path, cfg: ModelConfig, device: str | torch.device = "cpu",
+                 tokenizer: str | Path | None = None):
+    """(VoiceChat, Tokenizer, RNNTVocab | None, ModelConfig) for `cfg`, the checkpoint's own configuration
+    (config_from_official, possibly with generation settings changed): dimensions are checked against
+    the tensor shapes before anything is allocated; then a strict load."""
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / "config.json").is_file():
-        raise CheckpointError(f"no config.json in {ckpt_dir}")
-    cfg = config_from_official(_read_json(ckpt_dir / "config.json"), ckpt_dir, base)
     check_dimensions(cfg, tensor_shapes(ckpt_dir))
-    tokenizer = Tokenizer.from_file(_find_tokenizer(ckpt_dir, tokenizer_path))
-    cfg = _token_ids(cfg, tokenizer)
+    tok = Tokenizer.from_file(find_tokenizer(ckpt_dir, tokenizer, cfg.pretrained_llm))
+    cfg = _token_ids(cfg, tok)
     rnnt_json = ckpt_dir / "rnnt_tokenizer" / "vocab.json"
     rnnt_vocab = RNNTVocab.from_file(rnnt_json) if cfg.rnnt.present and rnnt_json.is_file() else None
 
     model = build_empty_model(cfg, device)
     # tokenizer tables first, then the checkpoint: its stored continuation/BOS-EOS flag buffers are what
     # the model was trained with and win over the ones recomputed from the tokenizer
-    model.set_vocab(tokenizer)
+    model.set_vocab(tok)
     load_state(model, ckpt_dir)
-    return model, tokenizer, rnnt_vocab, cfg
+    return model, tok, rnnt_vocab, cfg
+
+
+def read_config(ckpt_dir: str | Path, base: ModelConfig) -> ModelConfig:
+    """The checkpoint's configuration: its config.json over `base` (config_from_official), with the LLM's
+    HF config found through `pretrained_llm` (a local directory or the hub's cache)."""
+    from .hub import find_file
+
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "config.json").is_file():
+        raise CheckpointError(f"no config.json in {ckpt_dir}")
+    official = _read_json(ckpt_dir / "config.json")
+    pretrained_llm = official.get("model", {}).get("stt", {}).get("model", {}).get("pretrained_llm",
+                                                                                   base.pretrained_llm)
+    return config_from_official(official, ckpt_dir, base, find_file("config.json", ckpt_dir, pretrained_llm))
+
+
+def load_model(ckpt_dir: str | Path, base: ModelConfig, device: str | torch.device = "cpu",
+               tokenizer_path: str | Path | None = None):
+    """(VoiceChat, Tokenizer, RNNTVocab | None, ModelConfig) from a checkpoint directory. The config
+    comes from its config.json (fields it lacks from `base`)."""
+    return load_weights(ckpt_dir, read_config(ckpt_dir, base), device, tokenizer_path)
 
 
 def write_checkpoint(model: nn.Module, cfg: ModelConfig, out_dir: str | Path, tokenizer: Tokenizer,
-                     rnnt_vocab: RNNTVocab | None, shard_bytes: int | None = None) -> Path:
+                     rnnt_vocab: RNNTVocab | None, shard_bytes: int | None = None, random_weights: bool = False) -> Path:
     """Write the official layout: model.safetensors (or shards + index when shard_bytes is set),
     config.json with `pretrained_llm: llm` and llm/config.json (spec 12.4), tokenizer.json (+
-    tokenizer_config.json), rnnt_tokenizer/{vocab.json, tokenizer_config.json}."""
+    tokenizer_config.json), rnnt_tokenizer/{vocab.json, tokenizer_config.json}. `random_weights` marks
+    config.json (`"random_weights": true`, which the gate reads: eval/gate.py resolve_checkpoint_kind)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = model.state_dict()
@@ -806,14 +845,18 @@ def write_checkpoint(model: nn.Module, cfg: ModelConfig, out_dir: str | Path, to
         (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=1))
 
-    _write_side_files(cfg, out, tokenizer, rnnt_vocab)
+    _write_side_files(cfg, out, tokenizer, rnnt_vocab, random_weights)
     return out
 
 
-def _write_side_files(cfg: ModelConfig, out: Path, tokenizer: Tokenizer, rnnt_vocab: RNNTVocab | None) -> None:
+def _write_side_files(cfg: ModelConfig, out: Path, tokenizer: Tokenizer, rnnt_vocab: RNNTVocab | None,
+                      random_weights: bool = False) -> None:
     """Everything of the official layout but the weights."""
     cfg = replace(cfg, pretrained_llm=LOCAL_LLM_DIR)
-    (out / "config.json").write_text(json.dumps(official_config(cfg), indent=2))
+    official = official_config(cfg)
+    if random_weights:
+        official["random_weights"] = True
+    (out / "config.json").write_text(json.dumps(official, indent=2))
     (out / LOCAL_LLM_DIR).mkdir(exist_ok=True)
     (out / LOCAL_LLM_DIR / "config.json").write_text(json.dumps(hf_llm_config(cfg.llm, cfg.tokens), indent=2))
     tokenizer.save(out / "tokenizer.json")
@@ -908,7 +951,7 @@ def make_random_checkpoint_in_place(cfg: ModelConfig, out_dir: str | Path, seed:
             view(name, t).copy_(t)
     del file  # unmaps; the shared mapping has written every page to the file
     rnnt_vocab = make_tiny_rnnt_vocab(cfg.rnnt.vocab_size) if cfg.rnnt.present else None
-    _write_side_files(cfg, out, tokenizer, rnnt_vocab)
+    _write_side_files(cfg, out, tokenizer, rnnt_vocab, random_weights=True)
     return out
 
 
@@ -924,4 +967,4 @@ def make_random_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0,
     model = VoiceChat(cfg)  # on the CPU, fp32: the checkpoint stores fp32 (spec 6.3)
     _randomise(model, cfg, tokenizer, seed)
     rnnt_vocab = make_tiny_rnnt_vocab(cfg.rnnt.vocab_size) if cfg.rnnt.present else None
-    return write_checkpoint(model, cfg, out_dir, tokenizer, rnnt_vocab, shard_bytes)
+    return write_checkpoint(model, cfg, out_dir, tokenizer, rnnt_vocab, shard_bytes, random_weights=True)

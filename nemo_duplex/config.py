@@ -6,18 +6,23 @@ fill these; a loaded checkpoint overrides them with what its own `config.json` s
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return DTYPES[name]
+def torch_dtype(name: str):
+    """A dtype name (fp32, bf16, fp16) -> the torch dtype. torch is imported here, so that the settings
+    (nemo_duplex/settings.py) import in a fraction of a second: an app refuses bad settings that fast."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_NAMES)}")
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 @dataclass
@@ -226,15 +231,22 @@ class DtypeConfig:
 
     def __post_init__(self):
         for name in ("encoder", "llm", "talker", "codec", "mamba_ssm_state"):
-            torch_dtype(getattr(self, name))
+            if getattr(self, name) not in DTYPE_NAMES:
+                raise ValueError(f"dtype.{name}: unknown dtype {getattr(self, name)!r}; expected one of "
+                                 f"{sorted(DTYPE_NAMES)}")
         if self.codec != "fp32":
             raise ValueError("dtype.codec must be fp32: the codec collapses in bf16 (spec 9.9)")
 
 
 @dataclass
 class ModelConfig:
+    """The release model's dimensions (spec 1-6); conf/model/ presets override them. With a checkpoint, its
+    config.json supplies the architecture and the default generation settings (nemo_duplex/runtime.py)."""
     name: str = "nemotron_duplex"
-    weights: str = "checkpoint"  # "checkpoint" (load checkpoint=<dir>) or "random" (benchmarks)
+    weights: str = "checkpoint"  # "checkpoint" (load `checkpoint=`) or "random" (speed measurements only)
+    # what `checkpoint=` defaults to for this preset: a repo id or directory, or "embedded" (the tiny preset:
+    # the seeded random checkpoint written once under outputs/checkpoints/)
+    default_checkpoint: str = "nvidia/NVIDIA-NemotronLabs-VoiceChat-11B"
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     rnnt: RNNTConfig = field(default_factory=RNNTConfig)
@@ -264,57 +276,28 @@ class ModelConfig:
         return self.talker.prompt_frames(self.target_sample_rate, self.samples_per_frame_out)
 
 
-def model_config_from_dict(d: dict) -> ModelConfig:
-    """Build a ModelConfig from a plain nested dict (Hydra's `model` node after to_container)."""
-    def build(cls, values):
-        if values is None:
-            return cls()
-        kwargs = {}
-        for f in cls.__dataclass_fields__.values():
-            if f.name not in values:
-                continue
-            v = values[f.name]
-            sub = _NESTED.get((cls, f.name))
-            kwargs[f.name] = build(sub, v) if sub is not None else v
-        unknown = set(values) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown fields for {cls.__name__}: {sorted(unknown)}")
-        return cls(**kwargs)
-
-    return build(ModelConfig, d)
+CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
-_NESTED = {
-    (ModelConfig, "frontend"): FrontendConfig,
-    (ModelConfig, "encoder"): EncoderConfig,
-    (ModelConfig, "rnnt"): RNNTConfig,
-    (ModelConfig, "llm"): LLMConfig,
-    (ModelConfig, "talker"): TalkerConfig,
-    (ModelConfig, "codec"): CodecConfig,
-    (ModelConfig, "tokens"): TokenConfig,
-    (ModelConfig, "dtype"): DtypeConfig,
-    (TalkerConfig, "backbone"): GemmaConfig,
-    (TalkerConfig, "cas"): CASConfig,
-    (TalkerConfig, "mog"): MoGConfig,
-}
+def preset(name: str) -> ModelConfig:
+    """A model preset of conf/model/ (its YAML over ModelConfig's defaults, which are the release model's),
+    without Hydra: what `model=<name>` composes. A key the dataclasses do not have is an error."""
+    return copy.deepcopy(_preset(name))
+
+
+@functools.cache
+def _preset(name: str) -> ModelConfig:
+    from omegaconf import OmegaConf
+
+    path = CONF / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"no model preset {name!r}: {path} does not exist "
+                         f"(presets: {sorted(p.stem for p in (CONF / 'model').glob('*.yaml'))})")
+    values = OmegaConf.load(path)
+    values.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
 
 
 def tiny_config() -> ModelConfig:
-    """The embedded tiny configuration: every kind of layer, small dims. Mirrors
-    conf/model/nemotron_duplex_tiny.yaml (a test checks they agree)."""
-    return ModelConfig(
-        name="nemotron_duplex_tiny",
-        encoder=EncoderConfig(n_layers=2, d_model=64, n_heads=4, subsampling_conv_channels=16, output_dim=96),
-        rnnt=RNNTConfig(vocab_size=32, pred_hidden=32, pred_rnn_layers=2, joint_hidden=32),
-        llm=LLMConfig(hidden_size=96, vocab_size=384, hybrid_override_pattern="M-M*-M-*M-",
-                      intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                      mamba_num_heads=8, mamba_head_dim=12, ssm_state_size=16, n_groups=2),
-        talker=TalkerConfig(
-            backbone=GemmaConfig(hidden_size=72, intermediate_size=144, num_hidden_layers=6,
-                                 num_attention_heads=4, num_key_value_heads=4, head_dim=18, sliding_window=48),
-            cas=CASConfig(hidden_size=72, intermediate_size=144, num_attention_heads=4, num_key_value_heads=4,
-                          head_dim=18, num_chars=96),
-            mog=MoGConfig(num_predictions=16, low_rank=8, intermediate_size=144),
-            latent_size=32, num_quantizers=31, codebook_size=64),
-        codec=CodecConfig(base_hidden_size=16, latent_size=32, num_quantizers=31, codebook_size=64),
-    )
+    """The embedded tiny configuration (conf/model/nemotron_duplex_tiny.yaml): every kind of layer, small dims."""
+    return preset("nemotron_duplex_tiny")

@@ -27,6 +27,7 @@ from graphs.capture import step_to_host
 from .audio import to_pcm16
 from .frame_step import admit, special_ids
 from .sampling import SamplingParams
+from .settings import EngineConfig
 from .state import PrefixCache, SlotAllocator, allocate_call_state
 
 
@@ -62,76 +63,7 @@ def device_lost(e: BaseException) -> bool:
     return isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e)
 
 
-# ---- configuration and events -----------------------------------------------------------------------
-# Every 8 calls from 16 to 64, every 16 to 160, every 32 to 256: a batch pads to the next bucket, and with
-# powers of two a batch of 65 ran as 128 (49 ms instead of ~34 on the H200); buckets above engine.max_calls
-# are not captured (graphs/capture.py buckets_for). docs/performance.md "Load" has both sets measured.
-CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
-
-
-@dataclass
-class EngineConfig:
-    max_calls: int = 8
-    max_call_s: float = 160.0          # a call past this many seconds of input ends with reason "limit"
-    max_pending_s: float = 30.0        # input received but not yet stepped, per call
-    max_prompt_tokens: int = 512
-    prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
-    capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
-    graphs: bool | str = "auto"        # "auto": captured on CUDA, eager on the CPU (graphs/capture.py)
-    graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)
-    # Also capture each bucket for batches of greedy calls only (no sort over the vocabulary; greedy is the
-    # default sampling): H200, position 1000, N=32 / 128: -1.0 / -2.8 ms per step, for twice the captures.
-    greedy_graphs: bool = True
-    # Run the step's off-critical-path work (the RNN-T, the text's bookkeeping) on a second CUDA stream,
-    # a parallel branch of each captured graph (frame_step.branch); false = one stream, the plain order.
-    side_stream: bool = True
-    # Pipelined steps (frame_step): 1, a step's talker + codec run for the frame each call heard in its
-    # previous step, on a third CUDA stream beside this step's encoder + LLM; 2, also its LLM for that
-    # frame, and the encoder for the new frame on a fourth stream, the talker + codec two frames back. No
-    # chain of small dependent kernels fills the GPU alone, so beside each other they take less than one
-    # after the other (H200, N=32, position 1000, one lease: 16.98 / 14.79 / 14.04 ms a step for 0 / 1 / 2;
-    # docs/performance.md, session 20). Outputs are the serial step's bit for bit; each frame's event
-    # comes `pipeline` steps later (80 ms more audio latency each), and a call that ends its input takes
-    # that many more steps for its last frames. false / true = 0 / 1.
-    pipeline: int = 0
-    # SMs the text half's cuBLASLt GEMMs (the LLM's, the heads') leave free for the other halves' kernels
-    # (frame_step.sm_carveout), where the speech half's chain beside the LLM is the step's critical path.
-    # "auto": half the SMs two deep with the hand capture or eager steps, else 0 (graphs/capture.py
-    # check_sm_carveout). H200, two deep, N = 1 / 32 / 64 / 128: 7.10 / 13.99 / 22.04 / 37.24 ms without,
-    # 6.82 / 13.46 / 21.17 / 36.37 with 64 (docs/performance.md, session 21). 0: off.
-    llm_sm_carveout: int | str = "auto"
-    # Every step runs one row count: only the capture bucket that covers max_calls (or the largest
-    # configured), eager steps padded to it too. Then a call's output never depends on which calls share
-    # its step, bit for bit, also in bf16 on the GPU, where with several buckets cuBLASLt's split-K and
-    # cuDNN pick other kernels for other row counts (graphs/capture.py). Cost: a step of few calls runs
-    # the whole bucket's rows (docs/performance.md, session 14, has it measured).
-    batch_invariant: bool = False
-    idle_wait_s: float = 0.005
-    # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
-    # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
-    # together instead of split over two steps. 0 = step whatever is pending at once.
-    coalesce_ms: float = 15.0
-    # ... but never longer than the last step took (coalesce_limit); false = the fixed bound (session 6)
-    coalesce_at_most_step: bool = True
-    # Wait (within the bound) for calls opened together with a call whose first frame is pending and that
-    # have sent no frame yet (opened_together); false = a call without a frame is never waited for.
-    wait_opened_together: bool = True
-    # Hold a step (within the same bound) while calls are still opening: until no call has opened for
-    # this long. Callers that start together reach the event loop one after another, each opening its
-    # call and sending its first frame at once; the engine cannot wait for a call it has not heard of
-    # (calls opened earlier and together are waited for by their open times: opened_together). 0 = off.
-    open_quiet_ms: float = 3.0
-    # Under load, keep the engine's duty cycle at most this: after a step that took T, the next one starts
-    # no sooner than T / max_duty after the last one started, unless every live call has a frame pending
-    # (nothing more is coming), and no paced frame is held past duty_hold_cap_ms. Why: a step reads every
-    # weight once whatever its batch, so with staggered callers stepping whatever has arrived settles at
-    # back-to-back steps of a third of the calls each (session 5, 128 staggered calls: 26-29 ms steps of
-    # 39-50 rows, the GPU never idle) and any stall makes packets late; fewer, larger steps leave slack.
-    # 0 = off (step whatever is pending, after coalescing).
-    max_duty: float = 0.0
-    duty_hold_cap_ms: float = 40.0
-
-
+# ---- events -------------------------------------------------------------------------------------------
 @dataclass
 class CallOptions:
     prompt: str | None = None

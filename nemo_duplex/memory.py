@@ -1,5 +1,5 @@
-"""Memory planning: what one call costs on the device, from the config alone, and whether a server of
-`serve.max_calls` calls of up to `serve.max_call_s` seconds fits.
+"""Memory planning: what one call costs on the device, from the config alone, and whether the model (and a
+server of `engine.max_calls` calls of up to `engine.max_call_s` seconds) fits, CPU included.
 
 Nothing here allocates device memory. The per-call bytes restate `state.allocate_call_state` as
 formulas, one per pool, so they can be read, tabulated and checked before any weights load
@@ -191,6 +191,9 @@ class MemoryPlan:
         return self.total <= self.device_memory
 
     def summary(self) -> str:
+        if self.max_calls == 0:
+            return (f"memory plan: weights {self.weights / GiB:.2f} GiB, reserve {self.reserve / GiB:.2f} GiB: "
+                    f"{self.total / GiB:.2f} GiB of {self.device_memory / GiB:.2f} GiB")
         return (f"memory plan: {self.max_calls} calls x {self.per_call.total / 2**20:.1f} MiB "
                 f"(max_call_s {self.max_call_s:g} s) + sink = {self.pools / GiB:.2f} GiB of state, "
                 f"weights {self.weights / GiB:.2f} GiB, prefix cache {self.prefix_cache / GiB:.2f} GiB, "
@@ -217,8 +220,8 @@ def max_call_s_that_fits(cfg: ModelConfig, max_calls: int, device_memory: int, f
 def plan(cfg: ModelConfig, max_calls: int, max_call_s: float, device_memory: int, *,
          max_prompt_tokens: int = 512, reserve: int = DEFAULT_RESERVE_BYTES, weights: int | None = None,
          prefix_cache_entries: int = 0) -> MemoryPlan:
-    """The memory of a server with these limits; raises MemoryPlanError naming serve.max_calls and
-    serve.max_call_s, the numbers, and what would fit, when it exceeds device_memory."""
+    """The memory of a server with these limits; raises MemoryPlanError naming engine.max_calls and
+    engine.max_call_s, the numbers, and what would fit, when it exceeds device_memory."""
     weights = weight_bytes(cfg) if weights is None else weights   # served on CUDA (derived_table_bytes)
     p = MemoryPlan(max_calls, max_call_s, bytes_per_call(cfg, max_call_s, max_prompt_tokens), weights, reserve,
                    device_memory, prefix_cache_bytes(cfg, prefix_cache_entries, max_prompt_tokens))
@@ -229,16 +232,74 @@ def plan(cfg: ModelConfig, max_calls: int, max_call_s: float, device_memory: int
     seconds_fit = max_call_s_that_fits(cfg, max_calls, device_memory, fixed, max_prompt_tokens)
     big = sorted(asdict(p.per_call).items(), key=lambda kv: -kv[1])[:3]
     raise MemoryPlanError(
-        f"serve.max_calls = {max_calls} calls of up to serve.max_call_s = {max_call_s:g} s do not fit in "
+        f"engine.max_calls = {max_calls} calls of up to engine.max_call_s = {max_call_s:g} s do not fit in "
         f"{device_memory / GiB:.2f} GiB of device memory: {max_calls} calls + 1 sink row x "
         f"{p.per_call.total / 2**20:.1f} MiB per call = {p.pools / GiB:.2f} GiB of call state, plus "
         f"{weights / GiB:.2f} GiB of weights, {p.prefix_cache / GiB:.2f} GiB of prefix cache "
         f"(engine.prefix_cache_entries) and {reserve / GiB:.2f} GiB reserved (memory.reserve_gib) = "
         f"{p.total / GiB:.2f} GiB. Per call: "
         + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in big)
-        + f". At serve.max_call_s = {max_call_s:g} s at most {calls_fit} calls fit; "
-        + (f"{max_calls} calls fit at serve.max_call_s <= {seconds_fit:g} s."
-           if seconds_fit > 0 else f"{max_calls} calls do not fit at any call length."))
+        + (f". The weights, prefix cache and reserve alone ({fixed / GiB:.2f} GiB) exceed it." if fixed >= device_memory
+           else f". At engine.max_call_s = {max_call_s:g} s at most {calls_fit} calls fit; "
+           + (f"{max_calls} calls fit at engine.max_call_s <= {seconds_fit:g} s."
+              if seconds_fit > 0 else f"{max_calls} calls do not fit at any call length.")))
+
+
+CPU_RESERVE_BYTES = 1 * GiB   # beyond the weights on the CPU: activations, the interpreter, the tokenizer
+
+
+def available_bytes(device: str | torch.device) -> tuple[int, str]:
+    """(bytes the device can still take, where that figure comes from): CUDA's free memory, or the
+    kernel's MemAvailable on the CPU (what can be allocated without swapping)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"
+
+
+def check_fits(cfg: ModelConfig, device: str | torch.device, *, check: bool = True, device_gib: float | None = None,
+               reserve_gib: float | None = None, calls: tuple[int, float] | None = None, max_prompt_tokens: int = 512,
+               prefix_cache_entries: int = 0) -> MemoryPlan | None:
+    """Before anything is allocated: do the weights (at cfg's dtypes on `device`), and with `calls` =
+    (max_calls, max_call_s) the call pools and prefix cache, fit the device? Raises MemoryPlanError with
+    the numbers (needed, available) when they do not. The budget is `device_gib` (memory.device_gib) when
+    set, else what the device has free; `reserve_gib` (memory.reserve_gib) defaults to 6 GiB on CUDA
+    (`DEFAULT_RESERVE_BYTES`), 1 GiB on the CPU. `check` False (memory.check=false) skips it: None."""
+    if not check:
+        return None
+    device = torch.device(device)
+    if device_gib is not None:
+        budget, where = int(float(device_gib) * GiB), "memory.device_gib"
+    else:
+        budget, where = available_bytes(device)
+    if reserve_gib is not None:
+        reserve = int(float(reserve_gib) * GiB)
+    else:
+        reserve = DEFAULT_RESERVE_BYTES if device.type == "cuda" else CPU_RESERVE_BYTES
+    weights = weight_bytes(cfg, device=device)
+    dtypes = f"encoder {cfg.dtype.encoder}, llm {cfg.dtype.llm}, talker {cfg.dtype.talker}, codec {cfg.dtype.codec}"
+    if calls is not None:
+        try:
+            return plan(cfg, calls[0], calls[1], budget, max_prompt_tokens=max_prompt_tokens, reserve=reserve,
+                        weights=weights, prefix_cache_entries=prefix_cache_entries)
+        except MemoryPlanError as e:
+            raise MemoryPlanError(f"{cfg.name} on {device} ({dtypes}), budget {where}: {e}") from None
+    p = MemoryPlan(0, 0.0, CallBytes(0, 0, 0, 0, 0, 0, 0, 0, 0), weights, reserve, budget)
+    if p.weights + p.reserve > budget:
+        raise MemoryPlanError(
+            f"{cfg.name} does not fit on {device}: it needs {(weights + reserve) / GiB:.2f} GiB (weights "
+            f"{weights / GiB:.2f} GiB at {dtypes}, plus {reserve / GiB:.2f} GiB reserved, memory.reserve_gib), and "
+            f"{budget / GiB:.2f} GiB is available ({where}). Use a device with more memory, lower dtypes "
+            f"(model/dtype=bf16), or memory.check=false to try anyway.")
+    return p
 
 
 # ---- the docs table ------------------------------------------------------------------------------------
@@ -272,16 +333,7 @@ def markdown_table(cfg: ModelConfig, call_seconds=(30.0, 60.0, 160.0), max_promp
     return "\n".join(lines)
 
 
-def _full_size_config() -> ModelConfig:
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    from .config import model_config_from_dict
-
-    yaml = Path(__file__).resolve().parent.parent / "conf" / "model" / "nemotron_duplex.yaml"
-    return model_config_from_dict(OmegaConf.to_container(OmegaConf.load(yaml), resolve=True))
-
-
 if __name__ == "__main__":
-    print(markdown_table(inference_config(_full_size_config())))
+    from .config import preset
+
+    print(markdown_table(inference_config(preset("nemotron_duplex"))))

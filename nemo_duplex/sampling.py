@@ -10,31 +10,10 @@ uniform (rng.py), so a call's tokens do not depend on its batch mates.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from . import rng
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self):
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or (
-            self.top_p >= 1.0 and self.repetition_penalty == 1.0 and self.temperature in (0.0, 1.0))
+from .settings import SamplingParams
 
 
 def sample_text(logits: torch.Tensor, special_ids: torch.Tensor, seen: torch.Tensor, temperature: torch.Tensor,

@@ -14,7 +14,7 @@ the call's bounded outbox, and one writer task per connection sends them in orde
 reading fills its outbox; past `serve.max_outbound_frames` its call ends with `slow_consumer`, the others
 never notice.
 
-Slots: a connection reserves one of `serve.max_calls` places when it arrives (refused with `busy` when
+Slots: a connection reserves one of `engine.max_calls` places when it arrives (refused with `busy` when
 none is free, never queued) and gives it back only once the engine has ended its call, so the server
 never promises a slot the engine does not have.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import gc
 import json
 import logging
@@ -45,34 +46,10 @@ from .realtime import (NO_OP_EVENTS, NOT_SUPPORTED_EVENTS, EventIds, ProtocolErr
                        session_object)
 from .metrics import ServerMetrics
 from .sampling import SamplingParams
+from .settings import ServeConfig
 
 STATIC = Path(__file__).resolve().parent / "static"
 log = logging.getLogger("nemo_duplex.server")
-
-
-@dataclass
-class ServeConfig:
-    """The `serve:` block of conf/config.yaml."""
-    host: str = "0.0.0.0"
-    port: int = 8000
-    max_calls: int = 8                  # concurrent calls (= engine slots); one more is refused with busy
-    gil_switch_interval_ms: float = 0.1  # scripts/serve.py: how soon the engine thread gets the GIL back
-    max_call_s: float = 160.0           # longest call (input seconds); past it the call ends: call_too_long
-    max_pending_s: float = 30.0         # input received but not yet stepped, per call
-    max_upload_mb: float = 16.0         # POST /generate body size
-    max_upload_s: float = 160.0         # POST /generate clip duration
-    max_message_kb: int = 1024          # largest WebSocket message accepted
-    max_outbound_frames: int = 64       # frames waiting for a slow client before its call ends (5.1 s)
-    slow_consumer_grace_s: float = 2.0  # then the socket is cut even if the error could not be delivered
-    send_buffer_kb: int = 0             # kernel send buffer per socket (0 = OS default); small = fast detection
-    idle_timeout_s: float = 30.0        # a session that sends nothing this long (before end of input) ends
-    deadline_ms: float = 80.0           # a frame later than this after its input arrived is a deadline miss
-    warmup_frames: int = 2              # silent frames through a throwaway call before /health says ready
-    max_tools: int = 5                  # tools per session (vLLM-Omni's limit, spec 3.9)
-    max_tool_call_tokens: int = 512     # function-channel tokens between <SPECIAL_20> and <SPECIAL_21> (spec 8.5)
-    max_tool_output_tokens: int = 1024  # tokens of one injected <TOOL_RESPONSE> (spec 8.5)
-    tool_on_hold_min_frames: int = 17   # frames between a tool call and its result's injection (spec 8.5)
-    static_dir: str | None = None       # serve the page from here instead of the package's static/
 
 
 class Refusal(Exception):
@@ -422,8 +399,7 @@ class CallBridge:
         try:
             self.call.append(pcm)
         except InputBudgetExceeded as e:
-            raise Refusal("input_budget_exceeded", str(e).replace("engine.max_pending_s", "serve.max_pending_s"),
-                          413) from None
+            raise Refusal("input_budget_exceeded", str(e), 413) from None
         except CallClosed:
             if self.call.input_ended:
                 raise Refusal("append_after_end", "audio after end of input is refused") from None
@@ -469,16 +445,21 @@ def call_options(settings: SessionSettings, voice: str | None) -> CallOptions:
 # =====================================================================================================
 class Server:
     def __init__(self, engine, tokenizer, rnnt_vocab, cfg: ServeConfig | None = None, model_name: str = "",
-                 voices: list[str] | None = None, default_voice: str | None = None):
+                 voices: list[str] | None = None, default_voice: str | None = None,
+                 session_defaults: SessionSettings | None = None):
         self.engine, self.tokenizer, self.rnnt_vocab = engine, tokenizer, rnnt_vocab
         self.cfg = cfg or ServeConfig()
-        if self.cfg.max_calls > engine.cfg.max_calls:
-            raise ValueError(f"serve.max_calls = {self.cfg.max_calls} > engine.max_calls = {engine.cfg.max_calls}")
+        # the places, the longest call and the input budget are the engine's: one setting each
+        self.max_calls, self.max_call_s = engine.cfg.max_calls, engine.cfg.max_call_s
+        self.max_pending_s = engine.cfg.max_pending_s
         mc = engine.model.cfg
         self.mcfg = mc
         self.model_name = model_name or mc.name
         self.voices = voices or [mc.talker.speaker]
         self.default_voice = default_voice or mc.talker.speaker
+        # what a call gets for the settings its session does not give (seed, text sampling: scripts/serve.py's
+        # `seed` and `sampling`)
+        self.session_defaults = session_defaults or SessionSettings()
         self.in_rate, self.out_rate = mc.source_sample_rate, mc.target_sample_rate
         self.sessions: dict[str, CallBridge] = {}
         self.metrics = ServerMetrics(self.cfg.deadline_ms / 1000.0)
@@ -502,9 +483,9 @@ class Server:
         if not self.ready:
             self.metrics.refusal("not_ready")
             raise Refusal("not_ready", "the server is still warming up; see GET /health", 503)
-        if len(self.sessions) >= self.cfg.max_calls:
+        if len(self.sessions) >= self.max_calls:
             self.metrics.refusal("busy")
-            raise Refusal("busy", f"all {self.cfg.max_calls} call places are taken (serve.max_calls); "
+            raise Refusal("busy", f"all {self.max_calls} call places are taken (engine.max_calls); "
                           f"try again later", 503)
         bridge = CallBridge(self, call_id)
         self.sessions[call_id] = bridge
@@ -521,7 +502,7 @@ class Server:
                 "output_frame_samples": self.mcfg.samples_per_frame_out,
                 "turn_detection": "model_native", "supports_barge_in": False, "supports_tools": True,
                 "supports_on_hold_message": True, "end_of_input": "input_audio_buffer.commit {final: true}",
-                "voices": self.voices, "max_call_s": c.max_call_s, "max_pending_s": c.max_pending_s,
+                "voices": self.voices, "max_call_s": self.max_call_s, "max_pending_s": self.max_pending_s,
                 "max_tools": c.max_tools, "max_outbound_frames": c.max_outbound_frames}
 
     def check_voice(self, voice: str | None) -> None:
@@ -546,7 +527,7 @@ class Server:
     def limit_message(self, ev: EndedEvent) -> Fatal | None:
         """An engine end reason -> the error the client gets (None for a normal end)."""
         if ev.reason == "limit":
-            return Fatal("call_too_long", f"the call reached serve.max_call_s = {self.cfg.max_call_s:g} s")
+            return Fatal("call_too_long", f"the call reached engine.max_call_s = {self.max_call_s:g} s")
         if ev.reason == "error":
             return Fatal("engine_error", ev.message or "the engine failed this call")
         if ev.reason == "shutdown":
@@ -634,7 +615,7 @@ class Server:
         ok = self.healthy()
         body = {"status": "ready" if ok else ("starting" if not self.ready else "engine_down"),
                 "active_calls": self.engine.active_calls, "sessions": len(self.sessions),
-                "max_calls": self.cfg.max_calls}
+                "max_calls": self.max_calls}
         return web.json_response(body, status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -737,7 +718,7 @@ class Server:
                                       "repetition_penalty", "voice") if k in ev}
         if "prompt" in ev:
             session["instructions"] = ev["prompt"]
-        settings = parse_session(session, SessionSettings(), self.in_rate, self.out_rate, self.cfg.max_tools)
+        settings = parse_session(session, copy.deepcopy(self.session_defaults), self.in_rate, self.out_rate, self.cfg.max_tools)
         self.check_voice(settings.voice)
         self.check_prompt(settings)
         cid = field_of(ev, "call_id", str, "start") or call_id
@@ -755,9 +736,9 @@ class Server:
             if info.sample_rate == self.in_rate and info.seconds > self.cfg.max_upload_s:
                 raise Refusal("upload_too_long", f"{info.seconds:.1f} s of audio; the limit is "
                               f"serve.max_upload_s = {self.cfg.max_upload_s:g} s", 413)
-            if info.sample_rate == self.in_rate and info.seconds > self.cfg.max_call_s:
+            if info.sample_rate == self.in_rate and info.seconds > self.max_call_s:
                 raise Refusal("call_too_long", f"{info.seconds:.1f} s of audio; the limit is "
-                              f"serve.max_call_s = {self.cfg.max_call_s:g} s", 413)
+                              f"engine.max_call_s = {self.max_call_s:g} s", 413)
             pcm = decode_wav(wav, self.in_rate)
             bridge = self.reserve(call_id)
         except AudioFormatError as e:
@@ -859,7 +840,7 @@ class RealtimeSession:
     def __init__(self, server: Server, ws: web.WebSocketResponse, bridge: CallBridge):
         self.server, self.ws, self.bridge = server, ws, bridge
         self.socket = DuplexSocket(ws)
-        self.settings = SessionSettings()
+        self.settings = copy.deepcopy(server.session_defaults)
         self.out = RealtimeOutput(bridge.ids)
         self.decoder: FrameDecoder | None = None
 
@@ -1085,7 +1066,7 @@ class NativeSession:
                           "frame_samples": m.samples_per_frame_in},
                 "output": {"format": "pcm16", "sample_rate": s.out_rate, "channels": 1,
                            "frame_samples": m.samples_per_frame_out, "header": "<If: frame, lag_ms"},
-                "limits": {"max_call_s": s.cfg.max_call_s, "max_pending_s": s.cfg.max_pending_s,
+                "limits": {"max_call_s": s.max_call_s, "max_pending_s": s.max_pending_s,
                            "max_outbound_frames": s.cfg.max_outbound_frames}}
 
     def events(self, item) -> tuple[FrameOutputs | None, list[dict], Fatal | None, bool]:
@@ -1223,7 +1204,7 @@ class NativeSession:
         pending-input budget ahead (the budget protects the engine from live clients too)."""
         b, s = self.bridge, self.server
         n = s.mcfg.samples_per_frame_in
-        ahead = max(1, int(s.cfg.max_pending_s / s.mcfg.frame_length) // 2)
+        ahead = max(1, int(s.max_pending_s / s.mcfg.frame_length) // 2)
         pos = 0
         while pos < pcm.size and b.failed is None and not b.engine_ended:
             room = ahead - b.call.pending_frames

@@ -1,8 +1,7 @@
 """Capacity and latency under load, measured as a user would: N paced callers through the real server.
 
     # the H200 sweep: starts scripts/serve.py on the GPU (full size, bf16, random weights), sweeps N
-    python scripts/bench.py model=nemotron_duplex model.weights=random device=cuda \\
-        model.dtype.encoder=bf16 model.dtype.llm=bf16 model.dtype.talker=bf16 \\
+    python scripts/bench.py model=nemotron_duplex model.weights=random device=cuda model/dtype=bf16 \\
         engine.graphs=true engine.graph_backend=cudagraph-eager loadtest.duration_s=20
     # over capture-bucket sets (one server per set; N is swept inside each job)
     python scripts/bench.py -m ... engine.capture_buckets=[1,8,32,64,128,160],[1,2,4,8,16,32,64,96,128,160]
@@ -28,7 +27,7 @@ Per run (one start mode, one N):
   drain           end of input (right after the last append) -> the server's "drained"
   step / batch    mean step time and mean batch size per metrics interval (GET /metrics)
   GPU memory      used by the server (nvidia-smi), and per call; the pools are allocated for
-                  serve.max_calls at start, so the planned bytes per call (nemo_duplex/memory.py) are beside it
+                  engine.max_calls at start, so the planned bytes per call (nemo_duplex/memory.py) are beside it
 The sustained count of a start mode is the largest N such that every N' <= N of the sweep was real time.
 Results: load.json (rewritten after every run), calls/<start>_<N>.json (every packet's arrival),
 summary.md, lag_vs_n.png, step_vs_n.png under loadtest.out (default $OUT or the Hydra run directory),
@@ -56,8 +55,11 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nemo_duplex import runtime, settings  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 FRAME_S = 0.08
+settings.register()
 FRAME_IN = 1280
 HEADER_SIZE = 8   # <I frame, <f server lag ms (docs/protocol.md)
 
@@ -553,14 +555,21 @@ class ServerProcess:
         self._log.close()
 
 
+# the server's limits for a sweep are the load test's to set (its largest N, loadtest.max_call_s)
+SET_BY_THE_LOAD_TEST = ("engine.max_calls", "engine.max_call_s")
+
+
 def server_overrides(cfg: DictConfig, task_overrides: list[str], max_calls: int) -> list[str]:
-    """The bench's own model/engine/device overrides, plus the server's limits for this sweep."""
+    """The bench's own model/engine/device/sampling overrides, plus the server's limits for this sweep."""
     lt = cfg.loadtest
     keep = [o for o in task_overrides if o.lstrip("+~").split("=")[0].split(".")[0]
-            not in ("loadtest", "wandb", "hydra", "bench", "serve")]
-    return keep + [f"engine.max_calls={max_calls}", f"serve.max_calls={max_calls}",
-                   f"serve.max_call_s={float(lt.max_call_s)}", f"serve.max_upload_s={float(lt.max_call_s)}",
-                   *[str(x) for x in lt.server_args]]
+            not in ("loadtest", "wandb", "hydra")]
+    given = [k for k in SET_BY_THE_LOAD_TEST if k in {o.lstrip("+~").split("=")[0] for o in keep}]
+    if given:
+        raise runtime.SettingsError(f"{', '.join(given)}: the load test sets the server's limits itself "
+                                    "(loadtest.n_calls, loadtest.extra_calls, loadtest.max_call_s)")
+    return keep + [f"engine.max_calls={max_calls}", f"engine.max_call_s={float(lt.max_call_s)}",
+                   f"serve.max_upload_s={float(lt.max_call_s)}", *[str(x) for x in lt.server_args]]
 
 
 async def wait_idle(url: str, timeout_s: float) -> None:
@@ -723,12 +732,11 @@ def output_dir(cfg: DictConfig) -> Path:
     return out
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+@hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from nemo_duplex.memory import bytes_per_call
-    from nemo_duplex.runtime import model_config
 
     lt = cfg.loadtest
     began = time.monotonic()
@@ -744,15 +752,30 @@ def main(cfg: DictConfig) -> None:
     server = None
     overrides: list[str] = []
     url = lt.url
+    task = list(HydraConfig.get().overrides.task)
+    with runtime.refusals("bench"):
+        if url is None:
+            max_calls = max(sizes + upload_runs) + (int(lt.extra_calls) if any_uploads else 0)
+            overrides = server_overrides(cfg, task, max_calls)
+            resolved = runtime.resolve_model(cfg)   # fails here, before a server starts, without a checkpoint
+            model_cfg = resolved.cfg
+            print(runtime.summary(cfg, resolved, "bench (the server it starts)"), flush=True)
+            runtime.write_settings(out, cfg, resolved)
+        else:
+            ignored = [o for o in task if o.lstrip("+~").split("=")[0].split(".")[0].split("/")[0]
+                       not in ("loadtest", "wandb", "hydra")]
+            if ignored:
+                raise runtime.SettingsError(f"{' '.join(ignored)}: loadtest.url={url} is a running server, whose "
+                                            "settings are its own")
+            model_cfg = None
     if url is None:
-        max_calls = max(sizes + upload_runs) + (int(lt.extra_calls) if any_uploads else 0)
-        overrides = server_overrides(cfg, list(HydraConfig.get().overrides.task), max_calls)
         server = ServerProcess(overrides, out / "server.log")
         print(f"starting the server: {' '.join(overrides)}", flush=True)
     meta = {"url": url or "", "server_overrides": overrides, "input_sha256": digest,
             "duration_s": len(pcm) / 2 / 16000, "jitter_buffer_ms": float(lt.jitter_buffer_ms),
             "uploads": bool(lt.uploads), "upload_runs": upload_runs,
-            "planned_state_bytes_per_call": bytes_per_call(model_config(cfg), float(lt.max_call_s)).total,
+            "planned_state_bytes_per_call": (bytes_per_call(model_cfg, float(lt.max_call_s)).total
+                                             if model_cfg is not None else None),
             "server_max_call_s": float(lt.max_call_s)}
     rows: list[dict] = []
     run = None

@@ -25,15 +25,17 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from graphs.capture import step_to_host  # noqa: E402
-from nemo_duplex import runtime  # noqa: E402
+from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.frame_step import special_ids  # noqa: E402
 from nemo_duplex.state import allocate_call_state, state_tensors  # noqa: E402
 from nemo_duplex.weight_reads import fixed_and_per_call  # noqa: E402
+
+settings.register()
 
 
 def copy_bandwidth(device, gib: float = 4.0) -> float:
@@ -148,20 +150,22 @@ def time_staged_steps(runner, slots, audio, forced, sampling: bool, iters: int, 
     return statistics.median(gpu), statistics.median(host)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+@hydra.main(config_path="../conf", config_name="bench_step", version_base=None)
 def main(cfg: DictConfig) -> None:
     from graphs.capture import StepRunner, buckets_for
 
     b = cfg.bench
-    for part in ("encoder", "llm", "talker"):
-        cfg.model.dtype[part] = b.dtype
     device = torch.device(cfg.device)
-    t0 = time.perf_counter()
-    model, tok, _, mcfg = runtime.load(cfg, device)
-    print(f"model ready in {time.perf_counter() - t0:.0f} s; weights {weight_bytes(model) / 2**30:.1f} GiB", flush=True)
     max_n = max(b.batch_sizes)
     max_pos = max(b.positions)
-    st = allocate_call_state(model, max_n, max_pos + 4 * (b.iters + b.warmup) + 8, device, max_prompt_tokens=0)
+    frames = max_pos + 4 * (b.iters + b.warmup) + 8
+    t0 = time.perf_counter()
+    with runtime.refusals("bench_step"):
+        loaded = runtime.load(cfg, device, calls=(max_n, frames * 0.08))
+    model, tok, _, mcfg = loaded
+    print(runtime.summary(cfg, loaded, "bench_step"), flush=True)
+    print(f"model ready in {time.perf_counter() - t0:.0f} s; weights {weight_bytes(model) / 2**30:.1f} GiB", flush=True)
+    st = allocate_call_state(model, max_n, frames, device, max_prompt_tokens=0)
     on_gpu = device.type == "cuda"
     if on_gpu:
         print(f"state pools for {max_n} calls: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
@@ -220,10 +224,10 @@ def main(cfg: DictConfig) -> None:
               "capture_s": capture_s, "backend": cfg.engine.graph_backend, "graphs": graphs.graphs,
               "pipeline": graphs.pipeline, "llm_sm_carveout": graphs.llm_sm_carveout,
               "regions": {r.name: r.failed or "compiled" for r in graphs.regions},
-              "buckets": buckets, "dtype": b.dtype, "rows": rows,
-              "config": OmegaConf.to_container(cfg, resolve=True)}
-    out_dir = Path(os.environ.get("OUT") or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+              "buckets": buckets, "dtype": mcfg.dtype.llm, "rows": rows,
+              "config": runtime.effective_settings(cfg, loaded)}
+    out_dir = Path(os.environ.get("OUT") or runtime.run_dir())
+    runtime.write_settings(out_dir, cfg, loaded)
     (out_dir / f"bench_step_{int(time.time())}.json").write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s, capture {capture_s:.0f} s "
           f"({cfg.engine.graph_backend}, pipeline {graphs.pipeline}, LLM SM carveout {graphs.llm_sm_carveout}), "

@@ -2,10 +2,10 @@
 A diagnosis tool beside bench_step.py.
 
     python scripts/profile_step.py model=nemotron_duplex model.weights=random device=cuda bench.batch_sizes=[32]
-    python scripts/profile_step.py ... +profile_graphs=true engine.graph_backend=cudagraph-eager
+    python scripts/profile_step.py ... profile.graphs=true engine.graph_backend=cudagraph-eager
 
 Eager (default): each stage of frame_step (its record_function range) with the sum of its kernels' device
-time, then the busiest ops. With `+profile_graphs=true`: the step captured as the serving path captures
+time, then the busiest ops. With `profile.graphs=true`: the step captured as the serving path captures
 it (`engine.graph_backend`), and the kernels of its replays by name and by kind (GEMM, attention, Mamba,
 elementwise, ...), with the kernel count per step: launch gaps are gone there, so this is where the
 remaining time is. Then, per CUDA stream of the replay, how long it had a kernel running, and each stage's
@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_step import fill_random  # noqa: E402
-from nemo_duplex import runtime  # noqa: E402
+from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.frame_step import frame_step, special_ids  # noqa: E402
 from nemo_duplex.state import allocate_call_state  # noqa: E402
 
 STEPS = 3
+settings.register()
 KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("decode attention", r"decode_attention|merge_splits"),
     ("mamba step", r"ssm_step|conv_step"),
@@ -133,28 +134,30 @@ def print_graph_profile(prof, n: int, pos: int, top: int = 45, first_kernels: in
         print(f"{t:8.3f}  {calls[name] / STEPS:5.0f}x  {name[:150]}")
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+@hydra.main(config_path="../conf", config_name="profile_step", version_base=None)
 def main(cfg: DictConfig) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from graphs.capture import StepRunner
 
-    for part in ("encoder", "llm", "talker"):
-        cfg.model.dtype[part] = cfg.bench.dtype
     device = torch.device(cfg.device)
-    model, _, _, mcfg = runtime.load(cfg, device)
     n_max, pos = max(cfg.bench.batch_sizes), max(cfg.bench.positions)
+    with runtime.refusals("profile_step"):
+        loaded = runtime.load(cfg, device, calls=(n_max, (pos + 64) * 0.08))
+    model, _, _, mcfg = loaded
+    print(runtime.summary(cfg, loaded, "profile_step"), flush=True)
+    runtime.write_settings(runtime.run_dir(), cfg, loaded)
     st = allocate_call_state(model, n_max, pos + 64, device, max_prompt_tokens=0)
     specials = special_ids(model, device)
-    on_graphs = bool(cfg.get("profile_graphs", False))
+    on_graphs = cfg.profile.graphs
     for n in cfg.bench.batch_sizes:
         slots = torch.arange(n, device=device)
         fill_random(st, pos, slots, mcfg.prompt_frames)
         audio = torch.randn(n, mcfg.samples_per_frame_in, device=device) * 0.1
         forced = torch.full((n,), -1, dtype=torch.int64, device=device)
         if on_graphs:
-            # +profile_greedy=true: the greedy-only graph (engine.greedy_graphs), what bench_step times
-            greedy = bool(cfg.get("profile_greedy", False))
+            # profile.greedy=true: the greedy-only graph (engine.greedy_graphs), what bench_step times
+            greedy = cfg.profile.greedy
             runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
                                 side_stream=cfg.engine.side_stream, greedy_graphs=greedy,
                                 pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
@@ -171,8 +174,8 @@ def main(cfg: DictConfig) -> None:
                     step()
                 torch.cuda.synchronize()
         if on_graphs:
-            # +profile_top=N: more names; +profile_first=N: the second step's first N kernels with their times
-            print_graph_profile(prof, n, pos, int(cfg.get("profile_top", 45)), int(cfg.get("profile_first", 40)))
+            # profile.top=N: more names; profile.first=N: the second step's first N kernels with their times
+            print_graph_profile(prof, n, pos, cfg.profile.top, cfg.profile.first)
             del runner
             continue
         print(f"\n==== N={n} position={pos}: stages (kernel time per step, eager) ====")

@@ -8,7 +8,8 @@
 mode=offline is NVIDIA's offline_inference (spec 7.1); mode=streaming the per-frame cached loop
 (spec 7.2); mode=engine the batched engine, several clips at once, each with its own start frame and
 seed (seed + index). Writes agent.wav (22.05 kHz), frames.tsv (per-frame text and function tokens),
-agent.txt, user.txt and, with dump=<file.safetensors>, the named tensors.
+agent.txt, user.txt, settings.yaml and, with dump=<file.safetensors>, the named tensors. `--help` lists
+the options.
 """
 from __future__ import annotations
 
@@ -18,15 +19,16 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_duplex import runtime  # noqa: E402
+from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.audio import read_wav, write_wav  # noqa: E402
-from nemo_duplex.sampling import SamplingParams  # noqa: E402
 
 EXAMPLE_CLIP = runtime.REPO / "eval" / "clips" / "example.wav"
+MODES = ("offline", "streaming", "engine")
+settings.register()
 
 
 def write_outputs(out: Path, res, tokenizer, rnnt_vocab, sample_rate: int) -> None:
@@ -42,53 +44,73 @@ def write_outputs(out: Path, res, tokenizer, rnnt_vocab, sample_rate: int) -> No
 
 
 def engine_config(cfg, n_clips: int):
-    """mode=engine's engine: a slot per clip; engine.max_call_s, engine.batch_invariant and engine.pipeline
-    from the config."""
-    from nemo_duplex.engine import EngineConfig
+    """mode=engine's engine: the `engine` settings, with at least a slot per clip (engine.max_calls smaller
+    than the clip count is an error, not a silent change)."""
+    ecfg = OmegaConf.to_object(cfg.engine)
+    if ecfg.max_calls < n_clips:
+        raise runtime.SettingsError(f"mode=engine runs {n_clips} clips at once; engine.max_calls = {ecfg.max_calls} "
+                                    "is fewer slots (raise it)")
+    return ecfg
 
-    return EngineConfig(max_calls=max(n_clips, 1), max_call_s=cfg.engine.max_call_s,
-                        batch_invariant=bool(cfg.engine.get("batch_invariant", False)),
-                        pipeline=int(cfg.engine.get("pipeline", 0)))
 
-
-def run_engine(model, tokenizer, cfg, clips, offsets, prompt, sampling):
+def run_engine(model, tokenizer, engine_cfg, cfg, clips, offsets, prompt, sampling):
     from nemo_duplex.engine import Engine
 
-    engine = Engine(model, tokenizer, engine_config(cfg, len(clips)))
+    engine = Engine(model, tokenizer, engine_cfg)
     return engine.run_clips(clips, offsets=offsets, prompt=prompt, seed=int(cfg.seed), sampling=sampling)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def check_settings(cfg) -> None:
+    """Settings of one mode given to another would be ignored: refused instead."""
+    if cfg.mode not in MODES:
+        raise runtime.SettingsError(f"mode must be one of {MODES}, got {cfg.mode!r}")
+    if cfg.mode != "engine" and (cfg.clips is not None or cfg.offsets is not None):
+        raise runtime.SettingsError(f"clips= and offsets= are for mode=engine (mode={cfg.mode} runs clip=)")
+    if cfg.mode == "engine" and cfg.clips is not None and cfg.clip is not None:
+        raise runtime.SettingsError("mode=engine takes clips=[...]; clip= as well would be ignored")
+    if cfg.mode == "engine" and cfg.dump is not None:
+        raise runtime.SettingsError("dump= writes one clip's tensors: mode=offline or mode=streaming")
+    engine_keys = sorted(runtime.explicit_keys(runtime.cli_overrides(), "engine."))
+    if cfg.mode != "engine" and engine_keys:
+        raise runtime.SettingsError(f"engine.{', engine.'.join(engine_keys)}: engine settings apply to mode=engine "
+                                    f"only (mode={cfg.mode})")
+
+
+@hydra.main(config_path="../conf", config_name="run_clip", version_base=None)
 def main(cfg: DictConfig) -> None:
     from nemo_duplex.model import offline_inference
     from nemo_duplex.frame_step import stream_inference
 
-    model, tokenizer, rnnt_vocab, mcfg = runtime.load(cfg)
+    out = Path(cfg.out) if cfg.get("out") else runtime.run_dir()
+    paths = list(cfg.clips) if cfg.clips else [cfg.clip or EXAMPLE_CLIP]
+    with runtime.refusals("run_clip"):
+        check_settings(cfg)
+        engine_cfg = engine_config(cfg, len(paths)) if cfg.mode == "engine" else None
+        loaded = runtime.load(cfg, calls=(engine_cfg.max_calls, engine_cfg.max_call_s) if engine_cfg else None)
+    model, tokenizer, rnnt_vocab, mcfg = loaded
+    print(runtime.summary(cfg, loaded, f"run_clip (mode={cfg.mode})"), flush=True)
+    print(f"  settings: {runtime.write_settings(out, cfg, loaded)}", flush=True)
     sr_in, sr_out = mcfg.source_sample_rate, mcfg.target_sample_rate
-    sampling = SamplingParams(**cfg.sampling)
-    out = Path(cfg.out) if cfg.get("out") else Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    sampling = OmegaConf.to_object(cfg.sampling)
     prompt_ids = model.prompt_ids(tokenizer, cfg.prompt)
 
     if cfg.mode == "engine":
-        paths = list(cfg.clips) if cfg.get("clips") else [cfg.clip or EXAMPLE_CLIP]
         clips = [torch.from_numpy(read_wav(p, sr_in)) for p in paths]
         offsets = list(cfg.offsets) if cfg.get("offsets") else [0] * len(clips)
         t0 = time.perf_counter()
-        results = run_engine(model, tokenizer, cfg, clips, offsets, cfg.prompt, sampling)
+        results = run_engine(model, tokenizer, engine_cfg, cfg, clips, offsets, cfg.prompt, sampling)
         for i, (p, res) in enumerate(zip(paths, results)):
             write_outputs(out / f"{i:02d}_{Path(p).stem}", res, tokenizer, rnnt_vocab, sr_out)
         print(f"engine: {len(clips)} clips in {time.perf_counter() - t0:.1f} s -> {out}")
         return
 
-    path = cfg.clip or EXAMPLE_CLIP
+    path = paths[0]
     audio = torch.from_numpy(read_wav(path, sr_in))
     t0 = time.perf_counter()
     if cfg.mode == "offline":
         res = offline_inference(model, audio, prompt_ids, seed=int(cfg.seed), sampling=sampling)
-    elif cfg.mode == "streaming":
-        res = stream_inference(model, audio, prompt_ids, seed=int(cfg.seed), sampling=sampling)
     else:
-        raise ValueError(f"mode must be offline, streaming or engine, got {cfg.mode!r}")
+        res = stream_inference(model, audio, prompt_ids, seed=int(cfg.seed), sampling=sampling)
     write_outputs(out, res, tokenizer, rnnt_vocab, sr_out)
     if cfg.get("dump"):
         from safetensors.torch import save_file

@@ -1,81 +1,70 @@
 """Serve the model: OpenAI Realtime on /v1/realtime, the native protocol on /generate/ws and
-POST /generate, /health, /metrics and a browser page on / (docs/protocol.md).
+POST /generate, /health, /metrics and a browser page on / (docs/protocol.md). `--help` lists the options.
 
     python scripts/serve.py                                        # embedded tiny model on the CPU
-    python scripts/serve.py model=nemotron_duplex checkpoint=<dir> device=cuda   # engine.graphs=auto: captured
-    python scripts/serve.py serve.port=9000 serve.max_calls=32 engine.max_calls=32
+    python scripts/serve.py model=nemotron_duplex device=cuda model/dtype=bf16   # the release checkpoint (HF)
+    python scripts/serve.py checkpoint=<dir or repo id> device=cuda engine.max_calls=128
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_duplex import runtime  # noqa: E402
-from nemo_duplex.engine import Engine, EngineConfig  # noqa: E402
-from nemo_duplex.server import ServeConfig, Server  # noqa: E402
+from nemo_duplex import runtime, settings  # noqa: E402
+
+settings.register()
 
 
-def check_memory(cfg: DictConfig, serve: ServeConfig, max_calls: int) -> None:
-    """Refuse to start, before any weights load, when the state pools of max_calls calls of up to
-    serve.max_call_s would not fit (nemo_duplex/memory.py). The budget is memory.device_gib when set,
-    else the device's free memory on CUDA; on the CPU there is no check unless device_gib is set."""
-    from nemo_duplex.memory import DEFAULT_RESERVE_BYTES, GiB, plan
+def build_server(cfg: DictConfig, overrides: list[str] | None = None):
+    """The server of a composed `serve` config: the model (after the memory check of the model and the
+    engine's pools), the engine, the server. Prints the settings it runs with and writes them to the run
+    directory."""
+    engine_cfg = OmegaConf.to_object(cfg.engine)
+    resolved = runtime.resolve_model(cfg, overrides)   # a missing checkpoint is refused here, in seconds
+    # imported only now: `--help` and a refusal (no checkpoint, bad settings) need neither torch nor the server
+    from nemo_duplex.engine import Engine
+    from nemo_duplex.realtime import SessionSettings
+    from nemo_duplex.server import Server
 
-    m = cfg.get("memory") or {}
-    if not m.get("check", True):
-        return
-    if m.get("device_gib") is not None:
-        device_memory = int(float(m.device_gib) * GiB)
-    elif torch.device(cfg.device).type == "cuda":
-        device_memory = torch.cuda.mem_get_info(torch.device(cfg.device))[0]
-    else:
-        return
-    prompt = int(cfg.engine.get("max_prompt_tokens", EngineConfig.max_prompt_tokens))
-    entries = int(cfg.engine.get("prefix_cache_entries", EngineConfig.prefix_cache_entries))
-    p = plan(runtime.model_config(cfg), max_calls, serve.max_call_s, device_memory, max_prompt_tokens=prompt,
-             reserve=int(float(m.get("reserve_gib", DEFAULT_RESERVE_BYTES / GiB)) * GiB), prefix_cache_entries=entries)
-    print(p.summary(), flush=True)
-
-
-def build_server(cfg: DictConfig) -> Server:
-    serve = ServeConfig(**OmegaConf.to_container(cfg.serve, resolve=True))
-    check_memory(cfg, serve, max(serve.max_calls, int(cfg.engine.max_calls)))
-    model, tokenizer, rnnt_vocab, mcfg = runtime.load(cfg)
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    engine_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.engine, resolve=True).items() if k in known}
-    # the server's limits are the engine's: one source of truth for slots, call length and input budget
-    engine_kwargs.update(max_calls=max(serve.max_calls, engine_kwargs.get("max_calls", 0)),
-                         max_call_s=serve.max_call_s, max_pending_s=serve.max_pending_s)
-    engine = Engine(model, tokenizer, EngineConfig(**engine_kwargs))
+    loaded = runtime.load(cfg, resolved=resolved, calls=(engine_cfg.max_calls, engine_cfg.max_call_s))
+    model, tokenizer, rnnt_vocab, mcfg = loaded
+    serve = OmegaConf.to_object(cfg.serve)
+    sampling = OmegaConf.to_object(cfg.sampling)
+    defaults = SessionSettings(seed=int(cfg.seed), temperature=sampling.temperature, top_p=sampling.top_p,
+                               repetition_penalty=sampling.repetition_penalty)
+    engine = Engine(model, tokenizer, engine_cfg)
     voices = sorted(model.tts_model.audio_prompt_latents.keys())
+    print(runtime.summary(cfg, loaded, "serve", [
+        f"engine: {engine_cfg.max_calls} call places of up to {engine_cfg.max_call_s:g} s, graphs "
+        f"{engine_cfg.graphs}, pipeline {engine_cfg.pipeline}; calls default to seed {cfg.seed}, text "
+        f"temperature {sampling.temperature:g}"]), flush=True)
+    if (run_dir := runtime.run_dir()) is not None:
+        print(f"  settings: {runtime.write_settings(run_dir, cfg, loaded)}", flush=True)
+    if mcfg.talker.speaker not in voices:
+        raise runtime.SettingsError(f"model.talker.speaker={mcfg.talker.speaker!r}: the checkpoint's voices are "
+                                    f"{voices}")
     return Server(engine, tokenizer, rnnt_vocab, serve, model_name=mcfg.name, voices=voices,
-                  default_voice=mcfg.talker.speaker if mcfg.talker.speaker in voices else voices[0])
+                  default_voice=mcfg.talker.speaker, session_defaults=defaults)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+@hydra.main(config_path="../conf", config_name="serve", version_base=None)
 def main(cfg: DictConfig) -> None:
     from aiohttp import web
-
-    from nemo_duplex.memory import MemoryPlanError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # The engine thread and the event loop share the GIL; a thread waiting for it gets it after at most
     # this interval. 5 ms (Python's default) per hand-over is a large share of an 80 ms frame under load.
     sys.setswitchinterval(float(cfg.serve.gil_switch_interval_ms) / 1e3)
-    try:
+    with runtime.refusals("serve"):
         server = build_server(cfg)
-    except MemoryPlanError as e:
-        raise SystemExit(f"refusing to start: {e}") from None
     print(f"serving {server.model_name} on http://{server.cfg.host}:{server.cfg.port} "
-          f"(max_calls={server.cfg.max_calls}, max_call_s={server.cfg.max_call_s:g}); ready after warm-up, "
+          f"(engine.max_calls={server.max_calls}, engine.max_call_s={server.max_call_s:g}); ready after warm-up, "
           f"see /health", flush=True)
     web.run_app(server.app(), host=server.cfg.host, port=server.cfg.port, access_log=None, print=None)
 

@@ -111,16 +111,13 @@ def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
 
 @pytest.fixture
 def serving_blas():
-    """On CUDA: torch's GEMMs through the library the server selects (conf/config.yaml
-    engine.blas_library, nemo_duplex/runtime.py select_blas), restored afterwards."""
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
+    """On CUDA: torch's GEMMs through the library the server selects (engine.blas_library's default,
+    nemo_duplex/runtime.py select_blas), restored afterwards."""
+    from nemo_duplex.engine import EngineConfig
     from nemo_duplex.runtime import select_blas
 
     before = torch.backends.cuda.preferred_blas_library()
-    conf = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "config.yaml")
-    select_blas(conf.engine.blas_library)
-    yield conf.engine.blas_library
+    library = EngineConfig().blas_library
+    select_blas(library)
+    yield library
     torch.backends.cuda.preferred_blas_library(before)

@@ -153,7 +153,7 @@ def _other_base() -> ModelConfig:
 def _with_uncarried(cfg: ModelConfig, base: ModelConfig) -> ModelConfig:
     """cfg with the fields config.json does not carry taken from base (num_chars: from the weights)."""
     t = replace(cfg.talker, num_iter=base.talker.num_iter, cas=replace(cfg.talker.cas, num_chars=base.talker.cas.num_chars))
-    return replace(cfg, name=base.name, weights=base.weights, dtype=base.dtype,
+    return replace(cfg, name=base.name, weights=base.weights, default_checkpoint=base.default_checkpoint, dtype=base.dtype,
                    frontend=replace(cfg.frontend, variant=base.frontend.variant),
                    tokens=replace(base.tokens, bos_token=cfg.tokens.bos_token, eos_token=cfg.tokens.eos_token,
                                   pad_token=cfg.tokens.pad_token), talker=t)
@@ -375,7 +375,10 @@ def test_load_model_errors(tiny_ckpt, tmp_path):
     (d / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError) as e:
         load_model(d, cfg, "cpu", tokenizer_path=tmp_path / "nowhere.json")
-    assert "nowhere.json" in str(e.value) and str(d / "tokenizer.json") in str(e.value)
+    assert "tokenizer=" in str(e.value) and "nowhere.json" in str(e.value)   # the one that was asked for
+    with pytest.raises(CheckpointError) as e:   # none given: beside the checkpoint, then its pretrained_llm's
+        load_model(d, cfg, "cpu")
+    assert str(d / "tokenizer.json") in str(e.value) and str(d / "llm" / "tokenizer.json") in str(e.value)
     model, *_ = load_model(d, cfg, "cpu", tokenizer_path=tiny_ckpt / "tokenizer.json")
     # an LLM config that disagrees with the tensors: a dimension error naming the field
     llm = json.loads((d / "llm" / "config.json").read_text())

@@ -1,19 +1,26 @@
-"""Hydra model configs agree with the dataclasses; derived quantities of the spec."""
+"""The settings schema: presets over the dataclass defaults, every entry point's config composes, unknown keys
+and wrong types are refused, `--help` says what each app does; derived quantities of the spec."""
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from nemo_duplex.config import DtypeConfig, ModelConfig, model_config_from_dict, tiny_config
+from tests.apps import APPS, REPO, compose_app
+from nemo_duplex.config import DtypeConfig, ModelConfig, preset, tiny_config
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
+ENTRY_POINTS = {"serve": "scripts/serve.py", "run_clip": "scripts/run_clip.py",
+                "make_checkpoint": "scripts/make_checkpoint.py", "bench_step": "scripts/bench_step.py",
+                "bench": "scripts/bench.py", "profile_step": "scripts/profile_step.py", "gate": "eval/gate.py",
+                "eval_clips": "eval/clips.py"}
 
 
-@pytest.mark.parametrize("name, expected", [("nemotron_duplex", ModelConfig()),
-                                            ("nemotron_duplex_tiny", tiny_config())])
-def test_yaml_equals_dataclass(name, expected):
-    cfg = model_config_from_dict(OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"), resolve=True))
-    assert cfg == expected
+def test_the_release_preset_is_the_dataclass_defaults():
+    assert preset("nemotron_duplex") == ModelConfig()
+    assert ModelConfig().default_checkpoint == "nvidia/NVIDIA-NemotronLabs-VoiceChat-11B"
+    assert tiny_config().default_checkpoint == "embedded"
 
 
 def test_tiny_has_every_kind_of_layer():
@@ -32,8 +39,78 @@ def test_spec_derived_numbers():
     assert c.llm.mamba_d_inner == 10240 and c.llm.mamba_conv_dim == 12288                   # spec 3.3
 
 
-def test_config_errors_are_clear():
+def test_config_errors_are_clear(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="codec must be fp32"):
         DtypeConfig(codec="bf16")
-    with pytest.raises(ValueError, match="unknown fields"):
-        model_config_from_dict({"llm": {"hidden": 3}})
+    with pytest.raises(ValueError, match="no model preset 'nope'"):
+        preset("nope")
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_every_entry_point_composes_to_its_schema(app):
+    cfg = compose_app(app)
+    obj = OmegaConf.to_object(cfg)          # every value has the schema's type
+    assert OmegaConf.is_missing(cfg, "model") is False and type(obj.model) is ModelConfig
+    assert obj.model.name == tiny_config().name   # the tiny preset is the default everywhere
+    assert obj.model.llm == tiny_config().llm
+
+
+def test_unknown_keys_and_wrong_types_are_refused():
+    with pytest.raises(ConfigCompositionException, match="engine.coalesce_msec"):
+        compose_app("serve", ["engine.coalesce_msec=3"])
+    with pytest.raises(ConfigCompositionException, match="max_calls"):
+        compose_app("serve", ["serve.max_calls=4"])        # the call places are engine.max_calls: one key
+    with pytest.raises(ConfigCompositionException, match="serve"):
+        compose_app("run_clip", ["serve.port=9"])          # run_clip has no server: no serve.* to ignore
+    with pytest.raises(ConfigCompositionException, match="device"):
+        compose_app("make_checkpoint", ["device=cuda"])    # make_checkpoint writes from the CPU
+    with pytest.raises(ConfigCompositionException, match="engine.max_calls"):
+        compose_app("serve", ["engine.max_calls=many"])
+    with pytest.raises(ConfigCompositionException, match="model.llm.hidden"):
+        compose_app("serve", ["model.llm.hidden=3"])
+
+
+def test_dtype_presets():
+    bf16 = compose_app("serve", ["model/dtype=bf16"]).model.dtype
+    assert (bf16.encoder, bf16.llm, bf16.talker, bf16.codec, bf16.mamba_ssm_state) == ("bf16",) * 3 + ("fp32",) * 2
+    assert compose_app("serve").model.dtype.llm == "fp32"            # the reference numerics by default
+    assert compose_app("bench_step").model.dtype.llm == "bf16"       # the benchmark times the deployment
+    assert compose_app("bench_step", ["model/dtype=fp32"]).model.dtype.llm == "fp32"
+    assert compose_app("serve", ["model/dtype=bf16", "model.dtype.talker=fp32"]).model.dtype.talker == "fp32"
+
+
+def test_checkpoint_defaults_to_the_presets():
+    assert compose_app("serve").checkpoint == "embedded"
+    assert compose_app("serve", ["model=nemotron_duplex"]).checkpoint == "nvidia/NVIDIA-NemotronLabs-VoiceChat-11B"
+    assert compose_app("serve", ["model=nemotron_duplex", "checkpoint=/x"]).checkpoint == "/x"
+
+
+def _help_text(app: str, overrides=()) -> str:
+    """What `--help` prints: Hydra's app help template, resolved against the composed config (the template
+    holds no $FLAGS_HELP-style fields: `$$` is its only escape)."""
+    import string
+
+    from hydra import compose, initialize_config_dir
+
+    compose_app(app)   # registers the schemas
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        cfg = compose(app, overrides=list(overrides), return_hydra_config=True)
+    return string.Template(cfg.hydra.help.template).substitute()
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_help_says_what_each_entry_point_does(app):
+    out = _help_text(app, ["engine.max_calls=37"] if app == "serve" else [])
+    lines = out.strip().splitlines()
+    assert len(lines) <= 60, len(lines)
+    assert lines[0].startswith(f"{Path(ENTRY_POINTS[app]).name}: "), lines[0]   # what it does, first
+    assert "Usage:" in out and "Example" in out and "--cfg job" in out
+    if app == "serve":
+        assert "engine.max_calls=N           37" in out   # the current value, with the override
+
+
+def test_help_is_what_the_script_prints():
+    out = subprocess.run([sys.executable, str(REPO / "scripts/serve.py"), "engine.max_calls=37", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == _help_text("serve", ["engine.max_calls=37"]).strip()

@@ -58,9 +58,9 @@ def test_function_calls_between_start_and_end_tokens(tiny):
 
 
 def test_folder_evaluation_writes_clip_outputs_and_summary(tmp_path, tiny, example_clip):
-    from hydra import compose, initialize_config_dir
-
     import importlib.util
+
+    from tests.apps import compose_app
 
     spec = importlib.util.spec_from_file_location("clips_app", REPO / "eval" / "clips.py")
     app = importlib.util.module_from_spec(spec)
@@ -76,8 +76,7 @@ def test_folder_evaluation_writes_clip_outputs_and_summary(tmp_path, tiny, examp
 
     write_wav(folder / "at22k.wav", resample(speech[:8000], 16000, 22050), 22050)   # resampled to 16 kHz
     out = tmp_path / "out"
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("eval/app/clips", overrides=[f"dir={folder}", f"out={out}"])
+    cfg = compose_app("eval_clips", [f"dir={folder}", f"out={out}"])
     app.run(cfg, loaded=(model, tok, rnnt_vocab), show_progress=False)
 
     summary = json.loads((out / "summary.json").read_text())

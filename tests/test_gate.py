@@ -117,16 +117,28 @@ def test_select_rows_checks_names_and_criteria():
         select_rows(["a", "b"], freeze({"a": {}}), known)
 
 
-def test_resolve_checkpoint_kind(tmp_path):
-    assert resolve_checkpoint_kind("auto", "checkpoint", None) == "random"  # seeded tiny model
-    assert resolve_checkpoint_kind("auto", "random", str(tmp_path)) == "random"
-    (tmp_path / "config.json").write_text(json.dumps({"random_weights": True}))
-    assert resolve_checkpoint_kind("auto", "checkpoint", str(tmp_path)) == "random"
-    (tmp_path / "config.json").write_text(json.dumps({"model": {}}))
-    assert resolve_checkpoint_kind("auto", "checkpoint", str(tmp_path)) == "trained"
-    assert resolve_checkpoint_kind("trained", "random", None) == "trained"
+def test_resolve_checkpoint_kind(tmp_path, tiny_checkpoint):
+    import shutil
+
+    from nemo_duplex.runtime import resolve_model
+
+    def kind(*overrides):
+        cfg = _compose(list(overrides))
+        return resolve_checkpoint_kind(cfg.eval.checkpoint_kind, resolve_model(cfg, list(overrides)).random_weights)
+
+    assert kind() == "random"                                      # the embedded tiny checkpoint
+    assert kind("model.weights=random") == "random"
+    assert kind(f"checkpoint={tiny_checkpoint}") == "random"       # make_random_checkpoint marks config.json
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_checkpoint, trained)
+    official = json.loads((trained / "config.json").read_text())
+    del official["random_weights"]
+    (trained / "config.json").write_text(json.dumps(official))
+    assert kind(f"checkpoint={trained}") == "trained"
+    assert kind(f"checkpoint={trained}", "eval.checkpoint_kind=random") == "random"
+    assert resolve_checkpoint_kind("trained", True) == "trained"
     with pytest.raises(ValueError):
-        resolve_checkpoint_kind("maybe", "checkpoint", None)
+        resolve_checkpoint_kind("maybe", False)
 
 
 # --- the agent_wer row -----------------------------------------------------------------------------
@@ -172,10 +184,9 @@ def test_agent_wer_judges_replies(tmp_path, clips):
 # --- the entry point -------------------------------------------------------------------------------
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
+    from tests.apps import compose_app
 
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
+    return compose_app("gate", overrides)
 
 
 def test_gate_main_writes_reports_and_exit_status(tmp_path):
@@ -191,9 +202,17 @@ def test_gate_main_writes_reports_and_exit_status(tmp_path):
     assert gate_main(_compose(strict), show_progress=False) == 1
 
 
+def _offline_run(out: Path) -> tuple[dict, dict, Path]:
+    from tests.wandb_records import logged
+
+    (run,) = (out / "wandb").glob("offline-run-*")
+    history, summary = logged(run)
+    return history, summary, run
+
+
 def test_gate_script_exit_status_and_offline_wandb(tmp_path):
-    # The Hydra app itself: a failed row must reach the shell as a non-zero status, and wandb's
-    # default offline mode must work with no account.
+    # The Hydra app itself: a failed row reaches the shell as exit status 1 after the run completed (the report,
+    # and an offline W&B run with the row's metrics and audio): not a crash, which exits 1 as well.
     out = tmp_path / "run"
     cmd = [sys.executable, "eval/gate.py", "eval.only_clips=[question_capital,noise_white]",
            "eval.rows=[wer_pipeline,agent_wer]",
@@ -202,9 +221,36 @@ def test_gate_script_exit_status_and_offline_wandb(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "WANDB_SILENT": "true"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "verdict: FAIL" in proc.stdout
+    assert "verdict: FAIL" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert json.loads((out / "gate.json").read_text())["failed"] == ["wer_pipeline"]
-    assert list((out / "wandb").glob("offline-run-*")), "no offline W&B run written"
+    history, summary, run = _offline_run(out)
+    assert summary["gate/verdict"] == "fail" and summary["gate/fail"] == 1
+    assert history["wer_pipeline/corpus_wer"][0] >= 0
+    (audio,) = history["audio/wer_pipeline_question_capital/path"]
+    assert (run / "files" / audio).stat().st_size > 0
+
+
+def test_gate_at_its_defaults_completes_and_logs_to_wandb_offline(tmp_path):
+    """`python eval/gate.py` as a user types it: every row on the default clips, to a verdict, with an offline
+    W&B run holding every row's metrics, the verdict and the audio samples (wandb.Audio needs soundfile, which
+    the `eval` extra installs)."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "eval/gate.py", f"eval.out_dir={out}", f"hydra.run.dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gate.json").read_text())
+    rows = ["wer_pipeline", "encoder_parity", "margins", "consistency", "agent_wer"]
+    assert [r["name"] for r in report["rows"]] == rows
+    assert report["counts"] == {"pass": 4, "fail": 0, "n/a": 1}    # agent_wer: the embedded random weights
+    history, summary, run = _offline_run(out)
+    assert summary["gate/verdict"] == "pass" and summary["gate/pass"] == 4 and summary["gate/n/a"] == 1
+    for r in report["rows"]:
+        for k, v in r["metrics"].items():
+            if isinstance(v, (int, float)):
+                assert history[f"{r['name']}/{k}"] == [float(v)], (r["name"], k)
+    audio = [v[0] for k, v in history.items() if k.startswith("audio/") and k.endswith("/path")]
+    assert audio and all((run / "files" / a).stat().st_size > 0 for a in audio)
+    assert (out / "settings.yaml").is_file()
 
 
 def test_gate_runs_the_model_rows(tmp_path, tiny):

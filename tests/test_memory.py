@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_duplex.config import tiny_config
-from nemo_duplex.memory import (GiB, MemoryPlanError, _full_size_config, bytes_per_call, codec_presplit_bytes,
+from nemo_duplex.config import ModelConfig, tiny_config
+from nemo_duplex.memory import (GiB, MemoryPlanError, bytes_per_call, codec_presplit_bytes,
                                 derived_table_bytes, frames_per_call, inference_config, max_call_s_that_fits,
                                 max_calls_that_fit, plan, weight_bytes)
 from nemo_duplex.model import VoiceChat
@@ -57,7 +57,7 @@ def test_per_call_bytes_match_the_allocation_tiny(compute, max_call_s, prompt):
 
 
 def test_per_call_bytes_match_the_allocation_full_size_on_meta():
-    cfg = inference_config(_full_size_config(), "bf16")
+    cfg = inference_config(ModelConfig(), "bf16")
     with torch.device("meta"):
         model = VoiceChat(cfg).cast_for_inference()
     st = allocate_call_state(model, 2, frames_per_call(cfg, 160.0), torch.device("meta"), 512)
@@ -108,7 +108,7 @@ def test_full_size_weights_match_the_step_benchmark():
     and the codec's pre-split decoder GEMM weights on CUDA (RVQCodec.presplit_weights)."""
     run = json.loads((REPO / "docs/runs/bench_step_2026-11-29_cudagraph-eager.json").read_text())
     params = run["rows"][0]["weight_bytes"]
-    cfg = inference_config(_full_size_config(), "bf16")
+    cfg = inference_config(ModelConfig(), "bf16")
     tables = derived_table_bytes(cfg)
     talker = 131072 * 1152 * 2 + 31 * 1025 * 512 * 2 + 31 * 1024 * 513 * 4
     # the codec's decoder GEMM weights split on CUDA ("auto" = fp16x3w: two fp16 halves per weight and an
@@ -132,7 +132,7 @@ def test_plan_refuses_an_impossible_config_with_the_numbers():
     msg = str(e.value)
     per_call = bytes_per_call(cfg, 160.0).total
     fit = (GiB - w) // per_call - 1
-    for needle in ("serve.max_calls = 100000", "serve.max_call_s = 160 s", "1.00 GiB",
+    for needle in ("engine.max_calls = 100000", "engine.max_call_s = 160 s", "1.00 GiB",
                    f"{per_call / 2**20:.1f} MiB per call", f"at most {fit} calls fit"):
         assert needle in msg, (needle, msg)
 
@@ -165,11 +165,27 @@ def test_memory_grows_with_call_length_only_in_the_kv_caches():
 
 def test_serve_refuses_to_start_when_the_calls_do_not_fit(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "scripts/serve.py"), "memory.device_gib=0.05",
-                        "serve.max_calls=8", f"hydra.run.dir={tmp_path}"],
+                        "engine.max_calls=8", f"hydra.run.dir={tmp_path}"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert r.returncode != 0
+    assert r.returncode == 1
     out = r.stdout + r.stderr
-    assert "refusing to start" in out and "serve.max_calls = 8" in out and "serve.max_call_s = 160 s" in out, out
+    assert "serve: refusing to run" in out and "engine.max_calls = 8" in out and "engine.max_call_s = 160 s" in out, out
+    assert "budget memory.device_gib" in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("app", ["serve", "run_clip"])
+def test_an_app_refuses_a_model_that_does_not_fit_the_cpu_before_allocating(tmp_path, app):
+    # The full-size model with random weights on the CPU: its weights alone (fp32, 42 GiB) exceed the budget,
+    # so the app stops with the numbers before any weight is made (a 24 GiB machine would otherwise be killed
+    # by the kernel's out-of-memory killer after a minute and a half).
+    r = subprocess.run([sys.executable, str(REPO / f"scripts/{app}.py"), "model=nemotron_duplex", "model.weights=random",
+                        "memory.device_gib=20", f"hydra.run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    weights = weight_bytes(ModelConfig(), device="cpu") / GiB
+    assert f"{app}: refusing to run" in out and f"{weights:.2f} GiB" in out, out
+    assert "20.00 GiB" in out and "memory.device_gib" in out, out
 
 
 def test_prefix_cache_bytes_match_a_snapshot():

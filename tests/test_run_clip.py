@@ -1,24 +1,28 @@
 """scripts/run_clip.py, the README's main command: it runs on the embedded tiny model and writes what the
-model said; mode=engine takes engine.batch_invariant from the config."""
+model said; mode=engine takes the engine settings from the config."""
 import subprocess
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+import pytest
+
+from tests.apps import compose_app
+from nemo_duplex.runtime import SettingsError
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 
-def test_engine_mode_takes_batch_invariant_from_the_config():
+def test_engine_mode_takes_the_engine_settings_from_the_config():
     from run_clip import engine_config
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        default = compose(config_name="config")
-        invariant = compose(config_name="config", overrides=["engine.batch_invariant=true"])
+    default = compose_app("run_clip", ["mode=engine"])
+    invariant = compose_app("run_clip", ["mode=engine", "engine.batch_invariant=true", "engine.max_calls=3"])
     assert engine_config(default, 3).batch_invariant is False
     cfg = engine_config(invariant, 3)
     assert cfg.batch_invariant is True and cfg.max_calls == 3
+    with pytest.raises(SettingsError, match="engine.max_calls = 3 is fewer slots"):
+        engine_config(invariant, 4)   # never silently more slots than asked for
 
 
 def test_the_main_command_writes_its_outputs(tmp_path):

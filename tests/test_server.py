@@ -35,9 +35,9 @@ def scripted(tok, **text):
 
 def make(monkeypatch, tok, model=None, engine_kwargs=None, wait_ready=True, **serve):
     model = model or ScriptedModel()
-    cfg = ServeConfig(**{"max_calls": 4, "warmup_frames": 1, **serve})
-    eng = scripted_engine(monkeypatch, model, tok, max_calls=cfg.max_calls, max_call_s=cfg.max_call_s,
-                          max_pending_s=cfg.max_pending_s, **(engine_kwargs or {}))
+    limits = {k: serve.pop(k) for k in ("max_calls", "max_call_s", "max_pending_s") if k in serve}   # the engine's
+    cfg = ServeConfig(**{"warmup_frames": 1, **serve})
+    eng = scripted_engine(monkeypatch, model, tok, **{"max_calls": 4, **limits, **(engine_kwargs or {})})
     srv = RunningServer(Server(eng, tok, tiny_rnnt(), cfg), wait_ready=wait_ready)
     return srv, model
 
@@ -242,7 +242,7 @@ def test_busy_refusal_frees_nothing_and_recovers(server, tok):
             c = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
             ev = json.loads((await c.receive()).data)
             assert ev["type"] == "error" and ev["error"]["code"] == "busy" and ev["error"]["type"] == "rate_limit_error"
-            assert "serve.max_calls" in ev["error"]["message"]
+            assert "engine.max_calls" in ev["error"]["message"]
             await c.receive()
             assert c.close_code == 1013
             r = await http.post(f"{srv.url}/generate", data=wav_bytes(tone(0.2)))
@@ -273,7 +273,7 @@ def test_call_too_long(server, tok):
     srv, _ = server(max_call_s=0.4)
     events, code = asyncio.run(realtime(srv.ws_url, tone(1.5), chunk=FRAME_IN, pace=0.005))
     assert errors(events) == ["call_too_long"] and code == 1008
-    assert "serve.max_call_s = 0.4 s" in [e for e in events if e["type"] == "error"][0]["error"]["message"]
+    assert "engine.max_call_s = 0.4 s" in [e for e in events if e["type"] == "error"][0]["error"]["message"]
     assert len(frames_of(events)) == 5
     srv.wait_idle()
 
@@ -283,7 +283,7 @@ def test_input_budget_exceeded(server, tok):
     model.step_s = 0.05
     events, code = asyncio.run(realtime(srv.ws_url, tone(2.0), chunk=16000))
     assert errors(events) == ["input_budget_exceeded"] and code == 1008, (code, [e["type"] for e in events])
-    assert "serve.max_pending_s" in [e for e in events if e["type"] == "error"][0]["error"]["message"]
+    assert "engine.max_pending_s" in [e for e in events if e["type"] == "error"][0]["error"]["message"]
     srv.wait_idle()
 
 
@@ -398,7 +398,7 @@ def test_upload_streams_and_upload_limits(server, tok):
     assert [(s, c) for s, c, _ in refused] == [(413, "upload_too_large"), (413, "upload_too_long"),
                                                 (413, "call_too_long")]
     assert "serve.max_upload_mb" in refused[0][2] and "serve.max_upload_s" in refused[1][2]
-    assert "serve.max_call_s" in refused[2][2]
+    assert "engine.max_call_s" in refused[2][2]
     srv.wait_idle()
 
 

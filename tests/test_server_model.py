@@ -23,8 +23,7 @@ FRAME_IN = 1280
 
 @pytest.fixture(scope="module")
 def tiny():
-    from hydra import compose, initialize_config_dir
-
+    from tests.apps import compose_app
     from nemo_duplex import runtime
 
     # One intra-op thread: the engine thread and the test clients share 2 cores, and torch's spinning
@@ -35,9 +34,7 @@ def tiny():
     # Triton interpreter (conftest sets it for the kernel tests) would make each frame take seconds.
     patch = pytest.MonkeyPatch()
     patch.delenv("TRITON_INTERPRET", raising=False)
-    with initialize_config_dir(config_dir=str(runtime.REPO / "conf"), version_base=None):
-        cfg = compose("config")
-    model, tokenizer, rnnt_vocab, mcfg = runtime.load(cfg)
+    model, tokenizer, rnnt_vocab, mcfg = runtime.load(compose_app("serve"), overrides=[])
     clip = read_wav(runtime.REPO / "eval" / "clips" / "example.wav", mcfg.source_sample_rate)
     yield model, tokenizer, rnnt_vocab, clip
     torch.set_num_threads(threads)
@@ -46,9 +43,8 @@ def tiny():
 
 def serve(tiny, max_calls: int, pipeline: int = 0, **kw) -> RunningServer:
     model, tokenizer, rnnt_vocab, _ = tiny
-    cfg = ServeConfig(max_calls=max_calls, max_call_s=20.0, warmup_frames=1, **kw)
-    engine = Engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=cfg.max_call_s,
-                                                   max_pending_s=cfg.max_pending_s, pipeline=pipeline))
+    cfg = ServeConfig(warmup_frames=1, **kw)
+    engine = Engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=20.0, pipeline=pipeline))
     return RunningServer(Server(engine, tokenizer, rnnt_vocab, cfg))
 
 

@@ -26,17 +26,9 @@ import torch
 
 from eval.audio import resample, write_wav
 from eval.clips.make_clips import Clip, load_clips
+from eval.settings import EvalSettings
 
 FRAME_S = 0.08  # one frame of input and of output (spec 1.2)
-
-
-@dataclass
-class EvalSettings:
-    """The `clip_eval` node of conf/eval/app/clips.yaml."""
-    voiced_db: float = -40.0        # agent output frame RMS (dBFS) above which the agent is speaking
-    user_voiced_db: float = -40.0   # input frame RMS above which the user is speaking (clips without timing)
-    plots: bool = True
-    max_labels: int = 80            # text pieces written on a timeline (the rest are ticks only)
 
 
 @dataclass

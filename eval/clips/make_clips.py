@@ -39,8 +39,8 @@ class ClipSpec:
 
 @dataclass
 class ClipSetConfig:
-    """conf/eval/clips.yaml (package eval.clips)."""
-    items: list[ClipSpec]
+    """conf/eval/clips.yaml (package eval.clips): the clips to make, and how espeak-ng says them."""
+    items: list[ClipSpec] = field(default_factory=list)
     dir: str | None = None
     sample_rate: int = 16000
     voice: str = "en-us"

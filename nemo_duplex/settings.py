@@ -1,0 +1,280 @@
+"""The settings schema of every entry point: typed dataclasses registered with Hydra's ConfigStore.
+
+The dataclasses are the one source of truth for keys, types and defaults. The YAML files in conf/ only
+select and override: `conf/<app>.yaml` picks its app's schema, a model preset (`conf/model/`) and
+Hydra's run directory and help; nothing else repeats a default. A key that is not in the schema is an
+error at composition ("Key 'x' is not in struct"), and so is a value of the wrong type.
+
+Each app's schema holds only the keys that app reads, so a setting one app would ignore is refused
+there instead of being dropped (the load test does not take `serve.*`: it sets the server's limits itself;
+`scripts/make_checkpoint.py` takes no `device`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .config import ModelConfig
+
+
+@dataclass
+class SamplingParams:
+    """A call's agent-text sampling (nemo_duplex/sampling.py applies it): temperature 0 = greedy, the reference."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or (
+            self.top_p >= 1.0 and self.repetition_penalty == 1.0 and self.temperature in (0.0, 1.0))
+
+
+# Every 8 calls from 16 to 64, every 16 to 160, every 32 to 256: a batch pads to the next bucket, and with
+# powers of two a batch of 65 ran as 128 (49 ms instead of ~34 on the H200); buckets above engine.max_calls
+# are not captured (graphs/capture.py buckets_for). docs/performance.md "Load" has both sets measured.
+CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+
+
+@dataclass
+class EngineConfig:
+    max_calls: int = 8
+    max_call_s: float = 160.0          # a call past this many seconds of input ends with reason "limit"
+    max_pending_s: float = 30.0        # input received but not yet stepped, per call
+    max_prompt_tokens: int = 512
+    prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
+    capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
+    graphs: Any = "auto"               # "auto" | true | false: "auto" = captured on CUDA, eager on the CPU (graphs/capture.py)
+    graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)
+    # Also capture each bucket for batches of greedy calls only (no sort over the vocabulary; greedy is the
+    # default sampling): H200, position 1000, N=32 / 128: -1.0 / -2.8 ms per step, for twice the captures.
+    greedy_graphs: bool = True
+    # Run the step's off-critical-path work (the RNN-T, the text's bookkeeping) on a second CUDA stream,
+    # a parallel branch of each captured graph (frame_step.branch); false = one stream, the plain order.
+    side_stream: bool = True
+    # Pipelined steps (frame_step): 1, a step's talker + codec run for the frame each call heard in its
+    # previous step, on a third CUDA stream beside this step's encoder + LLM; 2, also its LLM for that
+    # frame, and the encoder for the new frame on a fourth stream, the talker + codec two frames back. No
+    # chain of small dependent kernels fills the GPU alone, so beside each other they take less than one
+    # after the other (H200, N=32, position 1000: 16.98 / 14.79 / 14.04 ms a step for 0 / 1 / 2;
+    # docs/performance.md). Outputs are the serial step's bit for bit; each frame's event
+    # comes `pipeline` steps later (80 ms more audio latency each), and a call that ends its input takes
+    # that many more steps for its last frames. false / true = 0 / 1.
+    pipeline: int = 0
+    # SMs the text half's cuBLASLt GEMMs (the LLM's, the heads') leave free for the other halves' kernels
+    # (frame_step.sm_carveout), where the speech half's chain beside the LLM is the step's critical path.
+    # "auto": half the SMs two deep with the hand capture or eager steps, else 0 (graphs/capture.py
+    # check_sm_carveout). H200, two deep, N = 1 / 32 / 64 / 128: 7.10 / 13.99 / 22.04 / 37.24 ms without,
+    # 6.82 / 13.46 / 21.17 / 36.37 with 64 (docs/performance.md). 0: off.
+    llm_sm_carveout: Any = "auto"      # "auto" | an SM count
+    # Every step runs one row count: only the capture bucket that covers max_calls (or the largest
+    # configured), eager steps padded to it too. Then a call's output never depends on which calls share
+    # its step, bit for bit, also in bf16 on the GPU, where with several buckets cuBLASLt's split-K and
+    # cuDNN pick other kernels for other row counts (graphs/capture.py). Cost: a step of few calls runs
+    # the whole bucket's rows (docs/performance.md has it measured).
+    batch_invariant: bool = False
+    idle_wait_s: float = 0.005
+    # torch's CUDA GEMM library for the whole process, "cublaslt" | "cublas"; the app selects it before the model
+    # loads (runtime.select_blas): cuBLASLt's picks were faster for the step's GEMMs on the H200
+    blas_library: str = "cublaslt"
+    # Hold a step up to this long after its oldest frame arrived for live calls whose next frame is due
+    # by then (coalesce_wait), so calls whose frames arrive together (lockstep clients) are stepped
+    # together instead of split over two steps. 0 = step whatever is pending at once.
+    coalesce_ms: float = 15.0
+    # ... but never longer than the last step took (coalesce_limit); false = the fixed bound
+    coalesce_at_most_step: bool = True
+    # Wait (within the bound) for calls opened together with a call whose first frame is pending and that
+    # have sent no frame yet (opened_together); false = a call without a frame is never waited for.
+    wait_opened_together: bool = True
+    # Hold a step (within the same bound) while calls are still opening: until no call has opened for
+    # this long. Callers that start together reach the event loop one after another, each opening its
+    # call and sending its first frame at once; the engine cannot wait for a call it has not heard of
+    # (calls opened earlier and together are waited for by their open times: opened_together). 0 = off.
+    open_quiet_ms: float = 3.0
+    # Under load, keep the engine's duty cycle at most this: after a step that took T, the next one starts
+    # no sooner than T / max_duty after the last one started, unless every live call has a frame pending
+    # (nothing more is coming), and no paced frame is held past duty_hold_cap_ms. Why: a step reads every
+    # weight once whatever its batch, so with staggered callers stepping whatever has arrived settles at
+    # back-to-back steps of a third of the calls each (128 staggered calls: 26-29 ms steps of
+    # 39-50 rows, the GPU never idle) and any stall makes packets late; fewer, larger steps leave slack.
+    # 0 = off (step whatever is pending, after coalescing).
+    max_duty: float = 0.0
+    duty_hold_cap_ms: float = 40.0
+
+
+@dataclass
+class ServeConfig:
+    """The `serve:` block (scripts/serve.py). The call places, the longest call and the input budget are the
+    engine's (`engine.max_calls`, `engine.max_call_s`, `engine.max_pending_s`): one setting each."""
+    host: str = "0.0.0.0"
+    port: int = 8000
+    gil_switch_interval_ms: float = 0.1  # scripts/serve.py: how soon the engine thread gets the GIL back
+    max_upload_mb: float = 16.0         # POST /generate body size
+    max_upload_s: float = 160.0         # POST /generate clip duration
+    max_message_kb: int = 1024          # largest WebSocket message accepted
+    max_outbound_frames: int = 64       # frames waiting for a slow client before its call ends (5.1 s)
+    slow_consumer_grace_s: float = 2.0  # then the socket is cut even if the error could not be delivered
+    send_buffer_kb: int = 0             # kernel send buffer per socket (0 = OS default); small = fast detection
+    idle_timeout_s: float = 30.0        # a session that sends nothing this long (before end of input) ends
+    deadline_ms: float = 80.0           # a frame later than this after its input arrived is a deadline miss
+    warmup_frames: int = 2              # silent frames through a throwaway call before /health says ready
+    max_tools: int = 5                  # tools per session (vLLM-Omni's limit, spec 3.9)
+    max_tool_call_tokens: int = 512     # function-channel tokens between <SPECIAL_20> and <SPECIAL_21> (spec 8.5)
+    max_tool_output_tokens: int = 1024  # tokens of one injected <TOOL_RESPONSE> (spec 8.5)
+    tool_on_hold_min_frames: int = 17   # frames between a tool call and its result's injection (spec 8.5)
+    static_dir: str | None = None       # serve the page from here instead of the package's static/
+
+
+@dataclass
+class MemoryConfig:
+    """The start-up check that the model (and a server's call pools) fit the device (nemo_duplex/memory.py)."""
+    check: bool = True
+    device_gib: Optional[float] = None  # the budget; null = what the device has free (CUDA: free memory;
+                                        # CPU: MemAvailable)
+    reserve_gib: Optional[float] = None  # beyond the weights and pools; null = 6 on CUDA (activations, graph
+                                         # pools of every bucket, the CUDA context; 5.2 GiB measured), 1 on the CPU
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"           # offline (no account; `wandb sync` later) | online | disabled
+    project: str = "nemo-duplex"
+
+
+@dataclass
+class ModelApp:
+    """What every app that loads the model takes."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # A directory in the official layout, a Hugging Face repo id (revision= picks a branch, tag or commit),
+    # or `embedded` (the seeded tiny checkpoint under outputs/checkpoints/). Default: the preset's.
+    checkpoint: str = "${model.default_checkpoint}"
+    revision: Optional[str] = None
+    tokenizer: Optional[str] = None   # the LLM's tokenizer.json (a file, a directory or a repo id); null =
+                                      # beside the checkpoint, else its `pretrained_llm` (Nemotron-Nano-9B-v2)
+    device: str = "cpu"               # cpu | cuda | cuda:N
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+
+@dataclass
+class ServeApp(ModelApp):
+    """scripts/serve.py."""
+    seed: int = 0                     # a call's seed when its session sets none
+    sampling: SamplingParams = field(default_factory=SamplingParams)   # a call's text sampling when it sets none
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+@dataclass
+class RunClipApp(ModelApp):
+    """scripts/run_clip.py."""
+    mode: str = "offline"             # offline (spec 7.1) | streaming (spec 7.2) | engine (batched, several clips)
+    clip: Optional[str] = None        # a WAV (any rate; resampled); null = eval/clips/example.wav
+    clips: Optional[list[str]] = None  # mode=engine: the clips run at once
+    offsets: Optional[list[int]] = None  # mode=engine: the start frame of each clip
+    prompt: Optional[str] = None      # system prompt
+    seed: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    dump: Optional[str] = None        # write the named tensors (tokens, codes, PCM) to this .safetensors file
+    out: Optional[str] = None         # output directory; null = the run directory
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class MakeCheckpointApp:
+    """scripts/make_checkpoint.py."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    seed: int = 0
+    out: Optional[str] = None         # null = outputs/checkpoints/<model.name>-seed<seed>
+
+
+@dataclass
+class BenchConfig:
+    """scripts/bench_step.py: one frame step timed per batch size and position."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])
+    positions: list[int] = field(default_factory=lambda: [100, 2000])
+    iters: int = 20
+    warmup: int = 3
+    compare_eager: bool = True
+    cpu_bandwidth: float = 1.0e10     # bytes/s assumed for the floor on the CPU (no copy measurement there)
+
+
+@dataclass
+class BenchStepApp(ModelApp):
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    seed: int = 0
+
+
+@dataclass
+class LoadTestConfig:
+    """scripts/bench.py: N paced callers through the real server (docs/performance.md "Load")."""
+    url: Optional[str] = None         # a running server; null = start scripts/serve.py with this run's model/engine
+    n_calls: list[int] = field(default_factory=lambda: [1, 8, 16, 32, 64, 96, 128, 160])
+    starts: list[str] = field(default_factory=lambda: ["lockstep", "staggered"])
+    stagger_s: float = 2.0            # staggered: the N starts are spread over this
+    lead_s: float = 1.0               # connect, then the schedule starts this much later
+    duration_s: float = 20.0          # input per call (the clip looped); every call sends the same bytes
+    clip: Optional[str] = None        # null = eval/clips/example.wav
+    seed: int = 0
+    callers_per_process: int = 32     # above this the callers are sharded over processes (scripts/bench.py says why)
+    jitter_buffer_ms: float = 160.0   # the client's playback buffer: a packet later than its slot is an underrun
+    uploads: bool = False             # also POST an upload_s WAV to /generate every upload_every_s
+    upload_runs: list[int] = field(default_factory=list)   # after the sweep: N staggered calls again with uploads
+    upload_s: float = 20.0
+    upload_every_s: float = 2.0
+    extra_calls: int = 16             # server places beyond the largest N when uploads are on
+    max_call_s: float = 30.0          # the server's engine.max_call_s: its pools are sized by it (memory.py)
+    startup_timeout_s: float = 900.0  # model build + graph capture
+    run_timeout_s: float = 60.0       # a run's calls are cut this long after their input should have ended
+    metrics_every_s: float = 0.5      # /metrics and GPU memory sampling
+    stop_when_late: bool = True       # skip larger N of a start mode once an N was not real time
+    time_budget_s: float = 540.0      # skip runs that would end past this (results so far are always written)
+    server_args: list[str] = field(default_factory=list)   # more overrides for scripts/serve.py
+    out: Optional[str] = None         # results directory (default $OUT, else the run directory)
+    plots: bool = True
+
+
+@dataclass
+class LoadTestApp(ModelApp):
+    """scripts/bench.py. The model, engine, device, seed and sampling settings are passed on to the server it
+    starts; the server's limits come from `loadtest` (its max_call_s, the largest N)."""
+    seed: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    loadtest: LoadTestConfig = field(default_factory=LoadTestConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class ProfileConfig:
+    graphs: bool = False      # profile the captured step (engine.graph_backend) instead of the eager stages
+    greedy: bool = False      # ... with the greedy-only graphs
+    top: int = 45             # ops / kernels listed
+    first: int = 40           # kernels of one replay listed in order
+
+
+@dataclass
+class ProfileApp(BenchStepApp):
+    """scripts/profile_step.py: where one frame step's GPU time goes."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+
+SCHEMAS = {"serve_schema": ServeApp, "run_clip_schema": RunClipApp, "make_checkpoint_schema": MakeCheckpointApp,
+           "bench_step_schema": BenchStepApp, "loadtest_schema": LoadTestApp, "profile_schema": ProfileApp}
+
+
+def register(extra: dict[str, type] | None = None) -> None:
+    """Store the schemas in Hydra's ConfigStore (what conf/<app>.yaml's defaults name). Idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, node in {**SCHEMAS, **(extra or {})}.items():
+        cs.store(name=name, node=node)
