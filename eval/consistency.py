@@ -79,8 +79,8 @@ def _with_function_margins(model, run):
 
 def references(model, audio: torch.Tensor, seed: int) -> tuple[Reference, Reference]:
     """(offline, streaming) on the K whole frames of `audio` (offline's lookahead frame dropped)."""
-    from nemo_duplex.frame_step import stream_inference
-    from nemo_duplex.model import offline_inference
+    from nemo_duplex.serving.frame_step import stream_inference
+    from nemo_duplex.models.model import offline_inference
 
     K = audio.shape[0] // model.cfg.samples_per_frame_in
     off, off_func = _with_function_margins(model, lambda: offline_inference(model, audio, seed=seed))

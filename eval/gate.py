@@ -254,7 +254,7 @@ def prepare_clips(clips_cfg: dict, out_dir: Path, only: list[str] | None) -> lis
 
 def streaming_reply(models: ModelSet, clip: Clip, seed: int = 0) -> AgentReply:
     """The agent's answer to a whole clip: the configured model streaming it (spec 7.2), greedy text."""
-    from nemo_duplex.frame_step import stream_inference
+    from nemo_duplex.serving.frame_step import stream_inference
 
     model = models.configured
     res = stream_inference(model, clip_audio(clip, model.cfg), seed=seed)

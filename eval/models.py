@@ -51,7 +51,7 @@ class ModelSet:
     def from_fp32(fp32, tokenizer, rnnt_vocab, bf16_dtype: dict, configured_dtype: dict | None = None) -> "ModelSet":
         """The set around an fp32 model: the bf16 variant is a cast copy; the configured model is the fp32
         or the bf16 one when its dtypes are theirs, else another cast copy."""
-        from nemo_duplex.config import DtypeConfig
+        from nemo_duplex.models.config import DtypeConfig
 
         bf16_cfg = DtypeConfig(**{**FP32, **dict(bf16_dtype)})
         wanted = DtypeConfig(**{**FP32, **dict(configured_dtype or {})})
@@ -70,7 +70,7 @@ def load_model_set(cfg, bf16_dtype: dict, resolved=None) -> ModelSet:
     fp32, whatever the config's dtypes: the yardstick must come from the checkpoint's own fp32 weights,
     not from a bf16 round trip."""
     from nemo_duplex import runtime
-    from nemo_duplex.config import DtypeConfig
+    from nemo_duplex.models.config import DtypeConfig
 
     resolved = resolved or runtime.resolve_model(cfg)
     configured_dtype = dataclasses.asdict(resolved.cfg.dtype)
@@ -172,7 +172,7 @@ class EncoderRecorder:
 def make_engine(model, tokenizer, max_calls: int, seconds: float, graphs: bool = False,
                 graph_backend: str = "reduce-overhead"):
     """An engine sized for `max_calls` calls of at most `seconds` of input, graphs captured if asked."""
-    from nemo_duplex.engine import Engine, EngineConfig
+    from nemo_duplex.serving.engine import Engine, EngineConfig
 
     buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_calls] + [max_calls]
     engine = Engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=seconds + 1.0,
@@ -188,7 +188,7 @@ def drive_engine(engine, plans: list[CallPlan], record_encoder: bool = False) ->
     call produced. Calls open at their start tick; a live call appends `chunk` samples at a time (the
     engine regroups them into 1280-sample frames), by default about one frame's worth per tick; an
     upload appends the whole clip at once. Every call must end "completed"."""
-    from nemo_duplex.engine import CallOptions, EndedEvent, FrameEvent
+    from nemo_duplex.serving.engine import CallOptions, EndedEvent, FrameEvent
 
     recorder = EncoderRecorder(engine.step_runner) if record_encoder else None
     if recorder is not None:

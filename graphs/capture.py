@@ -51,8 +51,8 @@ import torch
 
 from graphs.fallbacks import register_inductor_fallbacks
 from graphs.regions import install_regions
-from nemo_duplex.frame_step import StepOutput, frame_step
-from nemo_duplex.state import state_tensors
+from nemo_duplex.serving.frame_step import StepOutput, frame_step
+from nemo_duplex.serving.state import state_tensors
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ def register_inductor_fallbacks(namespace: str = NAMESPACE) -> list[torch._ops.O
 
     for module in pkgutil.iter_modules(ops.__path__):   # every kernel's custom op defined
         importlib.import_module(f"ops.{module.name}")
-    importlib.import_module("nemo_duplex.sampling")     # nucleus_draw
+    importlib.import_module("nemo_duplex.models.sampling")     # nucleus_draw
 
     registered = []
     for op in custom_ops(namespace):

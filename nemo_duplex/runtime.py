@@ -29,8 +29,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ModelConfig
-from .hub import EMBEDDED, CheckpointNotFound, CheckpointSource, resolve_checkpoint
+from nemo_duplex.models.config import ModelConfig
+from nemo_duplex.checkpoint.hub import EMBEDDED, CheckpointNotFound, CheckpointSource, resolve_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINTS = REPO / "outputs" / "checkpoints"
@@ -142,7 +142,7 @@ def embedded_checkpoint(mcfg: ModelConfig, seed: int = 0) -> Path:
     """The seeded random checkpoint of `mcfg`, written once under outputs/checkpoints/. Written into a
     temporary sibling and renamed into place (one atomic step), so processes starting together (a server
     and a client, test workers) never read a half-written one; a process that loses the race drops its copy."""
-    from .checkpoint import make_random_checkpoint
+    from nemo_duplex.checkpoint.load import make_random_checkpoint
 
     out = DEFAULT_CHECKPOINTS / f"{mcfg.name}-seed{seed}"
     if not (out / "config.json").exists():
@@ -202,7 +202,7 @@ def resolve_model(cfg: DictConfig, overrides: list[str] | None = None) -> Resolv
     else:
         source = resolve_checkpoint(spec, cfg.get("revision"))
         notes = []
-    from .checkpoint import read_config   # (torch: imported once a checkpoint is there to read)
+    from nemo_duplex.checkpoint.load import read_config   # (torch: imported once a checkpoint is there to read)
 
     merged = merge_checkpoint_settings(requested, read_config(source.path, requested),
                                        explicit_keys(overrides))
@@ -237,7 +237,7 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device,
                  calls: tuple[int, float] | None = None):
     """Step 3: the weights (and `calls` = (max_calls, max_call_s) pools) against the device's memory,
     under the app's `memory` settings. Raises memory.MemoryPlanError with the numbers."""
-    from .memory import check_fits
+    from nemo_duplex.serving.memory import check_fits
 
     m = cfg.get("memory") or {}
     engine = cfg.get("engine") or {}
@@ -266,7 +266,7 @@ def load(cfg: DictConfig, device=None, overrides: list[str] | None = None,
     also selects the GEMM library (`engine.blas_library`)."""
     import torch
 
-    from .checkpoint import _token_ids, load_weights, random_model
+    from nemo_duplex.checkpoint.load import _token_ids, load_weights, random_model
 
     resolved = resolved or resolve_model(cfg, overrides)
     device = torch.device(device or cfg.get("device", "cpu"))
@@ -344,7 +344,7 @@ def _refusal_types() -> tuple[type, ...]:
     where those modules were loaded (an exception of theirs cannot have been raised otherwise): a refusal
     before any checkpoint is read ends without importing torch."""
     kinds: list[type] = [SettingsError, CheckpointNotFound]
-    for module, name in (("nemo_duplex.checkpoint", "CheckpointError"), ("nemo_duplex.memory", "MemoryPlanError")):
+    for module, name in (("nemo_duplex.checkpoint.load", "CheckpointError"), ("nemo_duplex.serving.memory", "MemoryPlanError")):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))
     return tuple(kinds)

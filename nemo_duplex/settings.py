@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .config import ModelConfig
+from nemo_duplex.models.config import ModelConfig
 
 
 @dataclass
 class SamplingParams:
-    """A call's agent-text sampling (nemo_duplex/sampling.py applies it): temperature 0 = greedy, the reference."""
+    """A call's agent-text sampling (nemo_duplex/models/sampling.py applies it): temperature 0 = greedy, the reference."""
     temperature: float = 0.0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
@@ -135,7 +135,7 @@ class ServeConfig:
 
 @dataclass
 class MemoryConfig:
-    """The start-up check that the model (and a server's call pools) fit the device (nemo_duplex/memory.py)."""
+    """The start-up check that the model (and a server's call pools) fit the device (nemo_duplex/serving/memory.py)."""
     check: bool = True
     device_gib: Optional[float] = None  # the budget; null = what the device has free (CUDA: free memory;
                                         # CPU: MemAvailable)

@@ -1,5 +1,5 @@
 """Counter-based random numbers for a batch of calls: uniform or normal draws as a pure function of
-(call seed, counter, stream, index), one kernel per draw (nemo_duplex/rng.py says why counter-based).
+(call seed, counter, stream, index), one kernel per draw (nemo_duplex/models/rng.py says why counter-based).
 
 The mixer is a 32-bit integer hash (xor-shift-multiply rounds) evaluated in int64 with every product
 below 2**63, so the integer arithmetic is exact and identical in torch (CPU or GPU) and in the kernel:

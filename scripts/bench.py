@@ -27,7 +27,7 @@ Per run (one start mode, one N):
   drain           end of input (right after the last append) -> the server's "drained"
   step / batch    mean step time and mean batch size per metrics interval (GET /metrics)
   GPU memory      used by the server (nvidia-smi), and per call; the pools are allocated for
-                  engine.max_calls at start, so the planned bytes per call (nemo_duplex/memory.py) are beside it
+                  engine.max_calls at start, so the planned bytes per call (nemo_duplex/serving/memory.py) are beside it
 The sustained count of a start mode is the largest N such that every N' <= N of the sweep was real time.
 Results: load.json (rewritten after every run), calls/<start>_<N>.json (every packet's arrival),
 summary.md, lag_vs_n.png, step_vs_n.png under loadtest.out (default $OUT or the Hydra run directory),
@@ -736,7 +736,7 @@ def output_dir(cfg: DictConfig) -> Path:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from nemo_duplex.memory import bytes_per_call
+    from nemo_duplex.serving.memory import bytes_per_call
 
     lt = cfg.loadtest
     began = time.monotonic()

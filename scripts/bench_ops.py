@@ -158,7 +158,7 @@ def _old_decode_attention():
 # ---------------------------------------------------------------------------------------- fp32 linear
 
 def bench_fp32_linear(device, smoke, quick, sweep):
-    from nemo_duplex.codec import exact_fp32, linear
+    from nemo_duplex.models.codec import exact_fp32, linear
     # The codec decoder's GEMMs for N = 128 calls (one code frame each): (rows, in, out) per stage
     shapes = [("stage1 pwconv1 N=32", 32 * 9, 1536, 6144), ("stage1 pwconv2 N=32", 32 * 9, 6144, 1536),
               ("stage2 pwconv2 N=32", 32 * 63, 3072, 768), ("stage3 pwconv2 N=32", 32 * 441, 1536, 384),
@@ -217,10 +217,10 @@ def bench_fp32_linear(device, smoke, quick, sweep):
 # ---------------------------------------------------------------------------------------- codec decode_step
 
 def bench_codec(device, smoke, quick, sweep):
-    from nemo_duplex import codec as codec_module
+    from nemo_duplex.models import codec as codec_module
     from ops import fp32_linear as fp32_linear_module
-    from nemo_duplex.codec import RVQCodec, istft
-    from nemo_duplex.config import CodecConfig, tiny_config
+    from nemo_duplex.models.codec import RVQCodec, istft
+    from nemo_duplex.models.config import CodecConfig, tiny_config
 
     cfg = tiny_config().codec if smoke else CodecConfig()
     codec = RVQCodec(cfg).to(device)
@@ -354,7 +354,7 @@ def bench_other_ops(device, smoke, quick, sweep):
         x = torch.randn(rows, basis.shape[0], generator=gen).to(device)
         ref64 = basis_matmul_reference(x.double(), basis.double())
         nbytes = (x.numel() + rows * basis.shape[1] + basis.numel()) * 4
-        from nemo_duplex.codec import exact_fp32
+        from nemo_duplex.models.codec import exact_fp32
         with exact_fp32(x.device):
             out = basis_matmul_reference(x, basis)
             record("dft", f"{name} rows={rows}", "torch matmul fp32", timed(
@@ -402,8 +402,8 @@ def step_gemm_shapes(cfg) -> list[tuple[str, int, int, int, int]]:
     compute dtype (nn.Linear, and the encoder's k=1 convolutions): the encoder layers, the LLM blocks, the
     talker backbone (two rows per call: the conditional and unconditional streams) and the text head.
     Built on the meta device: nothing allocated."""
-    from nemo_duplex.checkpoint import _parameters_on_meta
-    from nemo_duplex.model import VoiceChat
+    from nemo_duplex.checkpoint.load import _parameters_on_meta
+    from nemo_duplex.models.model import VoiceChat
 
     with _parameters_on_meta():
         model = VoiceChat(cfg)
@@ -431,7 +431,7 @@ def bench_gemms(device, smoke, quick, sweep, skinny=False):
     `skinny` (--only skinny): the GEMMs with at most 64 rows (N = 1, 16, 32; the talker has two rows per
     call) through cuBLAS and ops/skinny_gemm.py, with their errors against fp32; --sweep: its tile shapes
     on the big ones."""
-    from nemo_duplex.config import ModelConfig, tiny_config
+    from nemo_duplex.models.config import ModelConfig, tiny_config
     from ops.skinny_gemm import MAX_ROWS, skinny_gemm_triton
     cfg = tiny_config() if smoke else ModelConfig()
     dtype = torch.float32 if smoke and not skinny else torch.bfloat16

@@ -4,13 +4,13 @@
     python scripts/bench_step.py ... bench.batch_sizes=[32] bench.positions=[1000] engine.graph_backend=cudagraph
     python scripts/bench_step.py -m engine.capture_buckets=[1,8,32,128],[1,2,4,8,16,32,64,128] ...
 
-    python scripts/bench_step.py ... engine.pipeline=2      # the pipelined step, 1 or 2 deep (nemo_duplex/engine.py)
+    python scripts/bench_step.py ... engine.pipeline=2      # the pipelined step, 1 or 2 deep (nemo_duplex/serving/engine.py)
 
 Per (N, position): median GPU time per frame step (CUDA events around the served path: one input copy, the
 replay, one output copy; `time_staged_steps`; the old timing of `runner(...)` stays as "call"), host time per
 step (wall time to enqueue the step, before synchronising), the floor = (weight bytes read per step + per-call state bytes
 read and written per step) / measured copy bandwidth, and the ratio. The weight bytes read are counted on
-an eager step (nemo_duplex/weight_reads.py: the tensors its ops read, and the rows it gathers from the
+an eager step (nemo_duplex/serving/weight_reads.py: the tensors its ops read, and the rows it gathers from the
 embedding tables), not taken from the parameter list. Also the machine's copy bandwidth
 and bf16 GEMM rate. Results: a table on stdout and JSON under the run directory (or $OUT).
 """
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from graphs.capture import step_to_host  # noqa: E402
 from nemo_duplex import runtime, settings  # noqa: E402
-from nemo_duplex.frame_step import special_ids  # noqa: E402
-from nemo_duplex.state import allocate_call_state, state_tensors  # noqa: E402
-from nemo_duplex.weight_reads import fixed_and_per_call  # noqa: E402
+from nemo_duplex.serving.frame_step import special_ids  # noqa: E402
+from nemo_duplex.serving.state import allocate_call_state, state_tensors  # noqa: E402
+from nemo_duplex.serving.weight_reads import fixed_and_per_call  # noqa: E402
 
 settings.register()
 

@@ -54,7 +54,7 @@ def engine_config(cfg, n_clips: int):
 
 
 def run_engine(model, tokenizer, engine_cfg, cfg, clips, offsets, prompt, sampling):
-    from nemo_duplex.engine import Engine
+    from nemo_duplex.serving.engine import Engine
 
     engine = Engine(model, tokenizer, engine_cfg)
     return engine.run_clips(clips, offsets=offsets, prompt=prompt, seed=int(cfg.seed), sampling=sampling)
@@ -78,8 +78,8 @@ def check_settings(cfg) -> None:
 
 @hydra.main(config_path="../conf", config_name="run_clip", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from nemo_duplex.model import offline_inference
-    from nemo_duplex.frame_step import stream_inference
+    from nemo_duplex.models.model import offline_inference
+    from nemo_duplex.serving.frame_step import stream_inference
 
     out = Path(cfg.out) if cfg.get("out") else runtime.run_dir()
     paths = list(cfg.clips) if cfg.clips else [cfg.clip or EXAMPLE_CLIP]

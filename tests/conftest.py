@@ -36,8 +36,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """The embedded tiny model written once per test session in the official layout (seed 0)."""
-    from nemo_duplex.checkpoint import make_random_checkpoint
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.checkpoint.load import make_random_checkpoint
+    from nemo_duplex.models.config import tiny_config
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
     make_random_checkpoint(tiny_config(), out, seed=0)
@@ -47,8 +47,8 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(tiny_checkpoint):
     """(model, tokenizer, rnnt_vocab, cfg) loaded through the real loader, fp32, eval mode."""
-    from nemo_duplex.checkpoint import load_model
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.checkpoint.load import load_model
+    from nemo_duplex.models.config import tiny_config
 
     torch.manual_seed(0)
     with torch_references():  # a session fixture is set up before the per-test choice below
@@ -113,7 +113,7 @@ def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
 def serving_blas():
     """On CUDA: torch's GEMMs through the library the server selects (engine.blas_library's default,
     nemo_duplex/runtime.py select_blas), restored afterwards."""
-    from nemo_duplex.engine import EngineConfig
+    from nemo_duplex.serving.engine import EngineConfig
     from nemo_duplex.runtime import select_blas
 
     before = torch.backends.cuda.preferred_blas_library()

@@ -15,7 +15,7 @@ def test_step_gemm_shapes_full_size():
     """Counts follow from the architecture (spec 2-4): 24 Conformer layers with q, k, v, out, the conv's
     second pointwise (1024 -> 1024), its first (1024 -> 2048) and two macaron FFs; 27 Mamba, 25 MLP and
     4 attention blocks in the LLM; 28 talker layers run on two rows per call; one text head."""
-    from nemo_duplex.config import ModelConfig
+    from nemo_duplex.models.config import ModelConfig
 
     cfg = ModelConfig()
     got = {(part, k, n): (count, rows) for part, k, n, count, rows in bench_ops.step_gemm_shapes(cfg)}

@@ -10,12 +10,12 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nemo_duplex.checkpoint import (CheckpointError, _materialise, _parameters_on_meta, check_dimensions,
+from nemo_duplex.checkpoint.load import (CheckpointError, _materialise, _parameters_on_meta, check_dimensions,
                                     config_from_official, expected_shapes, hf_llm_config, llm_config_from_hf,
                                     load_state, official_config, read_header, tensor_shapes, write_checkpoint,
                                     write_safetensors)
-from nemo_duplex.config import DtypeConfig, LLMConfig, ModelConfig, TokenConfig, tiny_config
-from nemo_duplex.tokenizer import Tokenizer, make_tiny_tokenizer
+from nemo_duplex.models.config import DtypeConfig, LLMConfig, ModelConfig, TokenConfig, tiny_config
+from nemo_duplex.models.tokenizer import Tokenizer, make_tiny_tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,11 +304,11 @@ def test_check_dimensions_names_the_field():
 
 
 # ---------------------------------------------------------------------------------------------
-# The real model (nemo_duplex.model.VoiceChat)
+# The real model (nemo_duplex.models.model.VoiceChat)
 # ---------------------------------------------------------------------------------------------
 
 def test_voicechat_keys_match_expected_shapes_at_full_size():
-    from nemo_duplex.model import VoiceChat
+    from nemo_duplex.models.model import VoiceChat
     cfg = ModelConfig()
     with torch.device("meta"):
         model = VoiceChat(cfg)
@@ -321,7 +321,7 @@ def test_voicechat_keys_match_expected_shapes_at_full_size():
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    from nemo_duplex.checkpoint import make_random_checkpoint
+    from nemo_duplex.checkpoint.load import make_random_checkpoint
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
     make_random_checkpoint(tiny_config(), out, seed=0)
     return out
@@ -339,8 +339,8 @@ def test_random_checkpoint_layout(tiny_ckpt):
 
 
 def test_random_checkpoint_round_trip(tiny_ckpt, tmp_path):
-    from nemo_duplex.checkpoint import load_model, make_random_checkpoint
-    from nemo_duplex.model import VoiceChat
+    from nemo_duplex.checkpoint.load import load_model, make_random_checkpoint
+    from nemo_duplex.models.model import VoiceChat
     cfg = tiny_config()
     model, tokenizer, rnnt_vocab, got = load_model(tiny_ckpt, base=cfg, device="cpu")
     assert isinstance(model, VoiceChat)
@@ -368,7 +368,7 @@ def test_random_checkpoint_round_trip(tiny_ckpt, tmp_path):
 
 def test_load_model_errors(tiny_ckpt, tmp_path):
     import shutil
-    from nemo_duplex.checkpoint import load_model
+    from nemo_duplex.checkpoint.load import load_model
     cfg = tiny_config()
     d = tmp_path / "c"
     shutil.copytree(tiny_ckpt, d)
@@ -389,7 +389,7 @@ def test_load_model_errors(tiny_ckpt, tmp_path):
 
 def test_random_model_equals_random_checkpoint(tiny_ckpt):
     # random_model builds on empty parameters: equal weights prove init_weights fills every tensor
-    from nemo_duplex.checkpoint import random_model
+    from nemo_duplex.checkpoint.load import random_model
     model, tokenizer, rnnt_vocab = random_model(tiny_config(), "cpu", seed=0)
     with safe_open(str(tiny_ckpt / "model.safetensors"), framework="pt") as f:
         sd = model.state_dict()
@@ -416,7 +416,7 @@ def test_make_checkpoint_script(tmp_path):
 
 def test_checkpoint_without_function_head_and_rnnt(tmp_path):
     # nemo-toolkit 3.0.0 generation (spec 12.1): no function head, no RNN-T modules
-    from nemo_duplex.checkpoint import load_model, make_random_checkpoint
+    from nemo_duplex.checkpoint.load import load_model, make_random_checkpoint
     cfg = tiny_config()
     cfg = replace(cfg, llm=replace(cfg.llm, use_function_head=False), rnnt=replace(cfg.rnnt, present=False))
     make_random_checkpoint(cfg, tmp_path / "c", seed=1)
@@ -428,7 +428,7 @@ def test_checkpoint_without_function_head_and_rnnt(tmp_path):
     model, _, rnnt_vocab, got = load_model(tmp_path / "c", tiny_config(), "cpu")
     assert got.llm.use_function_head is False and got.rnnt.present is False and rnnt_vocab is None
     # loading it into a model that expects the heads lists every missing key
-    from nemo_duplex.model import VoiceChat
+    from nemo_duplex.models.model import VoiceChat
     with pytest.raises(CheckpointError) as e:
         load_state(VoiceChat(tiny_config()), tmp_path / "c")
     assert "stt_model.function_head.weight" in str(e.value) and "stt_model.rnnt_joint.enc.weight" in str(e.value)
@@ -441,8 +441,8 @@ def test_loader_keeps_the_checkpoints_token_flags(tiny_checkpoint, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from nemo_duplex.checkpoint import load_model
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.checkpoint.load import load_model
+    from nemo_duplex.models.config import tiny_config
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
@@ -459,8 +459,8 @@ def test_in_place_writer_gives_the_same_checkpoint(tiny_checkpoint, tmp_path):
     as the in-RAM one, and the result loads through the strict loader."""
     from safetensors.torch import load_file
 
-    from nemo_duplex.checkpoint import load_model, make_random_checkpoint_in_place
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.checkpoint.load import load_model, make_random_checkpoint_in_place
+    from nemo_duplex.models.config import tiny_config
 
     out = make_random_checkpoint_in_place(tiny_config(), tmp_path / "inplace", seed=0)
     a = load_file(str(out / "model.safetensors"))
@@ -478,9 +478,9 @@ def test_load_state_re_splits_the_codecs_gemm_weights(tiny_checkpoint, monkeypat
     checkpoint.load_state: re-split in place from the loaded weights, never the random ones left."""
     from ops.fp32_linear import split_tf32_reference
 
-    from nemo_duplex.checkpoint import random_model
-    from nemo_duplex.codec import gemm_weight
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.checkpoint.load import random_model
+    from nemo_duplex.models.codec import gemm_weight
+    from nemo_duplex.models.config import tiny_config
 
     cfg = tiny_config()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -504,8 +504,8 @@ def test_load_state_drops_tables_derived_from_the_old_weights(tiny_checkpoint):
     """checkpoint.load_state overwrites the weights in place and then calls every module's
     weights_loaded: the talker's text table, built from the random weights, is dropped, and the next
     cast_for_inference builds it from the loaded ones."""
-    from nemo_duplex.checkpoint import random_model
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.checkpoint.load import random_model
+    from nemo_duplex.models.config import tiny_config
 
     model = random_model(tiny_config(), seed=3)[0].cast_for_inference()
     assert model.talker.text_table.numel() > 0
@@ -527,10 +527,10 @@ def test_embedded_checkpoint_appears_whole_even_to_a_concurrent_reader(tmp_path,
     import threading
     import time
 
-    from nemo_duplex import checkpoint as checkpoint_module
+    from nemo_duplex.checkpoint import load as checkpoint_module
     from nemo_duplex import runtime
-    from nemo_duplex.checkpoint import load_model
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.checkpoint.load import load_model
+    from nemo_duplex.models.config import tiny_config
 
     real_writer = checkpoint_module.make_random_checkpoint
 
@@ -583,7 +583,7 @@ def test_embedded_checkpoint_appears_whole_even_to_a_concurrent_reader(tmp_path,
 def test_embedded_checkpoint_replaces_a_partial_one(tmp_path, monkeypatch):
     """A folder without config.json (a writer that died midway) is rewritten, not trusted."""
     from nemo_duplex import runtime
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.models.config import tiny_config
 
     monkeypatch.setattr(runtime, "DEFAULT_CHECKPOINTS", tmp_path)
     partial = tmp_path / "nemotron_duplex_tiny-seed0"

@@ -1,4 +1,4 @@
-"""RVQ codec (nemo_duplex/codec.py, spec 5): checkpoint keys, iSTFT head vs torch.istft, shape law,
+"""RVQ codec (nemo_duplex/models/codec.py, spec 5): checkpoint keys, iSTFT head vs torch.istft, shape law,
 causality, streaming == one-shot (delayed by 6 samples), the decoder's GEMMs with their weights split once
 (RVQCodec.presplit_weights), control codes, encoder and silence codes, fp32 guard.
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_duplex import codec as codec_module
-from nemo_duplex.codec import GEMMS, RVQCodec, istft, linear, replace_control_codes, upsample
-from nemo_duplex.config import CodecConfig, tiny_config
+from nemo_duplex.models import codec as codec_module
+from nemo_duplex.models.codec import GEMMS, RVQCodec, istft, linear, replace_control_codes, upsample
+from nemo_duplex.models.config import CodecConfig, tiny_config
 
 SPF = 1764  # samples per code frame
 DELAY = 6   # decode_step's stream lags one-shot decode by (n_fft - hop) / 2 samples
@@ -458,7 +458,7 @@ def test_streaming_equals_one_shot_delayed(kernels, monkeypatch):
 def test_step_constants_are_built_once_and_stay_fp32():
     """decode_step's window, inner-bin mask, envelope and head mask are the values the functions compute,
     not checkpoint keys, and a cast (which would round them) rebuilds them in fp32."""
-    from nemo_duplex.codec import hann_window, window_envelope
+    from nemo_duplex.models.codec import hann_window, window_envelope
 
     codec = RVQCodec(tiny_config().codec)
     cfg = codec.cfg

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from nemo_duplex.config import EncoderConfig, FrontendConfig, tiny_config
-from nemo_duplex.encoder import Perception, chunked_limited_mask, rel_shift
+from nemo_duplex.models.config import EncoderConfig, FrontendConfig, tiny_config
+from nemo_duplex.models.encoder import Perception, chunked_limited_mask, rel_shift
 
 FRAME = 1280
 REL_TOL = 1e-5  # streaming vs offline, fp32: max |diff| / max |offline| per call
@@ -230,7 +230,7 @@ def test_pos_tables_follow_loaded_weights(monkeypatch):
 
 @torch.no_grad()
 def test_streaming_qkv_stack_is_the_weights_themselves():
-    """The streaming step's one q/k/v GEMM reads `stack` (nemo_duplex/stacking.py), whose row blocks ARE
+    """The streaming step's one q/k/v GEMM reads `stack` (nemo_duplex/models/stacking.py), whose row blocks ARE
     linear_q/k/v's weights: no second copy (until session 15 a concatenated copy, 144 MiB at full size in
     bf16), a state_dict load writes into it, a cast re-stacks it; the checkpoint keys are unchanged."""
     model = make_perception(seed=5)

@@ -6,8 +6,8 @@ import torch
 
 nemo_asr = pytest.importorskip("nemo.collections.asr.modules", reason="nemo-toolkit==3.0.0 not installed")
 
-from nemo_duplex.config import FrontendConfig, tiny_config  # noqa: E402
-from nemo_duplex.encoder import Perception  # noqa: E402
+from nemo_duplex.models.config import FrontendConfig, tiny_config  # noqa: E402
+from nemo_duplex.models.encoder import Perception  # noqa: E402
 
 FRAME = 1280
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_duplex.engine import (CallClosed, CallOptions, DrainedEvent, EndedEvent, Engine, EngineBusy, EngineConfig,
+from nemo_duplex.serving.engine import (CallClosed, CallOptions, DrainedEvent, EndedEvent, Engine, EngineBusy, EngineConfig,
                                 FrameEvent, InputBudgetExceeded)
-from nemo_duplex.frame_step import stream_inference
-from nemo_duplex.model import offline_inference
+from nemo_duplex.serving.frame_step import stream_inference
+from nemo_duplex.models.model import offline_inference
 
 
 def _engine(tiny, **kw):
@@ -202,7 +202,7 @@ def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip)
     by one. Any other exception only ends the calls of that step (the engine keeps serving)."""
     import time
 
-    from nemo_duplex.engine import EngineDown
+    from nemo_duplex.serving.engine import EngineDown
 
     for message, stops in (("boom: a plain bug", False), ("CUDA error: device-side assert triggered", True)):
         eng = _engine(tiny, max_calls=2)
@@ -354,7 +354,7 @@ def test_calls_opened_together_share_their_first_step(tiny, example_clip, open_g
 def test_opened_together_rule():
     """opened_together on made-up open times (seconds, sorted), bound 0.015: within the bound of any call
     whose first frame is pending (before or after it), or not; no such call, nothing to go by."""
-    from nemo_duplex.engine import opened_together
+    from nemo_duplex.serving.engine import opened_together
 
     assert opened_together(10.004, [10.000], 0.015)
     assert opened_together(9.990, [10.000, 12.0], 0.015)
@@ -368,7 +368,7 @@ def test_coalesce_limit_and_deadline():
     """coalesce_limit: engine.coalesce_ms capped by the last step's seconds (none yet: the bound itself;
     0 = off). coalesce_deadline: the oldest paced frame (alone in its call) + the bound; backlogs and
     calls without a frame do not set it."""
-    from nemo_duplex.engine import coalesce_deadline, coalesce_limit
+    from nemo_duplex.serving.engine import coalesce_deadline, coalesce_limit
 
     assert coalesce_limit(0.015, None) == 0.015
     assert coalesce_limit(0.015, (10.0, 0.012)) == 0.012
@@ -382,7 +382,7 @@ def test_coalesce_limit_and_deadline():
 def test_coalesce_wait_rule():
     """coalesce_wait on made-up arrival times (seconds; frames every 0.08 s, bound 0.02 s); per call
     (oldest pending frame's arrival, last frame's arrival, frames pending)."""
-    from nemo_duplex.engine import coalesce_wait
+    from nemo_duplex.serving.engine import coalesce_wait
 
     F, L = 0.08, 0.02
     # lockstep: b's next frame is due with a's (its last came one period before a's): wait to the bound
@@ -412,7 +412,7 @@ def test_duty_wait_rule():
     """duty_wait on made-up times (seconds): the last step started at 10.000 and took 0.030; max_duty 0.75
     allows the next at 10.040, but a paced frame (one pending) never waits past its arrival + cap (0.020
     here); backlogs (more than one pending) neither set the cap nor are a reason to hold."""
-    from nemo_duplex.engine import duty_wait
+    from nemo_duplex.serving.engine import duty_wait
 
     last, cap = (10.000, 0.030), 0.020
     assert duty_wait([(10.031, 10.031, 1), (None, 9.99, 0)], 10.032, last, 0.75, cap) == pytest.approx(0.008)
@@ -481,8 +481,8 @@ def test_engine_survives_a_failing_coalesce(tiny, example_clip, monkeypatch):
 def test_engine_runs_all_greedy_batches_without_sampling(tiny, example_clip):
     """The engine tells the step runner when every call of a batch is greedy (StepRunner then replays its
     greedy-only graphs, engine.greedy_graphs); a batch with one sampling call takes the general step."""
-    from nemo_duplex.engine import CallOptions
-    from nemo_duplex.sampling import SamplingParams
+    from nemo_duplex.serving.engine import CallOptions
+    from nemo_duplex.models.sampling import SamplingParams
 
     eng = _engine(tiny, max_calls=3)
     flags = []

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import nemo_duplex.encoder as encoder_module
+import nemo_duplex.models.encoder as encoder_module
 from eval.audio import write_wav
 from eval.clips.make_clips import Clip
 from eval.consistency import Comparison, consistency, judge

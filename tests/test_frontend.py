@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_duplex.config import FrontendConfig
-from nemo_duplex.frontend import MelFrontend, slaney_mel_filterbank
+from nemo_duplex.models.config import FrontendConfig
+from nemo_duplex.models.frontend import MelFrontend, slaney_mel_filterbank
 
 HOP, FRAME = 160, 1280
 

@@ -1,5 +1,5 @@
 """The model by name: `checkpoint=` takes a directory or a Hugging Face repo id, resolved through
-huggingface_hub's cache (nemo_duplex/hub.py). The tests use a hub cache laid out exactly as huggingface_hub
+huggingface_hub's cache (nemo_duplex/checkpoint/hub.py). The tests use a hub cache laid out exactly as huggingface_hub
 lays out a downloaded snapshot (blobs named by their hash, refs/main, snapshots/<commit>/ of links), holding
 the tiny checkpoint under the release's repo id, offline. Without a checkpoint an app stops within seconds
 and says what it looked for, where, and the two ways forward."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_duplex.hub import CheckpointNotFound, is_repo_id, resolve_checkpoint
+from nemo_duplex.checkpoint.hub import CheckpointNotFound, is_repo_id, resolve_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASE = "nvidia/NVIDIA-NemotronLabs-VoiceChat-11B"
@@ -49,8 +49,8 @@ def hub_home(tmp_path_factory):
     """HF_HOME with the tiny checkpoint published as the release: the VoiceChat repository holds config.json
     (pretrained_llm naming the LLM's repo, as the release's does), model.safetensors and rnnt_tokenizer/, no
     LLM tokenizer; the LLM's repository holds tokenizer.json and its HF config.json."""
-    from nemo_duplex.checkpoint import make_random_checkpoint
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.checkpoint.load import make_random_checkpoint
+    from nemo_duplex.models.config import tiny_config
 
     made = tmp_path_factory.mktemp("made") / "tiny"
     make_random_checkpoint(tiny_config(), made, seed=0)
@@ -88,7 +88,7 @@ def test_repo_ids_and_directories(tmp_path):
 
 def test_resolution_through_the_cache_offline(hub_home, monkeypatch):
     # in a fresh process: huggingface_hub reads HF_HOME and HF_HUB_OFFLINE when it is imported
-    code = ("from nemo_duplex.hub import resolve_checkpoint; s = resolve_checkpoint(%r); "
+    code = ("from nemo_duplex.checkpoint.hub import resolve_checkpoint; s = resolve_checkpoint(%r); "
             "print(s.path, s.repo_id, s.commit)" % RELEASE)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=offline_env(hub_home), capture_output=True,
                          text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""Nemotron-H (nemo_duplex/llm.py): checkpoint keys, transformers parity, Mamba-2 pitfalls (spec 9.11),
+"""Nemotron-H (nemo_duplex/models/llm.py): checkpoint keys, transformers parity, Mamba-2 pitfalls (spec 9.11),
 cached step/prefill over slot pools vs the full-sequence forward, init_weights."""
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_duplex.config import LLMConfig, tiny_config
-from nemo_duplex.llm import Mamba2Mixer, NemotronH, reset_slots
+from nemo_duplex.models.config import LLMConfig, tiny_config
+from nemo_duplex.models.llm import Mamba2Mixer, NemotronH, reset_slots
 
 torch.set_grad_enabled(False)
 # kernel-path tests run on the GPU where there is one, else through TRITON_INTERPRET=1 (tests/conftest.py)

@@ -1,4 +1,4 @@
-"""Memory planning (nemo_duplex/memory.py): the per-call formulas against real pool allocations (tiny
+"""Memory planning (nemo_duplex/serving/memory.py): the per-call formulas against real pool allocations (tiny
 model on the CPU, full size on the meta device), the weights against a real model, and the refusals."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_duplex.config import ModelConfig, tiny_config
-from nemo_duplex.memory import (GiB, MemoryPlanError, bytes_per_call, codec_presplit_bytes,
+from nemo_duplex.models.config import ModelConfig, tiny_config
+from nemo_duplex.serving.memory import (GiB, MemoryPlanError, bytes_per_call, codec_presplit_bytes,
                                 derived_table_bytes, frames_per_call, inference_config, max_call_s_that_fits,
                                 max_calls_that_fit, plan, weight_bytes)
-from nemo_duplex.model import VoiceChat
-from nemo_duplex.state import allocate_call_state
+from nemo_duplex.models.model import VoiceChat
+from nemo_duplex.serving.state import allocate_call_state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -189,8 +189,8 @@ def test_an_app_refuses_a_model_that_does_not_fit_the_cpu_before_allocating(tmp_
 
 
 def test_prefix_cache_bytes_match_a_snapshot():
-    from nemo_duplex.memory import prefix_cache_bytes
-    from nemo_duplex.state import PrefixCache
+    from nemo_duplex.serving.memory import prefix_cache_bytes
+    from nemo_duplex.serving.state import PrefixCache
 
     cfg = tiny_config()
     model = VoiceChat(cfg).cast_for_inference()

@@ -2,10 +2,10 @@
 7.1, 7.2), and the spec's section-9 pitfalls that live at this level (1-4, 12, 13). Tiny model, fp32."""
 import torch
 
-from nemo_duplex.frame_step import admit, frame_step, special_ids, stream_inference
-from nemo_duplex.model import offline_inference
-from nemo_duplex.sampling import SamplingParams
-from nemo_duplex.state import allocate_call_state
+from nemo_duplex.serving.frame_step import admit, frame_step, special_ids, stream_inference
+from nemo_duplex.models.model import offline_inference
+from nemo_duplex.models.sampling import SamplingParams
+from nemo_duplex.serving.state import allocate_call_state
 
 
 def test_state_dict_keys_are_official(tiny):
@@ -133,8 +133,8 @@ def test_mel_front_end_uses_checkpoint_tables_in_fp32():
     when the encoder runs in bf16."""
     import dataclasses
 
-    from nemo_duplex.config import DtypeConfig, tiny_config
-    from nemo_duplex.model import VoiceChat
+    from nemo_duplex.models.config import DtypeConfig, tiny_config
+    from nemo_duplex.models.model import VoiceChat
 
     cfg = dataclasses.replace(tiny_config(), dtype=DtypeConfig(encoder="bf16"))
     model = VoiceChat(cfg)

@@ -7,9 +7,9 @@ counts, which is not what this compares."""
 import pytest
 import torch
 
-from nemo_duplex.frame_step import admit, frame_step, special_ids
-from nemo_duplex.sampling import SamplingParams
-from nemo_duplex.state import allocate_call_state
+from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
+from nemo_duplex.models.sampling import SamplingParams
+from nemo_duplex.serving.state import allocate_call_state
 
 
 ROWS = 4
@@ -92,7 +92,7 @@ def test_pipelined_speech_equals_serial(tiny, depth):
 
 # ---- the engine with engine.pipeline ------------------------------------------------------------------
 def _engine(tiny, **kw):
-    from nemo_duplex.engine import Engine, EngineConfig
+    from nemo_duplex.serving.engine import Engine, EngineConfig
     model, tok, *_ = tiny
     return Engine(model, tok, EngineConfig(**{"max_calls": 4, "max_call_s": 20.0, **kw}))
 
@@ -108,7 +108,7 @@ def test_pipelined_engine_equals_serial_engine(tiny, example_clip, depth):
     """Staggered live calls and uploads, sampled text: every call's text, function tokens, codes and PCM
     through the pipelined engine equal the serial engine's bit for bit (both batch-invariant: every step
     runs the same rows, so only the pipelining differs), every frame arrives, in order."""
-    from nemo_duplex.sampling import SamplingParams
+    from nemo_duplex.models.sampling import SamplingParams
     frames = 7
     clips = _clips(example_clip, 5, frames)
     kw = dict(max_calls=5, batch_invariant=True)
@@ -224,7 +224,7 @@ def test_pipelined_engine_runs_a_late_frames_speech_alone(tiny, example_clip, de
     limit and abort rules, pipelined too: tests/test_engine.py.)"""
     import time
 
-    from nemo_duplex.engine import FrameEvent
+    from nemo_duplex.serving.engine import FrameEvent
     eng = _engine(tiny, max_calls=2, pipeline=depth)
     events = []
     call = eng.open_call(on_event=events.append)

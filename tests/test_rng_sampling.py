@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from nemo_duplex import rng
-from nemo_duplex.sampling import SamplingParams, sample_text
+from nemo_duplex.models import rng
+from nemo_duplex.models.sampling import SamplingParams, sample_text
 
 
 def test_rng_is_per_call_and_batch_invariant():

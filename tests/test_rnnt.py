@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from nemo_duplex.config import RNNTConfig, tiny_config
-from nemo_duplex.rnnt import RNNTDecoder, RNNTJoint, rnnt_greedy_decode
+from nemo_duplex.models.config import RNNTConfig, tiny_config
+from nemo_duplex.models.rnnt import RNNTDecoder, RNNTJoint, rnnt_greedy_decode
 
 
 def test_state_dict_keys_and_shapes_full_size():
@@ -145,7 +145,7 @@ def test_blank_padding_row_is_zero_input():
 
 def test_lstm_step_equals_nn_lstm():
     """The written-out LSTM step (compile friendly) is nn.LSTM's math: fp32, random weights, 1e-6."""
-    from nemo_duplex.rnnt import lstm_step
+    from nemo_duplex.models.rnnt import lstm_step
 
     torch.manual_seed(3)
     lstm = torch.nn.LSTM(12, 12, num_layers=2)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nemo_duplex.config import tiny_config
+from nemo_duplex.models.config import tiny_config
 from nemo_duplex.runtime import SettingsError, explicit_keys, merge_checkpoint_settings, resolve_model
 from tests.apps import compose_app
 

@@ -14,7 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from nemo_duplex.server import ServeConfig, Server, parse_tool_calls, render_tool_prompt, tool_response_ids
+from nemo_duplex.server.app import ServeConfig, Server, parse_tool_calls, render_tool_prompt, tool_response_ids
 from tests.server_support import (RunningServer, ScriptedModel, scripted_engine, tiny_rnnt, tiny_tokenizer, tone,
                                   wav_bytes)
 
@@ -759,7 +759,7 @@ def test_call_script_writes_outputs(server, tok, tmp_path):
 def test_incremental_text_matches_whole_decode(tok):
     """Deltas of a long turn (folded every 16 ids) add up to the decode of the whole turn; the same for
     the RNN-T transcript, whose decoder strips a leading space."""
-    from nemo_duplex.server import IncrementalText
+    from nemo_duplex.server.app import IncrementalText
 
     rng = np.random.default_rng(0)
     ids = tok.encode("Hello, and thank you for calling. How can I help you today? The weather is sunny. " * 4)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from nemo_duplex.audio import read_wav
-from nemo_duplex.engine import Engine, EngineConfig
-from nemo_duplex.server import ServeConfig, Server
+from nemo_duplex.serving.engine import Engine, EngineConfig
+from nemo_duplex.server.app import ServeConfig, Server
 from tests.server_support import RunningServer, wav_bytes
 
 FRAME_IN = 1280
@@ -148,7 +148,7 @@ def test_served_frames_equal_streaming_loop(tiny, pipeline):
     """Native WS with {"tokens": true}: the served text/function tokens equal stream_inference's for the
     same clip and seed (greedy), and the served PCM16 equals its waveform to within 1 LSB of rounding; also
     with engine.pipeline (each frame's event one or two steps later, the last ones after end_input)."""
-    from nemo_duplex.frame_step import stream_inference
+    from nemo_duplex.serving.frame_step import stream_inference
 
     model, tokenizer, _, clip = tiny
     x = clip[: int(1.2 * 16000)]

@@ -1,4 +1,4 @@
-"""EAR-TTS talker (nemo_duplex/talker.py) on the tiny config, fp32, CPU.
+"""EAR-TTS talker (nemo_duplex/models/talker.py) on the tiny config, fp32, CPU.
 
 Spec references: MODEL_SPEC 4 (talker), 6.3 (keys), 9.5-9.8 (pitfalls), 12.5 (flags), 12.8 (draws).
 Tolerances are stated where they are used."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_duplex.config import TalkerConfig, tiny_config
-from nemo_duplex.talker import EarTTS, GemmaRMSNorm, residual_quantise, top_k_filter
+from nemo_duplex.models.config import TalkerConfig, tiny_config
+from nemo_duplex.models.talker import EarTTS, GemmaRMSNorm, residual_quantise, top_k_filter
 from ops.top_p_sample import top_p_filter
 
 VOCAB = tiny_config().llm.vocab_size  # 384
@@ -277,7 +277,7 @@ def test_stacked_projections_compute_the_separate_ones(kernels):
     1e-5 (fp32; the stacked GEMM may sum in another order), codes identical. A cast afterwards (which
     gives each weight a tensor of its own) re-stacks. With `kernels`, the norm + rotary and gelu * up
     kernels read the stacked GEMM's column views (interpreter)."""
-    from nemo_duplex.stacking import StackedProjections
+    from nemo_duplex.models.stacking import StackedProjections
 
     def step_outputs(model):
         g = torch.Generator().manual_seed(4)
@@ -845,7 +845,7 @@ def test_full_size_tables_on_gpu():
 def test_backbone_rope_frequencies_give_rotary_cos_sin_bit_for_bit():
     """The step's cos / sin for both thetas from one product with the backbone's frequency buffer equal
     rotary_cos_sin's for each theta, bit for bit; a cast leaves the buffer in fp32 (rebuilt, not rounded)."""
-    from nemo_duplex.talker import rotary_cos_sin
+    from nemo_duplex.models.talker import rotary_cos_sin
 
     model = make_model()
     backbone = model.backbone

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from nemo_duplex.config import tiny_config
-from nemo_duplex.tokenizer import (RNNTVocab, Tokenizer, make_byte_level_tokenizer, make_tiny_rnnt_vocab,
+from nemo_duplex.models.config import tiny_config
+from nemo_duplex.models.tokenizer import (RNNTVocab, Tokenizer, make_byte_level_tokenizer, make_tiny_rnnt_vocab,
                                    make_tiny_tokenizer, single_char_tokens)
 
 

@@ -1,4 +1,4 @@
-"""The step's weight reads (nemo_duplex/weight_reads.py), which the benchmark's floor counts: every GEMM
+"""The step's weight reads (nemo_duplex/serving/weight_reads.py), which the benchmark's floor counts: every GEMM
 weight the step multiplies by in full, the embedding tables only by the rows a call gathers, nothing of
 what runs only at admission (the codec's encoder, the talker's prompt projection)."""
 import contextlib
@@ -6,10 +6,10 @@ import contextlib
 import pytest
 import torch
 
-from nemo_duplex.frame_step import admit, special_ids
-from nemo_duplex.sampling import SamplingParams
-from nemo_duplex.state import allocate_call_state
-from nemo_duplex.weight_reads import CountWeightReads, _extent, _merged_bytes, fixed_and_per_call, step_weight_reads
+from nemo_duplex.serving.frame_step import admit, special_ids
+from nemo_duplex.models.sampling import SamplingParams
+from nemo_duplex.serving.state import allocate_call_state
+from nemo_duplex.serving.weight_reads import CountWeightReads, _extent, _merged_bytes, fixed_and_per_call, step_weight_reads
 
 
 def test_extents_and_merging():
@@ -54,7 +54,7 @@ def test_step_reads_the_gemm_weights_in_full_and_gathers_rows(tiny):
     reads = step_weight_reads(model, st, special_ids(model, "cpu"), slots).by_tensor()
     named = dict(model.named_parameters())
     # every LLM Linear (Mamba in/out projections, MLPs, attention) and the heads: read whole. Linears stacked
-    # into one tensor (the attention's q/k/v, nemo_duplex/stacking.py) are one read of the stack, counted under
+    # into one tensor (the attention's q/k/v, nemo_duplex/models/stacking.py) are one read of the stack, counted under
     # the first of them (the counter names a storage by its first parameter)
     by_storage: dict[int, list[str]] = {}
     for name, module in [*model.llm.named_modules(prefix="stt_model.llm"),

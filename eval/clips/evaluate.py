@@ -87,7 +87,7 @@ def response_latency(agent_db: np.ndarray, stop_s: float | None, voiced_db: floa
 def function_calls(func_tokens: list[int], tokenizer, tokens) -> list[dict]:
     """Spans of the function channel between the tool-call start and end tokens (spec 3.9), decoded,
     with the frames where they start and end and the parsed calls (or why they do not parse)."""
-    from nemo_duplex.server import parse_tool_calls
+    from nemo_duplex.server.app import parse_tool_calls
 
     start, end = tokenizer.token_to_id(tokens.tool_call_start), tokenizer.token_to_id(tokens.tool_call_end)
     skip = getattr(tokenizer, "display_skip_ids", frozenset({tokens.pad_id}))
@@ -184,8 +184,8 @@ def _wer_or_none(reference: str | None, hypothesis: str) -> float | None:
 def evaluate_clip(model, tokenizer, rnnt_vocab, clip: Clip, out_dir: Path, settings: EvalSettings,
                   mode: str = "streaming", prompt: str | None = None, seed: int = 0, sampling=None,
                   trained: bool = False, transcriber=None) -> ClipReport:
-    from nemo_duplex.frame_step import stream_inference
-    from nemo_duplex.model import offline_inference
+    from nemo_duplex.serving.frame_step import stream_inference
+    from nemo_duplex.models.model import offline_inference
 
     wav, sr = clip.load()
     rate = model.cfg.source_sample_rate

@@ -51,8 +51,8 @@ def test_bf16_tables_sum_in_fp32_and_repeat_rows():
 
 def test_codec_dequantize_and_opcheck():
     """The codec's dequantize (through the stacked codebooks) equals the plain per-codebook sum."""
-    from nemo_duplex.codec import RVQCodec
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.models.codec import RVQCodec
+    from nemo_duplex.models.config import tiny_config
 
     codec = RVQCodec(tiny_config().codec).to(DEVICE)
     codec.init_weights(torch.Generator().manual_seed(0))
@@ -67,8 +67,8 @@ def test_codec_dequantize_and_opcheck():
 
 def test_stacked_copy_follows_the_weights():
     """The stacked codebooks are rebuilt after the weights are drawn again or a state_dict is loaded."""
-    from nemo_duplex.codec import RVQCodec
-    from nemo_duplex.config import tiny_config
+    from nemo_duplex.models.codec import RVQCodec
+    from nemo_duplex.models.config import tiny_config
 
     codec = RVQCodec(tiny_config().codec)
     codec.init_weights(torch.Generator().manual_seed(0))

@@ -64,8 +64,8 @@ def test_gated_norm_out_dtype_and_strided_inputs():
 
 def test_launcher_matches_model_norms():
     """The launcher (kernel here) against the LLM's and talker's modules' own reference paths."""
-    from nemo_duplex.llm import GatedRMSNorm, RMSNorm
-    from nemo_duplex.talker import GemmaRMSNorm
+    from nemo_duplex.models.llm import GatedRMSNorm, RMSNorm
+    from nemo_duplex.models.talker import GemmaRMSNorm
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(4, 64, generator=gen)
     z = torch.randn(4, 64, generator=gen)
@@ -185,7 +185,7 @@ def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
 
 @pytest.mark.parametrize("t", [1, 3])
 def test_norm_rope_reads_column_slices_of_a_fused_projection(t):
-    """The talker's q, k, v come from one GEMM over the stacked weights (nemo_duplex/talker.py
+    """The talker's q, k, v come from one GEMM over the stacked weights (nemo_duplex/models/talker.py
     stack_linears) as column views of [B, T, 3 x heads x D]: both kernels read them through token and head
     strides, bit for bit what they compute from contiguous copies, and `_token_heads` makes no copy."""
     from ops.rmsnorm import _token_heads, rms_norm_rope_store_triton, rms_norm_rope_triton
@@ -226,7 +226,7 @@ def test_gpu_norm_rope_store_talker_shape():
 @pytest.mark.gpu
 def test_gpu_norm_rope_talker_shape():
     from ops.rmsnorm import rms_norm_reference, rms_norm_rope, rms_norm_rope_reference
-    from nemo_duplex.talker import rotary_cos_sin
+    from nemo_duplex.models.talker import rotary_cos_sin
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, 1, 16, 72, device="cuda", generator=gen, dtype=torch.bfloat16) * 2
     w = torch.randn(72, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.2

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_duplex.config import LLMConfig
-from nemo_duplex.stacking import StackedProjections
+from nemo_duplex.models.config import LLMConfig
+from nemo_duplex.models.stacking import StackedProjections
 from ops.activation import relu_square
 from ops.decode_attention import decode_attention
 from ops.mamba_step import mamba_step

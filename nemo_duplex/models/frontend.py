@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nemo_duplex.config import FrontendConfig
+from nemo_duplex.models.config import FrontendConfig
 from ops.dft import rdft  # float64-built DFT basis as one matmul (graph friendly)
 
 

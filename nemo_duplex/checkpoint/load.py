@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from .config import CASConfig, GemmaConfig, LLMConfig, ModelConfig, TokenConfig
-from .tokenizer import RNNTVocab, Tokenizer, make_byte_level_tokenizer, make_tiny_rnnt_vocab
+from nemo_duplex.models.config import CASConfig, GemmaConfig, LLMConfig, ModelConfig, TokenConfig
+from nemo_duplex.models.tokenizer import RNNTVocab, Tokenizer, make_byte_level_tokenizer, make_tiny_rnnt_vocab
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -730,7 +730,7 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
 def build_empty_model(cfg: ModelConfig, device: str | torch.device):
     """VoiceChat(cfg) with uninitialised parameters on `device` (in the per-part dtypes) and real
     buffers; every persistent tensor must then be filled (load_state or init_weights)."""
-    from .model import VoiceChat  # model imports every part; keep this module importable without them
+    from nemo_duplex.models.model import VoiceChat  # model imports every part; keep this module importable without them
 
     with _parameters_on_meta():
         model = VoiceChat(cfg)
@@ -756,7 +756,7 @@ def find_tokenizer(ckpt_dir: Path, tokenizer: str | Path | None, pretrained_llm:
     """The LLM's tokenizer.json: `tokenizer` (a file, a directory holding one, or a repo id) when given;
     else beside the checkpoint; else that of `pretrained_llm` (a directory relative to the checkpoint, or
     a repo id through the hub's cache: the release does not ship it, spec 3.8)."""
-    from .hub import describe_search, find_file, is_repo_id
+    from nemo_duplex.checkpoint.hub import describe_search, find_file, is_repo_id
 
     looked = []
     if tokenizer:
@@ -805,7 +805,7 @@ def load_weights(ckpt_dir: str | Path, cfg: ModelConfig, device: str | torch.dev
 def read_config(ckpt_dir: str | Path, base: ModelConfig) -> ModelConfig:
     """The checkpoint's configuration: its config.json over `base` (config_from_official), with the LLM's
     HF config found through `pretrained_llm` (a local directory or the hub's cache)."""
-    from .hub import find_file
+    from nemo_duplex.checkpoint.hub import find_file
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").is_file():
@@ -908,7 +908,7 @@ def make_random_checkpoint_in_place(cfg: ModelConfig, out_dir: str | Path, seed:
     header offsets, and init_weights fills them in place, so the page cache carries the 44 GB of the
     full-size model to disk (a machine with less memory than the checkpoint can write it). Buffers (small)
     are written after the parameters are filled. Layout: 8-byte-aligned buffers first, then parameters."""
-    from .model import VoiceChat
+    from nemo_duplex.models.model import VoiceChat
 
     tokenizer = make_tokenizer_for(cfg)
     cfg = _token_ids(cfg, tokenizer)
@@ -960,7 +960,7 @@ def make_random_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0,
                            shard_bytes: int | None = None) -> Path:
     """Seeded random VoiceChat(cfg) written in the official layout, with a generated tokenizer,
     RNN-T vocabulary and the codec's own silence codes (spec 5.5)."""
-    from .model import VoiceChat
+    from nemo_duplex.models.model import VoiceChat
 
     tokenizer = make_tokenizer_for(cfg)
     cfg = _token_ids(cfg, tokenizer)

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .frame_step import frame_step
+from nemo_duplex.serving.frame_step import frame_step
 
 aten = torch.ops.aten
 # ops that read rows of their first argument, as many as they return

@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nemo_duplex.config import EncoderConfig, FrontendConfig
-from nemo_duplex.frontend import MelFrontend
-from nemo_duplex.stacking import StackedProjections
+from nemo_duplex.models.config import EncoderConfig, FrontendConfig
+from nemo_duplex.models.frontend import MelFrontend
+from nemo_duplex.models.stacking import StackedProjections
 from ops.bounded_attention import bounded_attention_and_store
 from ops.conformer_conv import conformer_conv_step
 from ops.layernorm import add_layer_norm, add_layer_norm_then
@@ -148,7 +148,7 @@ class ConformerFeedForward(nn.Module):
 
 class RelPositionMultiHeadAttention(StackedProjections):
     """Transformer-XL relative-position attention (spec 2.4), no biases in the linears. Once streaming
-    (`prepare_stream`), q/k/v are one weight tensor, `stack` (nemo_duplex/stacking.py): one GEMM per step."""
+    (`prepare_stream`), q/k/v are one weight tensor, `stack` (nemo_duplex/models/stacking.py): one GEMM per step."""
     stacked = ("linear_q", "linear_k", "linear_v")
 
     def __init__(self, cfg: EncoderConfig):

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nemo_duplex.config import RNNTConfig
+from nemo_duplex.models.config import RNNTConfig
 from ops.rnnt_commit import rnnt_commit
 
 

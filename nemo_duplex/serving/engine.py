@@ -24,11 +24,11 @@ import torch
 
 from graphs.capture import step_to_host
 
-from .audio import to_pcm16
-from .frame_step import admit, special_ids
-from .sampling import SamplingParams
-from .settings import EngineConfig
-from .state import PrefixCache, SlotAllocator, allocate_call_state
+from nemo_duplex.audio import to_pcm16
+from nemo_duplex.serving.frame_step import admit, special_ids
+from nemo_duplex.models.sampling import SamplingParams
+from nemo_duplex.settings import EngineConfig
+from nemo_duplex.serving.state import PrefixCache, SlotAllocator, allocate_call_state
 
 
 # ---- errors a client can get ------------------------------------------------------------------------
@@ -532,7 +532,7 @@ class Engine:
                   seed: int = 0, sampling: SamplingParams | None = None, uploads: list[bool] | None = None):
         """Run clips through the engine on the calling thread: clip i opens at tick offsets[i] with seed
         seed + i, and is fed one frame per tick (live) or all at once (upload). Returns ClipResults."""
-        from .model import ClipResult
+        from nemo_duplex.models.model import ClipResult
 
         offsets = offsets or [0] * len(clips)
         uploads = uploads or [False] * len(clips)

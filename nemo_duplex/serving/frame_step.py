@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from . import rng
-from .model import ClipResult
-from .sampling import SamplingParams, sample_text
-from .state import CallState, PrefixCache, allocate_call_state
+from nemo_duplex.models import rng
+from nemo_duplex.models.model import ClipResult
+from nemo_duplex.models.sampling import SamplingParams, sample_text
+from nemo_duplex.serving.state import CallState, PrefixCache, allocate_call_state
 from ops.argmax_top2 import argmax_top2
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
-from .stacking import StackedProjections, stack_all
+from nemo_duplex.models.config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
+from nemo_duplex.models.stacking import StackedProjections, stack_all
 from ops.activation import gelu_tanh_mul
 from ops.argmin_residual import argmin_residual
 from ops.codebook_sum import codebook_sum

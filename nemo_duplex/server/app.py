@@ -1,7 +1,7 @@
 """The aiohttp server: many callers at once on one engine, with hard limits and clear refusals.
 
 Routes (docs/protocol.md has the wire formats and every error code):
-  WS   /v1/realtime   OpenAI Realtime (GA names; beta spellings accepted on input), nemo_duplex/realtime.py
+  WS   /v1/realtime   OpenAI Realtime (GA names; beta spellings accepted on input), nemo_duplex/server/realtime.py
   WS   /generate/ws   the lean native protocol: JSON opening message, binary PCM both ways, JSON events
   POST /generate      upload a WAV, get the same events and audio back as NDJSON while they are produced
   GET  /health        200 once warm-up is done and the engine thread is alive, else 503
@@ -38,18 +38,18 @@ from pathlib import Path
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from .audio import AudioFormatError, decode_wav, from_pcm16, wav_info
-from .engine import (CallClosed, CallOptions, DrainedEvent, EndedEvent, EngineBusy, FrameEvent,
+from nemo_duplex.audio import AudioFormatError, decode_wav, from_pcm16, wav_info
+from nemo_duplex.serving.engine import (CallClosed, CallOptions, DrainedEvent, EndedEvent, EngineBusy, FrameEvent,
                      InputBudgetExceeded, PromptTooLong)
-from .realtime import (NO_OP_EVENTS, NOT_SUPPORTED_EVENTS, EventIds, ProtocolError, RealtimeOutput,
+from nemo_duplex.server.realtime import (NO_OP_EVENTS, NOT_SUPPORTED_EVENTS, EventIds, ProtocolError, RealtimeOutput,
                        SessionSettings, decode_audio, error_event, field_of, parse_client_event, parse_session,
                        session_object)
-from .metrics import ServerMetrics
-from .sampling import SamplingParams
-from .settings import ServeConfig
+from nemo_duplex.server.metrics import ServerMetrics
+from nemo_duplex.models.sampling import SamplingParams
+from nemo_duplex.settings import ServeConfig
 
 STATIC = Path(__file__).resolve().parent / "static"
-log = logging.getLogger("nemo_duplex.server")
+log = logging.getLogger("nemo_duplex.server.app")
 
 
 class Refusal(Exception):

@@ -7,7 +7,7 @@ formulas, one per pool, so they can be read, tabulated and checked before any we
 on a model built on the `meta` device. What the formulas cannot know (activations of the largest
 capture bucket, CUDA graph pools, the CUDA context, allocator slack) is a fixed reserve, `memory.reserve_gib`.
 
-    python -m nemo_duplex.memory          # the docs/performance.md table at full size (bf16, fp32 SSM state)
+    python -m nemo_duplex.serving.memory          # the docs/performance.md table at full size (bf16, fp32 SSM state)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from .config import ModelConfig, torch_dtype
+from nemo_duplex.models.config import ModelConfig, torch_dtype
 
 GiB = 2 ** 30
 INT64, FLOAT32, BOOL = 8, 4, 1
@@ -112,7 +112,7 @@ def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1, device: str | torch
     the tables derived from them on `device` (where the model is served: `derived_table_bytes`).
     The talker's char table (spec 4.2.2) is [vocab, longest token in characters] int64 once the tokenizer
     is set; without the tokenizer pass its longest token (tens of MiB at full size: the reserve covers it)."""
-    from .model import VoiceChat
+    from nemo_duplex.models.model import VoiceChat
 
     with torch.device("meta"):
         model = VoiceChat(cfg).cast_for_inference()
@@ -131,7 +131,7 @@ def derived_table_bytes(cfg: ModelConfig, device: str | torch.device = "cuda") -
     - the codec's pre-split decoder GEMM weights (RVQCodec.presplit_weights), where they are built:
       codec.presplit_used(cfg.codec.gemm, device), i.e. gemm "auto", "tf32x3w" or "fp16x3w" on CUDA,
       "tf32x3w" or "fp16x3w" on the CPU under TRITON_INTERPRET=1, nothing elsewhere (`codec_presplit_bytes`)."""
-    from .codec import presplit_used, resolve_gemm
+    from nemo_duplex.models.codec import presplit_used, resolve_gemm
 
     t = cfg.talker
     size = dtype_bytes(cfg.dtype.talker)
@@ -334,6 +334,6 @@ def markdown_table(cfg: ModelConfig, call_seconds=(30.0, 60.0, 160.0), max_promp
 
 
 if __name__ == "__main__":
-    from .config import preset
+    from nemo_duplex.models.config import preset
 
     print(markdown_table(inference_config(preset("nemotron_duplex"))))

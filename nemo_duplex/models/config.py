@@ -276,7 +276,7 @@ class ModelConfig:
         return self.talker.prompt_frames(self.target_sample_rate, self.samples_per_frame_out)
 
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def preset(name: str) -> ModelConfig:

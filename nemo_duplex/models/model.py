@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from . import rng
-from .codec import RVQCodec
-from .config import ModelConfig, torch_dtype
-from .encoder import Perception
-from .llm import NemotronH
-from .rnnt import RNNTDecoder, RNNTJoint, rnnt_greedy_decode
-from .sampling import SamplingParams, sample_text
-from .stacking import stack_all
-from .talker import EarTTS
+from nemo_duplex.models import rng
+from nemo_duplex.models.codec import RVQCodec
+from nemo_duplex.models.config import ModelConfig, torch_dtype
+from nemo_duplex.models.encoder import Perception
+from nemo_duplex.models.llm import NemotronH
+from nemo_duplex.models.rnnt import RNNTDecoder, RNNTJoint, rnnt_greedy_decode
+from nemo_duplex.models.sampling import SamplingParams, sample_text
+from nemo_duplex.models.stacking import stack_all
+from nemo_duplex.models.talker import EarTTS
 
 
 class STTModel(nn.Module):

@@ -47,7 +47,7 @@ from ops.fp16x3_linear import weight_split_numel
 from ops.fp32_linear import fp32_linear, split_tf32
 from ops.istft_step import hann_window, istft_step, overlap_add, synthesis_frames, window_envelope
 
-from .config import CodecConfig
+from nemo_duplex.models.config import CodecConfig
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
-from .config import ModelConfig, torch_dtype
+from nemo_duplex.models.config import ModelConfig, torch_dtype
 
 
 @dataclass
