@@ -30,8 +30,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.models import (CallPlan, TopTwo, clip_audio, drive_engine, first_difference, make_engine,  # noqa: E402
-                         margin)
+from eval.models import CallPlan, TopTwo, clip_audio, drive_engine, first_difference, make_engine, margin  # noqa: E402
 from eval.report import AudioSample  # noqa: E402
 from eval.row import FAIL, PASS, Criteria, GateContext, RowResult  # noqa: E402
 
@@ -79,8 +78,8 @@ def _with_function_margins(model, run):
 
 def references(model, audio: torch.Tensor, seed: int) -> tuple[Reference, Reference]:
     """(offline, streaming) on the K whole frames of `audio` (offline's lookahead frame dropped)."""
-    from nemo_duplex.serving.frame_step import stream_inference
     from nemo_duplex.models.model import offline_inference
+    from nemo_duplex.serving.frame_step import stream_inference
 
     K = audio.shape[0] // model.cfg.samples_per_frame_in
     off, off_func = _with_function_margins(model, lambda: offline_inference(model, audio, seed=seed))

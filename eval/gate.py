@@ -43,8 +43,7 @@ from eval.encoder_parity import encoder_parity  # noqa: E402
 from eval.margins import margins  # noqa: E402
 from eval.models import ModelSet, clip_audio, ieee_fp32, load_model_set  # noqa: E402
 from eval.report import AudioSample, GateReport, RowRecord, format_table, log_wandb, write_report  # noqa: E402
-from eval.row import (FAIL, NA, NON_SPEECH_KINDS, PASS, SPEECH_KINDS, AgentReply, Criteria,  # noqa: E402,F401
-                      GateContext, RowResult)
+from eval.row import FAIL, NA, NON_SPEECH_KINDS, PASS, SPEECH_KINDS, AgentReply, Criteria, GateContext, RowResult  # noqa: E402,F401
 from eval.wer import check_speech, normalize_text, wer  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------

@@ -53,8 +53,8 @@ class TeacherForced:
 @torch.no_grad()
 def teacher_forced(fp32, bf16, audio: torch.Tensor, seed: int = 0) -> TeacherForced:
     """Step fp32 and bf16 through `audio` (whole frames) on the same inputs; see the module doc."""
+    from nemo_duplex.models.config import SamplingParams
     from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
-    from nemo_duplex.models.sampling import SamplingParams
     from nemo_duplex.serving.state import allocate_call_state
 
     dev = fp32.stt_model.embed_tokens.weight.device

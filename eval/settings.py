@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from nemo_duplex.settings import EngineConfig, ModelApp, SamplingParams, WandbConfig
-
 from eval.clips.make_clips import ClipSetConfig
+from nemo_duplex.settings import EngineConfig, ModelApp, SamplingParams, WandbConfig
 
 
 @dataclass

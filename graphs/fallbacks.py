@@ -6,7 +6,7 @@ or not: `operator_str` prints every argument's IR, and an argument's IR prints i
 DAG written out as a tree. At full size, with custom ops first met deep in the step, that is what the
 whole-step build did for minutes: session 15's build of one bucket was still lowering when it was
 stopped at 7 minutes, and in session 16 every stack sample of the build from minute 2 to minute 10 sat
-in `ir.py`'s `__str__` under `operator_str` (docs/runs/compile_s16_1_implicit_fallback_stacks.log).
+in `ir.py`'s `__str__` under `operator_str`.
 With the ops registered here first, each is already in `lowerings`, the implicit path never runs, and
 the same build took 71 s (docs/performance.md, session 16). torch 2.13 defers the string (a LazyString).
 The layout constraint is the one the implicit path would take (the op's tag, else the default tag), so

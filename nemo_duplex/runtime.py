@@ -29,8 +29,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_duplex.models.config import ModelConfig
 from nemo_duplex.checkpoint.hub import EMBEDDED, CheckpointNotFound, CheckpointSource, resolve_checkpoint
+from nemo_duplex.models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINTS = REPO / "outputs" / "checkpoints"
@@ -142,7 +142,7 @@ def embedded_checkpoint(mcfg: ModelConfig, seed: int = 0) -> Path:
     """The seeded random checkpoint of `mcfg`, written once under outputs/checkpoints/. Written into a
     temporary sibling and renamed into place (one atomic step), so processes starting together (a server
     and a client, test workers) never read a half-written one; a process that loses the race drops its copy."""
-    from nemo_duplex.checkpoint.load import make_random_checkpoint
+    from nemo_duplex.checkpoint.random_weights import make_random_checkpoint
 
     out = DEFAULT_CHECKPOINTS / f"{mcfg.name}-seed{seed}"
     if not (out / "config.json").exists():
@@ -202,7 +202,7 @@ def resolve_model(cfg: DictConfig, overrides: list[str] | None = None) -> Resolv
     else:
         source = resolve_checkpoint(spec, cfg.get("revision"))
         notes = []
-    from nemo_duplex.checkpoint.load import read_config   # (torch: imported once a checkpoint is there to read)
+    from nemo_duplex.checkpoint.official import read_config  # (torch: imported once a checkpoint is there to read)
 
     merged = merge_checkpoint_settings(requested, read_config(source.path, requested),
                                        explicit_keys(overrides))
@@ -266,7 +266,8 @@ def load(cfg: DictConfig, device=None, overrides: list[str] | None = None,
     also selects the GEMM library (`engine.blas_library`)."""
     import torch
 
-    from nemo_duplex.checkpoint.load import _token_ids, load_weights, random_model
+    from nemo_duplex.checkpoint.load import load_weights, with_token_ids
+    from nemo_duplex.checkpoint.random_weights import random_model
 
     resolved = resolved or resolve_model(cfg, overrides)
     device = torch.device(device or cfg.get("device", "cpu"))
@@ -275,7 +276,7 @@ def load(cfg: DictConfig, device=None, overrides: list[str] | None = None,
         select_blas(OmegaConf.select(cfg, "engine.blas_library", default="cublaslt"))
     if resolved.source is None:
         model, tokenizer, rnnt_vocab = random_model(resolved.cfg, device, seed=int(cfg.get("seed", 0) or 0))
-        mcfg = _token_ids(resolved.cfg, tokenizer)
+        mcfg = with_token_ids(resolved.cfg, tokenizer)
     else:
         model, tokenizer, rnnt_vocab, mcfg = load_weights(resolved.source.path, resolved.cfg, device,
                                                           cfg.get("tokenizer"))
@@ -344,7 +345,7 @@ def _refusal_types() -> tuple[type, ...]:
     where those modules were loaded (an exception of theirs cannot have been raised otherwise): a refusal
     before any checkpoint is read ends without importing torch."""
     kinds: list[type] = [SettingsError, CheckpointNotFound]
-    for module, name in (("nemo_duplex.checkpoint.load", "CheckpointError"), ("nemo_duplex.serving.memory", "MemoryPlanError")):
+    for module, name in (("nemo_duplex.checkpoint.files", "CheckpointError"), ("nemo_duplex.serving.memory", "MemoryPlanError")):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))
     return tuple(kinds)

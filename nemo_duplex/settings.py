@@ -14,29 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from nemo_duplex.models.config import ModelConfig
-
-
-@dataclass
-class SamplingParams:
-    """A call's agent-text sampling (nemo_duplex/models/sampling.py applies it): temperature 0 = greedy, the reference."""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self):
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or (
-            self.top_p >= 1.0 and self.repetition_penalty == 1.0 and self.temperature in (0.0, 1.0))
-
+from nemo_duplex.models.config import ModelConfig, SamplingParams
 
 # Every 8 calls from 16 to 64, every 16 to 160, every 32 to 256: a batch pads to the next bucket, and with
 # powers of two a batch of 65 ran as 128 (49 ms instead of ~34 on the H200); buckets above engine.max_calls

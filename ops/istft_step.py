@@ -49,7 +49,6 @@ import triton.language as tl
 from ops import interpreting, use_triton
 from ops.dft import irdft, irdft_basis
 
-
 # ----------------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------------

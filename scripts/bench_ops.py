@@ -218,9 +218,9 @@ def bench_fp32_linear(device, smoke, quick, sweep):
 
 def bench_codec(device, smoke, quick, sweep):
     from nemo_duplex.models import codec as codec_module
-    from ops import fp32_linear as fp32_linear_module
     from nemo_duplex.models.codec import RVQCodec, istft
     from nemo_duplex.models.config import CodecConfig, tiny_config
+    from ops import fp32_linear as fp32_linear_module
 
     cfg = tiny_config().codec if smoke else CodecConfig()
     codec = RVQCodec(cfg).to(device)
@@ -402,10 +402,10 @@ def step_gemm_shapes(cfg) -> list[tuple[str, int, int, int, int]]:
     compute dtype (nn.Linear, and the encoder's k=1 convolutions): the encoder layers, the LLM blocks, the
     talker backbone (two rows per call: the conditional and unconditional streams) and the text head.
     Built on the meta device: nothing allocated."""
-    from nemo_duplex.checkpoint.load import _parameters_on_meta
+    from nemo_duplex.checkpoint.load import parameters_on_meta
     from nemo_duplex.models.model import VoiceChat
 
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = VoiceChat(cfg)
     parts = (("encoder", model.perception.encoder.layers, 1), ("llm", model.llm.layers, 1),
              ("talker", model.talker.backbone.layers, 2))

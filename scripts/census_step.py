@@ -24,10 +24,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_duplex.serving import frame_step as step_module  # noqa: E402
+from nemo_duplex.checkpoint.random_weights import random_model  # noqa: E402
 from nemo_duplex.models import talker as talker_module  # noqa: E402
-from nemo_duplex.checkpoint.load import random_model  # noqa: E402
 from nemo_duplex.models.config import ModelConfig, tiny_config  # noqa: E402
+from nemo_duplex.serving import frame_step as step_module  # noqa: E402
 from nemo_duplex.serving.state import allocate_call_state  # noqa: E402
 from ops import torch_references  # noqa: E402
 from ops.decode_attention import decode_attention  # noqa: E402

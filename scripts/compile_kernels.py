@@ -25,8 +25,8 @@ from ops.argmax_top2 import _chunk_kernel, _merge_kernel  # noqa: E402
 from ops.argmin_residual import _argmin_residual_kernel  # noqa: E402
 from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
 from ops.codebook_sum import _codebook_sum_kernel  # noqa: E402
-from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
 from ops.decode_attention import _decode_attention_vector_kernel  # noqa: E402
+from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
 from ops.fp16x3_linear import _fp16x3_kernel, _split_rows_kernel  # noqa: E402
 from ops.fp16x3_linear import _split_k_sum_kernel as _fp16x3_split_k_sum_kernel  # noqa: E402
 from ops.fp32_linear import _fp32_linear_kernel, _split_k_sum_kernel  # noqa: E402

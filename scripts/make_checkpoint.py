@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_duplex import runtime, settings  # noqa: E402
-from nemo_duplex.checkpoint.load import make_random_checkpoint_in_place  # noqa: E402
+from nemo_duplex.checkpoint.random_weights import make_random_checkpoint_in_place  # noqa: E402
 from nemo_duplex.models.config import DtypeConfig  # noqa: E402
 from nemo_duplex.serving.memory import GiB, weight_bytes  # noqa: E402
 

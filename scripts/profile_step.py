@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_step import fill_random  # noqa: E402
+
 from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.serving.frame_step import frame_step, special_ids  # noqa: E402
 from nemo_duplex.serving.state import allocate_call_state  # noqa: E402

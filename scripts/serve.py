@@ -28,9 +28,9 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
     engine_cfg = OmegaConf.to_object(cfg.engine)
     resolved = runtime.resolve_model(cfg, overrides)   # a missing checkpoint is refused here, in seconds
     # imported only now: `--help` and a refusal (no checkpoint, bad settings) need neither torch nor the server
-    from nemo_duplex.serving.engine import Engine
-    from nemo_duplex.server.realtime import SessionSettings
     from nemo_duplex.server.app import Server
+    from nemo_duplex.server.realtime import SessionSettings
+    from nemo_duplex.serving.engine import Engine
 
     loaded = runtime.load(cfg, resolved=resolved, calls=(engine_cfg.max_calls, engine_cfg.max_call_s))
     model, tokenizer, rnnt_vocab, mcfg = loaded

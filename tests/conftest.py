@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """The embedded tiny model written once per test session in the official layout (seed 0)."""
-    from nemo_duplex.checkpoint.load import make_random_checkpoint
+    from nemo_duplex.checkpoint.random_weights import make_random_checkpoint
     from nemo_duplex.models.config import tiny_config
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
@@ -113,8 +113,8 @@ def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
 def serving_blas():
     """On CUDA: torch's GEMMs through the library the server selects (engine.blas_library's default,
     nemo_duplex/runtime.py select_blas), restored afterwards."""
-    from nemo_duplex.serving.engine import EngineConfig
     from nemo_duplex.runtime import select_blas
+    from nemo_duplex.serving.engine import EngineConfig
 
     before = torch.backends.cuda.preferred_blas_library()
     library = EngineConfig().blas_library

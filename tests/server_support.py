@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 import graphs.capture
-from nemo_duplex.serving import engine as engine_mod
 from nemo_duplex.models.config import tiny_config
+from nemo_duplex.models.tokenizer import Tokenizer, make_tiny_rnnt_vocab, make_tiny_tokenizer
+from nemo_duplex.server.app import Server
+from nemo_duplex.serving import engine as engine_mod
 from nemo_duplex.serving.engine import Engine, EngineConfig
 from nemo_duplex.serving.frame_step import StepOutput
-from nemo_duplex.server.app import Server
-from nemo_duplex.models.tokenizer import Tokenizer, make_tiny_rnnt_vocab, make_tiny_tokenizer
 
 
 # ---- a scripted model --------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ def test_census_counts_the_fused_kernels_once():
 def test_census_with_the_full_layer_counts():
     """layers=full: the per-layer stages scale with the real model's 24 / 52 / 28 layers, the fixed ones
     (MoG passes, codec, RNN-T) do not; the talker module's CPU attention is restored afterwards."""
-    import nemo_duplex.models.talker as talker_module
     from census_step import census
+
+    import nemo_duplex.models.talker as talker_module
 
     before = talker_module._decode_attention
     tiny, full = census(calls=2), census(calls=2, full_layers=True)

@@ -10,13 +10,12 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nemo_duplex.checkpoint.load import (CheckpointError, _materialise, _parameters_on_meta, check_dimensions,
-                                    config_from_official, expected_shapes, hf_llm_config, llm_config_from_hf,
-                                    load_state, official_config, read_header, tensor_shapes, write_checkpoint,
-                                    write_safetensors)
+from nemo_duplex.checkpoint.files import CheckpointError, read_header, tensor_shapes, write_safetensors
+from nemo_duplex.checkpoint.load import check_dimensions, expected_shapes, load_state, materialise, parameters_on_meta
+from nemo_duplex.checkpoint.official import config_from_official, hf_llm_config, llm_config_from_hf, official_config
+from nemo_duplex.checkpoint.random_weights import write_checkpoint
 from nemo_duplex.models.config import DtypeConfig, LLMConfig, ModelConfig, TokenConfig, tiny_config
 from nemo_duplex.models.tokenizer import Tokenizer, make_tiny_tokenizer
-
 
 # ---------------------------------------------------------------------------------------------
 # A small stand-in module: every kind of tensor the real model has
@@ -123,12 +122,12 @@ def test_sharded_checkpoint_loads_the_same(tmp_path):
 
 
 def test_parameters_on_meta_keep_buffers_and_materialise(tmp_path):
-    with _parameters_on_meta():
+    with parameters_on_meta():
         m = Toy()
     assert all(p.device.type == "meta" for p in m.parameters())
     assert torch.equal(m.table, torch.linspace(0, 1, 9)), "non-persistent buffers keep their computed values"
     assert nn.Module.register_parameter is not None and Toy().proj.weight.device.type == "cpu", "patch undone"
-    _materialise(m, torch.device("cpu"))
+    materialise(m, torch.device("cpu"))
     assert all(p.device.type == "cpu" for p in m.parameters()) and m.low.weight.dtype == torch.bfloat16
     src = Toy().randomise(5)
     save_file(_fp32_state(src), str(tmp_path / "model.safetensors"))
@@ -321,7 +320,7 @@ def test_voicechat_keys_match_expected_shapes_at_full_size():
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    from nemo_duplex.checkpoint.load import make_random_checkpoint
+    from nemo_duplex.checkpoint.random_weights import make_random_checkpoint
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
     make_random_checkpoint(tiny_config(), out, seed=0)
     return out
@@ -339,7 +338,8 @@ def test_random_checkpoint_layout(tiny_ckpt):
 
 
 def test_random_checkpoint_round_trip(tiny_ckpt, tmp_path):
-    from nemo_duplex.checkpoint.load import load_model, make_random_checkpoint
+    from nemo_duplex.checkpoint.load import load_model
+    from nemo_duplex.checkpoint.random_weights import make_random_checkpoint
     from nemo_duplex.models.model import VoiceChat
     cfg = tiny_config()
     model, tokenizer, rnnt_vocab, got = load_model(tiny_ckpt, base=cfg, device="cpu")
@@ -368,6 +368,7 @@ def test_random_checkpoint_round_trip(tiny_ckpt, tmp_path):
 
 def test_load_model_errors(tiny_ckpt, tmp_path):
     import shutil
+
     from nemo_duplex.checkpoint.load import load_model
     cfg = tiny_config()
     d = tmp_path / "c"
@@ -389,7 +390,7 @@ def test_load_model_errors(tiny_ckpt, tmp_path):
 
 def test_random_model_equals_random_checkpoint(tiny_ckpt):
     # random_model builds on empty parameters: equal weights prove init_weights fills every tensor
-    from nemo_duplex.checkpoint.load import random_model
+    from nemo_duplex.checkpoint.random_weights import random_model
     model, tokenizer, rnnt_vocab = random_model(tiny_config(), "cpu", seed=0)
     with safe_open(str(tiny_ckpt / "model.safetensors"), framework="pt") as f:
         sd = model.state_dict()
@@ -416,7 +417,8 @@ def test_make_checkpoint_script(tmp_path):
 
 def test_checkpoint_without_function_head_and_rnnt(tmp_path):
     # nemo-toolkit 3.0.0 generation (spec 12.1): no function head, no RNN-T modules
-    from nemo_duplex.checkpoint.load import load_model, make_random_checkpoint
+    from nemo_duplex.checkpoint.load import load_model
+    from nemo_duplex.checkpoint.random_weights import make_random_checkpoint
     cfg = tiny_config()
     cfg = replace(cfg, llm=replace(cfg.llm, use_function_head=False), rnnt=replace(cfg.rnnt, present=False))
     make_random_checkpoint(cfg, tmp_path / "c", seed=1)
@@ -459,7 +461,8 @@ def test_in_place_writer_gives_the_same_checkpoint(tiny_checkpoint, tmp_path):
     as the in-RAM one, and the result loads through the strict loader."""
     from safetensors.torch import load_file
 
-    from nemo_duplex.checkpoint.load import load_model, make_random_checkpoint_in_place
+    from nemo_duplex.checkpoint.load import load_model
+    from nemo_duplex.checkpoint.random_weights import make_random_checkpoint_in_place
     from nemo_duplex.models.config import tiny_config
 
     out = make_random_checkpoint_in_place(tiny_config(), tmp_path / "inplace", seed=0)
@@ -476,11 +479,10 @@ def test_load_state_re_splits_the_codecs_gemm_weights(tiny_checkpoint, monkeypat
     """The codec's pre-split decoder GEMM weights (RVQCodec.presplit_weights, which cast_for_inference calls;
     built where decode_step's GEMMs run tf32x3w: here the CPU under TRITON_INTERPRET=1) follow
     checkpoint.load_state: re-split in place from the loaded weights, never the random ones left."""
-    from ops.fp32_linear import split_tf32_reference
-
-    from nemo_duplex.checkpoint.load import random_model
+    from nemo_duplex.checkpoint.random_weights import random_model
     from nemo_duplex.models.codec import gemm_weight
     from nemo_duplex.models.config import tiny_config
+    from ops.fp32_linear import split_tf32_reference
 
     cfg = tiny_config()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -504,7 +506,7 @@ def test_load_state_drops_tables_derived_from_the_old_weights(tiny_checkpoint):
     """checkpoint.load_state overwrites the weights in place and then calls every module's
     weights_loaded: the talker's text table, built from the random weights, is dropped, and the next
     cast_for_inference builds it from the loaded ones."""
-    from nemo_duplex.checkpoint.load import random_model
+    from nemo_duplex.checkpoint.random_weights import random_model
     from nemo_duplex.models.config import tiny_config
 
     model = random_model(tiny_config(), seed=3)[0].cast_for_inference()
@@ -527,8 +529,8 @@ def test_embedded_checkpoint_appears_whole_even_to_a_concurrent_reader(tmp_path,
     import threading
     import time
 
-    from nemo_duplex.checkpoint import load as checkpoint_module
     from nemo_duplex import runtime
+    from nemo_duplex.checkpoint import random_weights as checkpoint_module
     from nemo_duplex.checkpoint.load import load_model
     from nemo_duplex.models.config import tiny_config
 

@@ -8,8 +8,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from tests.apps import APPS, REPO, compose_app
 from nemo_duplex.models.config import DtypeConfig, ModelConfig, preset, tiny_config
+from tests.apps import APPS, REPO, compose_app
 
 ENTRY_POINTS = {"serve": "scripts/serve.py", "run_clip": "scripts/run_clip.py",
                 "make_checkpoint": "scripts/make_checkpoint.py", "bench_step": "scripts/bench_step.py",

@@ -4,10 +4,19 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_duplex.serving.engine import (CallClosed, CallOptions, DrainedEvent, EndedEvent, Engine, EngineBusy, EngineConfig,
-                                FrameEvent, InputBudgetExceeded)
-from nemo_duplex.serving.frame_step import stream_inference
 from nemo_duplex.models.model import offline_inference
+from nemo_duplex.serving.engine import (
+    CallClosed,
+    CallOptions,
+    DrainedEvent,
+    EndedEvent,
+    Engine,
+    EngineBusy,
+    EngineConfig,
+    FrameEvent,
+    InputBudgetExceeded,
+)
+from nemo_duplex.serving.frame_step import stream_inference
 
 
 def _engine(tiny, **kw):
@@ -481,8 +490,8 @@ def test_engine_survives_a_failing_coalesce(tiny, example_clip, monkeypatch):
 def test_engine_runs_all_greedy_batches_without_sampling(tiny, example_clip):
     """The engine tells the step runner when every call of a batch is greedy (StepRunner then replays its
     greedy-only graphs, engine.greedy_graphs); a batch with one sampling call takes the general step."""
+    from nemo_duplex.models.config import SamplingParams
     from nemo_duplex.serving.engine import CallOptions
-    from nemo_duplex.models.sampling import SamplingParams
 
     eng = _engine(tiny, max_calls=3)
     flags = []

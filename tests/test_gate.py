@@ -11,8 +11,21 @@ import pytest
 
 from eval.audio import resample
 from eval.clips.make_clips import make_clips
-from eval.gate import (FAIL, NA, PASS, AgentReply, GateContext, Row, RowResult, agent_wer, freeze, gate_main,
-                       resolve_checkpoint_kind, run_rows, select_rows)
+from eval.gate import (
+    FAIL,
+    NA,
+    PASS,
+    AgentReply,
+    GateContext,
+    Row,
+    RowResult,
+    agent_wer,
+    freeze,
+    gate_main,
+    resolve_checkpoint_kind,
+    run_rows,
+    select_rows,
+)
 from eval.report import write_report
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ import torch
 
 from graphs.capture import HOST_FIELDS, StepRunner, step_to_host
 from graphs.regions import regions_bypassed
+from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
-from nemo_duplex.models.sampling import SamplingParams
 from nemo_duplex.serving.state import allocate_call_state, state_tensors
 
 FRAMES = 200
@@ -54,7 +54,7 @@ def _assert_real_slots_equal(tensors, expected, n_calls: int, device) -> None:
 
 def _full_size_bf16(dev):
     """The full-size model, random weights (seed 0), encoder / LLM / talker in bf16, ready to serve."""
-    from nemo_duplex.checkpoint.load import random_model
+    from nemo_duplex.checkpoint.random_weights import random_model
     from nemo_duplex.models.config import ModelConfig
 
     cfg = ModelConfig()
@@ -388,7 +388,7 @@ def test_capture_replays_each_graph_once_on_the_sink_only():
     """capture() replays every graph once after recording it (the first launch uploads the graph, so the
     first calls in a bucket do not pay for it): those replays run on sink rows, so every real slot's state
     is bit-identical before and after capture, and each (bucket, variant) has its replay times."""
-    from nemo_duplex.checkpoint.load import random_model
+    from nemo_duplex.checkpoint.random_weights import random_model
     from nemo_duplex.models.config import tiny_config
 
     dev = torch.device("cuda")

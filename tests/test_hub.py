@@ -49,7 +49,7 @@ def hub_home(tmp_path_factory):
     """HF_HOME with the tiny checkpoint published as the release: the VoiceChat repository holds config.json
     (pretrained_llm naming the LLM's repo, as the release's does), model.safetensors and rnnt_tokenizer/, no
     LLM tokenizer; the LLM's repository holds tokenizer.json and its HF config.json."""
-    from nemo_duplex.checkpoint.load import make_random_checkpoint
+    from nemo_duplex.checkpoint.random_weights import make_random_checkpoint
     from nemo_duplex.models.config import tiny_config
 
     made = tmp_path_factory.mktemp("made") / "tiny"

@@ -2,7 +2,6 @@
 model on the CPU, full size on the meta device), the weights against a real model, and the refusals."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from dataclasses import fields, replace
@@ -12,10 +11,20 @@ import pytest
 import torch
 
 from nemo_duplex.models.config import ModelConfig, tiny_config
-from nemo_duplex.serving.memory import (GiB, MemoryPlanError, bytes_per_call, codec_presplit_bytes,
-                                derived_table_bytes, frames_per_call, inference_config, max_call_s_that_fits,
-                                max_calls_that_fit, plan, weight_bytes)
 from nemo_duplex.models.model import VoiceChat
+from nemo_duplex.serving.memory import (
+    GiB,
+    MemoryPlanError,
+    bytes_per_call,
+    codec_presplit_bytes,
+    derived_table_bytes,
+    frames_per_call,
+    inference_config,
+    max_call_s_that_fits,
+    max_calls_that_fit,
+    plan,
+    weight_bytes,
+)
 from nemo_duplex.serving.state import allocate_call_state
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +65,11 @@ def test_per_call_bytes_match_the_allocation_tiny(compute, max_call_s, prompt):
     assert st.nbytes_per_slot() == measured
 
 
+# scripts/bench_step.py at full size in bf16 on the H200 (its JSON's rows[0]): the parameters it counted on the
+# loaded model, and the Mamba SSM state a call reads and writes per step
+BENCH_STEP_H200 = {"weight_bytes": 22_590_039_552, "mamba_ssm_read_written": 283_115_520}
+
+
 def test_per_call_bytes_match_the_allocation_full_size_on_meta():
     cfg = inference_config(ModelConfig(), "bf16")
     with torch.device("meta"):
@@ -63,9 +77,9 @@ def test_per_call_bytes_match_the_allocation_full_size_on_meta():
     st = allocate_call_state(model, 2, frames_per_call(cfg, 160.0), torch.device("meta"), 512)
     planned = bytes_per_call(cfg, 160.0, 512)
     assert planned.by_pool() == measured_per_slot(st)
-    # one component against the step benchmark's measurement on the H200 (read + write = 2x one state)
-    run = json.loads((REPO / "docs/runs/bench_step_2026-11-29_cudagraph-eager.json").read_text())
-    assert 2 * planned.mamba_ssm == run["rows"][0]["state_bytes_per_call"]["mamba_ssm"]
+    # one component against what scripts/bench_step.py measured on the H200 (its JSON's
+    # state_bytes_per_call: read + write = 2x one state)
+    assert 2 * planned.mamba_ssm == BENCH_STEP_H200["mamba_ssm_read_written"]
 
 
 def test_weight_bytes_match_a_real_model(tiny):
@@ -106,8 +120,7 @@ def test_full_size_weights_match_the_step_benchmark():
     talker's derived tables (EarTTS.build_tables): a bf16 row per token id (131072 x 1152 x 2 bytes), the
     bf16 code table (31 x 1025 x 512 x 2) and the fp32 codebooks with their norms (31 x 1024 x 513 x 4);
     and the codec's pre-split decoder GEMM weights on CUDA (RVQCodec.presplit_weights)."""
-    run = json.loads((REPO / "docs/runs/bench_step_2026-11-29_cudagraph-eager.json").read_text())
-    params = run["rows"][0]["weight_bytes"]
+    params = BENCH_STEP_H200["weight_bytes"]
     cfg = inference_config(ModelConfig(), "bf16")
     tables = derived_table_bytes(cfg)
     talker = 131072 * 1152 * 2 + 31 * 1025 * 512 * 2 + 31 * 1024 * 513 * 4

@@ -2,9 +2,9 @@
 7.1, 7.2), and the spec's section-9 pitfalls that live at this level (1-4, 12, 13). Tiny model, fp32."""
 import torch
 
-from nemo_duplex.serving.frame_step import admit, frame_step, special_ids, stream_inference
+from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.models.model import offline_inference
-from nemo_duplex.models.sampling import SamplingParams
+from nemo_duplex.serving.frame_step import admit, frame_step, special_ids, stream_inference
 from nemo_duplex.serving.state import allocate_call_state
 
 

@@ -7,10 +7,9 @@ counts, which is not what this compares."""
 import pytest
 import torch
 
+from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
-from nemo_duplex.models.sampling import SamplingParams
 from nemo_duplex.serving.state import allocate_call_state
-
 
 ROWS = 4
 
@@ -108,7 +107,7 @@ def test_pipelined_engine_equals_serial_engine(tiny, example_clip, depth):
     """Staggered live calls and uploads, sampled text: every call's text, function tokens, codes and PCM
     through the pipelined engine equal the serial engine's bit for bit (both batch-invariant: every step
     runs the same rows, so only the pipelining differs), every frame arrives, in order."""
-    from nemo_duplex.models.sampling import SamplingParams
+    from nemo_duplex.models.config import SamplingParams
     frames = 7
     clips = _clips(example_clip, 5, frames)
     kw = dict(max_calls=5, batch_invariant=True)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nemo_duplex.models import rng
-from nemo_duplex.models.sampling import SamplingParams, sample_text
+from nemo_duplex.models.config import SamplingParams
+from nemo_duplex.models.sampling import sample_text
 
 
 def test_rng_is_per_call_and_batch_invariant():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.apps import compose_app
 from nemo_duplex.runtime import SettingsError
+from tests.apps import compose_app
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))

@@ -15,8 +15,15 @@ import numpy as np
 import pytest
 
 from nemo_duplex.server.app import ServeConfig, Server, parse_tool_calls, render_tool_prompt, tool_response_ids
-from tests.server_support import (RunningServer, ScriptedModel, scripted_engine, tiny_rnnt, tiny_tokenizer, tone,
-                                  wav_bytes)
+from tests.server_support import (
+    RunningServer,
+    ScriptedModel,
+    scripted_engine,
+    tiny_rnnt,
+    tiny_tokenizer,
+    tone,
+    wav_bytes,
+)
 
 FRAME_IN, FRAME_OUT = 1280, 1764
 TOOLCALL = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'

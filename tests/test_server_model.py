@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from nemo_duplex.audio import read_wav
-from nemo_duplex.serving.engine import Engine, EngineConfig
 from nemo_duplex.server.app import ServeConfig, Server
+from nemo_duplex.serving.engine import Engine, EngineConfig
 from tests.server_support import RunningServer, wav_bytes
 
 FRAME_IN = 1280
@@ -23,8 +23,8 @@ FRAME_IN = 1280
 
 @pytest.fixture(scope="module")
 def tiny():
-    from tests.apps import compose_app
     from nemo_duplex import runtime
+    from tests.apps import compose_app
 
     # One intra-op thread: the engine thread and the test clients share 2 cores, and torch's spinning
     # OpenMP workers make a loaded 2-core box ~15x slower.

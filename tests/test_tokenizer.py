@@ -5,8 +5,14 @@ import random
 import pytest
 
 from nemo_duplex.models.config import tiny_config
-from nemo_duplex.models.tokenizer import (RNNTVocab, Tokenizer, make_byte_level_tokenizer, make_tiny_rnnt_vocab,
-                                   make_tiny_tokenizer, single_char_tokens)
+from nemo_duplex.models.tokenizer import (
+    RNNTVocab,
+    Tokenizer,
+    make_byte_level_tokenizer,
+    make_tiny_rnnt_vocab,
+    make_tiny_tokenizer,
+    single_char_tokens,
+)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,16 @@ import contextlib
 import pytest
 import torch
 
+from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving.frame_step import admit, special_ids
-from nemo_duplex.models.sampling import SamplingParams
 from nemo_duplex.serving.state import allocate_call_state
-from nemo_duplex.serving.weight_reads import CountWeightReads, _extent, _merged_bytes, fixed_and_per_call, step_weight_reads
+from nemo_duplex.serving.weight_reads import (
+    CountWeightReads,
+    _extent,
+    _merged_bytes,
+    fixed_and_per_call,
+    step_weight_reads,
+)
 
 
 def test_extents_and_merging():

@@ -13,7 +13,6 @@ from eval.audio import read_wav, resample, write_wav
 from eval.clips.make_clips import KINDS, load_clip_config, load_clips, make_clips
 from eval.wer import Transcriber, check_speech, is_speech, normalize_text, transcribe, wer
 
-
 SPEECH = ["question_capital", "question_spider", "interruption", "tool_weather"]
 NON_SPEECH = ["silence", "noise_white", "noise_hiss"]
 TRAILING_S = 1.0

@@ -184,8 +184,8 @@ def _wer_or_none(reference: str | None, hypothesis: str) -> float | None:
 def evaluate_clip(model, tokenizer, rnnt_vocab, clip: Clip, out_dir: Path, settings: EvalSettings,
                   mode: str = "streaming", prompt: str | None = None, seed: int = 0, sampling=None,
                   trained: bool = False, transcriber=None) -> ClipReport:
-    from nemo_duplex.serving.frame_step import stream_inference
     from nemo_duplex.models.model import offline_inference
+    from nemo_duplex.serving.frame_step import stream_inference
 
     wav, sr = clip.load()
     rate = model.cfg.source_sample_rate

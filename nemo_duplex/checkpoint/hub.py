@@ -80,8 +80,13 @@ def resolve_checkpoint(spec: str, revision: str | None = None) -> CheckpointSour
         raise CheckpointNotFound(f"checkpoint={spec}: no such directory, and not a Hugging Face repo id "
                                  f"(<owner>/<name>).\n{_ways_forward()}")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     where = f"the Hugging Face cache {cache_dir()}" + (" (HF_HUB_OFFLINE is set: the hub was not asked)"
                                                        if offline() else " and the hub")

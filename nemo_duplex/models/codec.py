@@ -39,16 +39,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nemo_duplex.models.config import CodecConfig
 from ops import interpreting, use_triton
 from ops.codebook_sum import codebook_sum
 from ops.dwconv_layernorm import dwconv_layer_norm
-from ops.fp16x3_linear import Fp16Split, fp16x3_linear, split_fp16_rows, split_fp16_weight, unpack_weight_split
-from ops.fp16x3_linear import weight_split_numel
+from ops.fp16x3_linear import (
+    Fp16Split,
+    fp16x3_linear,
+    split_fp16_rows,
+    split_fp16_weight,
+    unpack_weight_split,
+    weight_split_numel,
+)
 from ops.fp32_linear import fp32_linear, split_tf32
 from ops.istft_step import hann_window, istft_step, overlap_add, synthesis_frames, window_envelope
-
-from nemo_duplex.models.config import CodecConfig
-
 
 # ----------------------------------------------------------------------------------------------------
 # Numerics guards

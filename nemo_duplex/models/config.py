@@ -239,6 +239,27 @@ class DtypeConfig:
 
 
 @dataclass
+class SamplingParams:
+    """A call's agent-text sampling (nemo_duplex/models/sampling.py applies it): temperature 0 = greedy, the reference."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or (
+            self.top_p >= 1.0 and self.repetition_penalty == 1.0 and self.temperature in (0.0, 1.0))
+
+
+@dataclass
 class ModelConfig:
     """The release model's dimensions (spec 1-6); conf/model/ presets override them. With a checkpoint, its
     config.json supplies the architecture and the default generation settings (nemo_duplex/runtime.py)."""

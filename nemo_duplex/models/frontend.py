@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from nemo_duplex.models.config import FrontendConfig
 from ops.dft import rdft  # float64-built DFT basis as one matmul (graph friendly)
 
-
 # ---------------------------------------------------------------------------------------------
 # Slaney mel filterbank (librosa.filters.mel with htk=False, norm="slaney"), built in float64.
 

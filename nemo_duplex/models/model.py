@@ -15,11 +15,11 @@ import torch.nn as nn
 
 from nemo_duplex.models import rng
 from nemo_duplex.models.codec import RVQCodec
-from nemo_duplex.models.config import ModelConfig, torch_dtype
+from nemo_duplex.models.config import ModelConfig, SamplingParams, torch_dtype
 from nemo_duplex.models.encoder import Perception
 from nemo_duplex.models.llm import NemotronH
 from nemo_duplex.models.rnnt import RNNTDecoder, RNNTJoint, rnnt_greedy_decode
-from nemo_duplex.models.sampling import SamplingParams, sample_text
+from nemo_duplex.models.sampling import sample_text
 from nemo_duplex.models.stacking import stack_all
 from nemo_duplex.models.talker import EarTTS
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from nemo_duplex.models import rng
-from nemo_duplex.settings import SamplingParams
 
 
 def sample_text(logits: torch.Tensor, special_ids: torch.Tensor, seen: torch.Tensor, temperature: torch.Tensor,

@@ -39,13 +39,32 @@ import numpy as np
 from aiohttp import WSMsgType, web
 
 from nemo_duplex.audio import AudioFormatError, decode_wav, from_pcm16, wav_info
-from nemo_duplex.serving.engine import (CallClosed, CallOptions, DrainedEvent, EndedEvent, EngineBusy, FrameEvent,
-                     InputBudgetExceeded, PromptTooLong)
-from nemo_duplex.server.realtime import (NO_OP_EVENTS, NOT_SUPPORTED_EVENTS, EventIds, ProtocolError, RealtimeOutput,
-                       SessionSettings, decode_audio, error_event, field_of, parse_client_event, parse_session,
-                       session_object)
+from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.server.metrics import ServerMetrics
-from nemo_duplex.models.sampling import SamplingParams
+from nemo_duplex.server.realtime import (
+    NO_OP_EVENTS,
+    NOT_SUPPORTED_EVENTS,
+    EventIds,
+    ProtocolError,
+    RealtimeOutput,
+    SessionSettings,
+    decode_audio,
+    error_event,
+    field_of,
+    parse_client_event,
+    parse_session,
+    session_object,
+)
+from nemo_duplex.serving.engine import (
+    CallClosed,
+    CallOptions,
+    DrainedEvent,
+    EndedEvent,
+    EngineBusy,
+    FrameEvent,
+    InputBudgetExceeded,
+    PromptTooLong,
+)
 from nemo_duplex.settings import ServeConfig
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -23,12 +23,11 @@ import numpy as np
 import torch
 
 from graphs.capture import step_to_host
-
 from nemo_duplex.audio import to_pcm16
+from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving.frame_step import admit, special_ids
-from nemo_duplex.models.sampling import SamplingParams
-from nemo_duplex.settings import EngineConfig
 from nemo_duplex.serving.state import PrefixCache, SlotAllocator, allocate_call_state
+from nemo_duplex.settings import EngineConfig
 
 
 # ---- errors a client can get ------------------------------------------------------------------------

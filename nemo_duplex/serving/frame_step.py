@@ -17,8 +17,9 @@ import torch
 from torch.profiler import record_function
 
 from nemo_duplex.models import rng
+from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.models.model import ClipResult
-from nemo_duplex.models.sampling import SamplingParams, sample_text
+from nemo_duplex.models.sampling import sample_text
 from nemo_duplex.serving.state import CallState, PrefixCache, allocate_call_state
 from ops.argmax_top2 import argmax_top2
 

@@ -3,8 +3,16 @@ small shapes; full shapes on the GPU)."""
 import pytest
 import torch
 
-from ops.activation import (gelu_tanh_mul, gelu_tanh_mul_op, gelu_tanh_mul_reference, gelu_tanh_mul_triton,
-                            relu_square, relu_square_op, relu_square_reference, relu_square_triton)
+from ops.activation import (
+    gelu_tanh_mul,
+    gelu_tanh_mul_op,
+    gelu_tanh_mul_reference,
+    gelu_tanh_mul_triton,
+    relu_square,
+    relu_square_op,
+    relu_square_reference,
+    relu_square_triton,
+)
 from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cpu"

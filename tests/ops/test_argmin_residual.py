@@ -3,8 +3,7 @@ against its torch statements: bit for bit (an exact minimum, its first index, on
 import pytest
 import torch
 
-from ops.argmin_residual import (argmin_residual, argmin_residual_op, argmin_residual_reference,
-                                 argmin_residual_triton)
+from ops.argmin_residual import argmin_residual, argmin_residual_op, argmin_residual_reference, argmin_residual_triton
 from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

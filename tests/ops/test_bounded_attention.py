@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from ops.bounded_attention import (bounded_attention, bounded_attention_and_store, bounded_attention_reference,
-                                   bounded_attention_store_op, bounded_attention_triton, write_window)
+from ops.bounded_attention import (
+    bounded_attention,
+    bounded_attention_and_store,
+    bounded_attention_reference,
+    bounded_attention_store_op,
+    bounded_attention_triton,
+    write_window,
+)
 from tests.ops.support import OPCHECK_TESTS
 
 W = 70

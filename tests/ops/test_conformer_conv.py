@@ -10,8 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.conformer_conv import (conformer_conv_step, conformer_conv_step_op, conformer_conv_step_reference,
-                                conformer_conv_step_triton)
+from ops.conformer_conv import (
+    conformer_conv_step,
+    conformer_conv_step_op,
+    conformer_conv_step_reference,
+    conformer_conv_step_triton,
+)
 from tests.ops.support import OPCHECK_TESTS, assert_norm_output
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,8 +4,13 @@ import math
 import pytest
 import torch
 
-from ops.decode_attention import (_rows_aligned, decode_attention, decode_attention_reference,
-                                  decode_attention_triton, pick_num_splits)
+from ops.decode_attention import (
+    _rows_aligned,
+    decode_attention,
+    decode_attention_reference,
+    decode_attention_triton,
+    pick_num_splits,
+)
 
 # the kernel runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

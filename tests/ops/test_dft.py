@@ -6,7 +6,7 @@ scale, so near-zero entries do not make an elementwise ratio meaningless)."""
 import pytest
 import torch
 
-from ops.dft import (GPU_TILES, basis_matmul_reference, basis_matmul_triton, irdft, irdft_basis, rdft, rdft_basis)
+from ops.dft import GPU_TILES, basis_matmul_reference, basis_matmul_triton, irdft, irdft_basis, rdft, rdft_basis
 
 RTOL = 1e-5
 # Direct kernel calls: on CUDA when there is a GPU, else through the interpreter (conftest sets it).

@@ -6,8 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.dwconv_layernorm import (dwconv_layer_norm, dwconv_layer_norm_op, dwconv_layer_norm_reference,
-                                  dwconv_layer_norm_triton)
+from ops.dwconv_layernorm import (
+    dwconv_layer_norm,
+    dwconv_layer_norm_op,
+    dwconv_layer_norm_reference,
+    dwconv_layer_norm_triton,
+)
 from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,10 +9,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.fp16x3_linear import (SCALE_BLOCK, Fp16Split, fp16x3_linear, fp16x3_linear_op, fp16x3_linear_reference,
-                               fp16x3_linear_split_op, fp16x3_linear_triton, merge_fp16_split, split_fp16_rows,
-                               split_fp16_rows_op, split_fp16_rows_reference, split_fp16_weight, unpack_weight_split,
-                               weight_split_numel)
+from ops.fp16x3_linear import (
+    SCALE_BLOCK,
+    Fp16Split,
+    fp16x3_linear,
+    fp16x3_linear_op,
+    fp16x3_linear_reference,
+    fp16x3_linear_split_op,
+    fp16x3_linear_triton,
+    merge_fp16_split,
+    split_fp16_rows,
+    split_fp16_rows_op,
+    split_fp16_rows_reference,
+    split_fp16_weight,
+    unpack_weight_split,
+    weight_split_numel,
+)
 from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

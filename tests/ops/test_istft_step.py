@@ -7,7 +7,7 @@ signal's scale; RTOL covers the samples a garbage state (random tails, as a test
 envelope. What differs: the inverse DFT's multiply-adds summed in another order (terms up to ~100 / 8 that
 cancel to |frame| <= 1, so a few fp32 ulps of 12 each) and exp / cos / sin a few ulps apart (numpy's or the
 GPU's against ATen's). Measured: 1.8e-6 at most on the interpreter (8 seeds of these inputs), 1.9e-6 on the
-H200 (test_gpu_full_shape: wav 1.91e-6 with max |wav| 96.2, ola_tail 1.13e-6; docs/runs/pytest_gpu_s18_3.log).
+H200 (test_gpu_full_shape: wav 1.91e-6 with max |wav| 96.2, ola_tail 1.13e-6).
 The envelope tails and frames_done are exact (the same adds; an integer), and state rows not in `slots` are
 untouched bit for bit."""
 import math
@@ -16,8 +16,16 @@ import pytest
 import torch
 
 from ops.dft import irdft_basis
-from ops.istft_step import (hann_window, istft_step, istft_step_op, istft_step_reference, istft_step_triton,
-                             overlap_add, synthesis_frames, window_envelope)
+from ops.istft_step import (
+    hann_window,
+    istft_step,
+    istft_step_op,
+    istft_step_reference,
+    istft_step_triton,
+    overlap_add,
+    synthesis_frames,
+    window_envelope,
+)
 from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,8 +7,16 @@ cancels to near zero (there an fp32 ulp of the O(1) terms is more than a bf16 st
 import pytest
 import torch
 
-from ops.layernorm import (add_layer_norm, add_layer_norm_op, add_layer_norm_reference, add_layer_norm_then,
-                           add_layer_norm_then_op, add_layer_norm_then_reference, add_layer_norm_triton, layer_norm_op)
+from ops.layernorm import (
+    add_layer_norm,
+    add_layer_norm_op,
+    add_layer_norm_reference,
+    add_layer_norm_then,
+    add_layer_norm_then_op,
+    add_layer_norm_then_reference,
+    add_layer_norm_triton,
+    layer_norm_op,
+)
 from tests.ops.support import OPCHECK_TESTS, assert_norm_output
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,7 +4,14 @@ reference (reduction order differs); bf16 outputs within one bf16 rounding step 
 import pytest
 import torch
 
-from ops.rmsnorm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, rms_norm, rms_norm_reference, rms_norm_triton
+from ops.rmsnorm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm,
+    rms_norm_reference,
+    rms_norm_triton,
+)
 from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,8 +165,14 @@ def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
     """rms_norm_rope_qk_store (the talker's q beside its k/v store, session 17): q bit for bit what
     rms_norm_rope_triton makes of it with its own weight, the pools bit for bit what the store kernel
     writes; the torch statements (the CPU path) within rms_norm_rope's tolerance; q read from a strided view."""
-    from ops.rmsnorm import (rms_norm_rope_qk_store, rms_norm_rope_qk_store_op, rms_norm_rope_reference,
-                             rms_norm_rope_store_reference, rms_norm_rope_store_triton, rms_norm_rope_triton)
+    from ops.rmsnorm import (
+        rms_norm_rope_qk_store,
+        rms_norm_rope_qk_store_op,
+        rms_norm_rope_reference,
+        rms_norm_rope_store_reference,
+        rms_norm_rope_store_triton,
+        rms_norm_rope_triton,
+    )
     gen = torch.Generator().manual_seed(10)
     k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 5, 3, 18, 8, 11, dtype, DEVICE)
     wide = (2 * torch.randn(5, 1, 3, 2 * 18, generator=gen)).to(DEVICE, dtype)
@@ -225,8 +238,8 @@ def test_gpu_norm_rope_store_talker_shape():
 
 @pytest.mark.gpu
 def test_gpu_norm_rope_talker_shape():
-    from ops.rmsnorm import rms_norm_reference, rms_norm_rope, rms_norm_rope_reference
     from nemo_duplex.models.talker import rotary_cos_sin
+    from ops.rmsnorm import rms_norm_reference, rms_norm_rope, rms_norm_rope_reference
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, 1, 16, 72, device="cuda", generator=gen, dtype=torch.bfloat16) * 2
     w = torch.randn(72, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.2

@@ -4,8 +4,14 @@ equal; the kernel's drop rule is also checked entry by entry (a huge noise on on
 import pytest
 import torch
 
-from ops.top_p_sample import (gumbel, top_p_filter, top_p_gumbel_argmax, top_p_gumbel_argmax_op,
-                              top_p_gumbel_argmax_reference, top_p_gumbel_argmax_triton)
+from ops.top_p_sample import (
+    gumbel,
+    top_p_filter,
+    top_p_gumbel_argmax,
+    top_p_gumbel_argmax_op,
+    top_p_gumbel_argmax_reference,
+    top_p_gumbel_argmax_triton,
+)
 from tests.ops.support import OPCHECK_TESTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
