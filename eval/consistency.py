@@ -21,18 +21,14 @@ and the PCM (up to the first code that differs). A divergence whose margin is at
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.models import CallPlan, TopTwo, clip_audio, drive_engine, first_difference, make_engine, margin  # noqa: E402
-from eval.report import AudioSample  # noqa: E402
-from eval.row import FAIL, PASS, Criteria, GateContext, RowResult  # noqa: E402
+from eval.models import TopTwo, clip_audio, first_difference, make_engine, margin
+from eval.report import AudioSample
+from eval.row import FAIL, PASS, Criteria, GateContext, RowResult
+from nemo_duplex.serving.drive import CallPlan, drive
 
 
 @dataclass
@@ -160,16 +156,16 @@ def consistency(ctx: GateContext, criteria: Criteria) -> RowResult:
         engine = make_engine(model, ms.tokenizer, max(batch, 2), seconds, graphs=graphs,
                              graph_backend=s.get("graph_backend", "reduce-overhead"))
         for clip, audio, ref in ctx.progress(list(zip(clips, audios, refs)), f"consistency: engine ({tag})"):
-            live, upload = drive_engine(engine, [CallPlan(audio, seed=seed), CallPlan(audio, upload=True, seed=seed)])
+            live, upload = drive(engine, [CallPlan(audio, seed=seed), CallPlan(audio, upload=True, seed=seed)])
             for name, rec in (("live", live), ("upload", upload)):
-                comparisons.append(compare(clip.name, f"streaming/engine {name} ({tag})", ref, rec.text, rec.func,
-                                           rec.codes, rec.pcm))
+                comparisons.append(compare(clip.name, f"streaming/engine {name} ({tag})", ref, rec.text_tokens,
+                                           rec.function_tokens, rec.codes, rec.wav))
         plans = batch_plans(audios, batch, chunk_sizes, seed)
-        for i, rec in enumerate(drive_engine(engine, plans)):
+        for i, rec in enumerate(drive(engine, plans)):
             p, c = plans[i], i % len(clips)
             how = "upload" if p.upload else f"live {p.chunk}"
             comparisons.append(compare(clips[c].name, f"streaming/engine batch call {i} ({how}, start {p.start}, {tag})",
-                                       refs[c], rec.text, rec.func, rec.codes, rec.pcm))
+                                       refs[c], rec.text_tokens, rec.function_tokens, rec.codes, rec.wav))
     result = judge(comparisons, criteria, graph_runs)
     result.audio.append(sample)
     return result
@@ -211,9 +207,3 @@ def judge(comparisons: list[Comparison], criteria: Criteria, graph_runs: list[bo
                                      "on every frame" + (f", {len(ties)} part at near-ties" if ties else "")
                                      + ("" if True in graph_runs else " (graphs on: not run, no GPU)"))
     return RowResult(FAIL if failures else PASS, reason, metrics, details)
-
-
-if __name__ == "__main__":
-    from eval.gate import row_app
-
-    row_app("consistency")

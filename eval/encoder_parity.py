@@ -15,14 +15,9 @@ makes that hold from frame 0, spec 12.2):
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.models import CallPlan, clip_audio, drive_engine, frame_errors, make_engine, offline_encoder  # noqa: E402
-from eval.row import FAIL, PASS, Criteria, GateContext, RowResult  # noqa: E402
+from eval.models import clip_audio, frame_errors, make_engine, offline_encoder
+from eval.row import FAIL, PASS, Criteria, GateContext, RowResult
+from nemo_duplex.serving.drive import CallPlan, drive
 
 
 def _summary(errors: dict) -> dict:
@@ -48,13 +43,13 @@ def encoder_parity(ctx: GateContext, criteria: Criteria) -> RowResult:
         entry = {"frames": frames, "bf16_offline": _summary(bf16_offline)}
         for name, model in (("fp32", ms.fp32), ("bf16", ms.bf16)):
             engine = make_engine(model, ms.tokenizer, len(chunk_sizes), audio.shape[0] / model.cfg.source_sample_rate)
-            records = drive_engine(engine, [CallPlan(audio, chunk=c) for c in chunk_sizes], record_encoder=True)
+            records = drive(engine, [CallPlan(audio, chunk=c) for c in chunk_sizes], record_encoder=True)
             for chunk, rec in zip(chunk_sizes, records):
-                if rec.enc.shape[0] != frames:
-                    failures.append(f"{clip.name} {name} chunk {chunk}: {rec.enc.shape[0]} streaming frames, "
+                if rec.encoder_out.shape[0] != frames:
+                    failures.append(f"{clip.name} {name} chunk {chunk}: {rec.encoder_out.shape[0]} streaming frames, "
                                     f"expected {frames}")
                     continue
-                s = _summary(frame_errors(rec.enc, yardstick))
+                s = _summary(frame_errors(rec.encoder_out, yardstick))
                 key = f"{name}_chunk{chunk}"
                 entry[key] = s
                 where = f"{clip.name} {name} streaming, {chunk}-sample appends"
@@ -82,9 +77,3 @@ def encoder_parity(ctx: GateContext, criteria: Criteria) -> RowResult:
               f"streaming = offline on {clips} clips x appends of {chunk_sizes} samples: fp32 cosine >= "
               f"{worst['fp32_min_cosine']:.7f}, bf16 within {worst['bf16_max_factor']:.2f}x of bf16 offline")
     return RowResult(FAIL if failures else PASS, reason, worst, {"clips": per_clip, "chunk_sizes": chunk_sizes})
-
-
-if __name__ == "__main__":
-    from eval.gate import row_app
-
-    row_app("encoder_parity")

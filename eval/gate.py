@@ -6,8 +6,8 @@
     python eval/gate.py device=cuda model=nemotron_duplex checkpoint=<dir> eval.models.max_seconds=null
 
 The rows: wer_pipeline (the ASR itself), encoder_parity (eval/encoder_parity.py), margins
-(eval/margins.py), consistency (eval/consistency.py), agent_wer. Each model row also runs alone:
-`python eval/<row>.py [overrides]`. The model rows run the clips of `eval.models.clips`, cut to
+(eval/margins.py), consistency (eval/consistency.py), agent_wer. One row alone:
+`python eval/gate.py eval.rows=[margins]`. The model rows run the clips of `eval.models.clips`, cut to
 `eval.models.max_seconds`, on the models of eval/models.py (fp32 yardstick, bf16 variant, configured).
 
 Each row runs on the configured clips and is judged against its criteria, which are read once before
@@ -315,30 +315,24 @@ def _hydra_run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def row_app(row: str | None = None) -> None:
-    """The gate as a Hydra app (conf/gate.yaml): every configured row, or only `row` (how each row
-    module runs alone: `python eval/margins.py ...`). Exits with the gate's status."""
+def main() -> None:
+    """The gate as a Hydra app (conf/gate.yaml). Exits with the gate's status."""
     import hydra
 
     from eval.settings import register
     from nemo_duplex import runtime
 
     register()
-    conf = Path(__file__).resolve().parents[1] / "conf"  # absolute: the caller may be another module
+    conf = Path(__file__).resolve().parents[1] / "conf"
 
     @hydra.main(version_base="1.3", config_path=str(conf), config_name="gate")
-    def main(cfg) -> None:
-        if row is not None:
-            if any(o.split("=")[0] == "eval.rows" for o in runtime.cli_overrides()):
-                raise SystemExit(f"eval/{row}.py runs the {row} row only; eval.rows would be ignored "
-                                 "(use eval/gate.py for a choice of rows)")
-            cfg.eval.rows = [row]
+    def app(cfg) -> None:
         with runtime.refusals("gate"):
             status = gate_main(cfg)
         sys.exit(status)
 
-    main()
+    app()
 
 
 if __name__ == "__main__":
-    row_app()
+    main()

@@ -16,17 +16,12 @@ same codes (the codec always runs in fp32, spec 9.9: bf16 collapses its reconstr
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.models import TopTwo, clip_audio  # noqa: E402
-from eval.row import FAIL, PASS, Criteria, GateContext, RowResult  # noqa: E402
+from eval.models import TopTwo, clip_audio
+from eval.row import FAIL, PASS, Criteria, GateContext, RowResult
 
 
 @dataclass
@@ -138,9 +133,3 @@ def margins(ctx: GateContext, criteria: Criteria) -> RowResult:
                                      + (f"; the {ties} divergences are all near-ties (fp32 margin < {bar})"
                                         if ties else ""))
     return RowResult(FAIL if failures else PASS, reason, metrics, {"clips": per_clip})
-
-
-if __name__ == "__main__":
-    from eval.gate import row_app
-
-    row_app("margins")

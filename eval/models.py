@@ -4,15 +4,13 @@
   (the deployment dtypes, codec fp32 always: spec 9.9) and the model as configured.
 - `clip_audio`: a clip as the model hears it (16 kHz, cropped to whole 80 ms frames so that offline
   and streaming see the same samples: a partial last chunk is zero-padded by the streaming paths).
-- `drive_engine`: calls through the engine's client API (`open_call`, `append`, `end_input`, `tick`),
-  each with its own start tick, append size (live) or upload, exactly as a server would feed it.
+- `make_engine`: an engine sized for a row's calls (nemo_duplex/serving/drive.py drives it).
 - comparisons: per-frame cosine / relative error, first differing frame.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,134 +119,21 @@ def offline_encoder(model, audio: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The engine, driven as a client would
-
-
-@dataclass
-class CallPlan:
-    """One call through the engine."""
-    audio: torch.Tensor      # [N] float32 at 16 kHz
-    start: int = 0           # the tick at which the call opens
-    chunk: int = 1280        # samples per append by a live client
-    upload: bool = False     # the whole clip in one append, then end of input
-    seed: int = 0
-    appends_per_tick: int | None = None  # None: as many as make one 1280-sample frame per tick
-
-    def appends(self, frame: int) -> int:
-        return self.appends_per_tick or -(-frame // self.chunk)
-
-
-@dataclass
-class CallRecord:
-    """What one call produced, frame by frame."""
-    text: torch.Tensor       # [K] int64
-    func: torch.Tensor       # [K] int64
-    top2: torch.Tensor       # [K, 2] top-1/top-2 text logits
-    codes: torch.Tensor      # [K, Q] int64
-    pcm: torch.Tensor        # [K * 1764] float32
-    enc: torch.Tensor | None  # [K, d_enc] fp32 encoder frames (drive_engine(record_encoder=True))
-
-
-class EncoderRecorder:
-    """Wraps an engine's step runner and keeps the encoder frames each slot produced (a FrameEvent
-    carries no encoder output). Frames are handed over per slot when its call ends."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.frames: dict[int, list[torch.Tensor]] = defaultdict(list)
-
-    def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor):
-        out = self.runner(slots, audio, forced)
-        enc = out.enc.float().cpu()
-        for row, slot in enumerate(slots.tolist()):
-            self.frames[slot].append(enc[row])
-        return out
-
-    def take(self, slot: int) -> torch.Tensor:
-        frames = self.frames.pop(slot, [])
-        return torch.stack(frames) if frames else torch.empty(0)
+# The engine
 
 
 def make_engine(model, tokenizer, max_calls: int, seconds: float, graphs: bool = False,
                 graph_backend: str = "reduce-overhead"):
     """An engine sized for `max_calls` calls of at most `seconds` of input, graphs captured if asked."""
-    from nemo_duplex.serving.engine import Engine, EngineConfig
+    from nemo_duplex.serving.engine import build_engine
+    from nemo_duplex.settings import EngineConfig
 
     buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_calls] + [max_calls]
-    engine = Engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=seconds + 1.0,
-                                                   max_pending_s=seconds + 1.0, capture_buckets=buckets,
-                                                   graphs=graphs, graph_backend=graph_backend))
+    engine = build_engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=seconds + 1.0,
+                                                         max_pending_s=seconds + 1.0, capture_buckets=buckets,
+                                                         graphs=graphs, graph_backend=graph_backend))
     engine.prepare()
     return engine
-
-
-@torch.no_grad()
-def drive_engine(engine, plans: list[CallPlan], record_encoder: bool = False) -> list[CallRecord]:
-    """Feed every planned call through `engine` on this thread, one tick at a time, and collect what each
-    call produced. Calls open at their start tick; a live call appends `chunk` samples at a time (the
-    engine regroups them into 1280-sample frames), by default about one frame's worth per tick; an
-    upload appends the whole clip at once. Every call must end "completed"."""
-    from nemo_duplex.serving.engine import CallOptions, EndedEvent, FrameEvent
-
-    recorder = EncoderRecorder(engine.step_runner) if record_encoder else None
-    if recorder is not None:
-        engine.step_runner = recorder
-    events: list[list] = [[] for _ in plans]
-    encoders: dict[int, torch.Tensor] = {}
-    calls: dict[int, object] = {}
-    fed = [0] * len(plans)
-
-    def listener(i: int):
-        def on_event(ev):
-            events[i].append(ev)
-            if isinstance(ev, EndedEvent) and recorder is not None:
-                encoders[i] = recorder.take(calls[i].slot)
-        return on_event
-
-    # A call needs at most its start + its appends + one tick per frame; twice the longest is a hang.
-    n = engine.frame_samples
-    longest = max(p.start + -(-p.audio.shape[0] // (p.chunk * p.appends(n))) + -(-p.audio.shape[0] // n) + 2
-                  for p in plans)
-    tick = 0
-    try:
-        while len(calls) < len(plans) or not all(c.closed for c in calls.values()):
-            for i, plan in enumerate(plans):
-                if i not in calls and tick >= plan.start:
-                    calls[i] = engine.open_call(CallOptions(seed=plan.seed), on_event=listener(i))
-                    if plan.upload:
-                        calls[i].append(plan.audio.numpy())
-                        calls[i].end_input()
-                        fed[i] = plan.audio.shape[0]
-                for _ in range(plan.appends(n) if i in calls else 0):
-                    if fed[i] >= plan.audio.shape[0]:
-                        break
-                    calls[i].append(plan.audio[fed[i]: fed[i] + plan.chunk].numpy())
-                    fed[i] += plan.chunk
-                    if fed[i] >= plan.audio.shape[0]:
-                        calls[i].end_input()
-            engine.tick()
-            tick += 1
-            if tick > 2 * longest:
-                raise RuntimeError(f"the engine did not finish {len(plans)} calls within {tick} ticks")
-    finally:
-        if recorder is not None:
-            engine.step_runner = recorder.runner
-
-    records = []
-    for i, evs in enumerate(events):
-        ended = [e for e in evs if isinstance(e, EndedEvent)]
-        if not ended or ended[-1].reason != "completed":
-            why = f"{ended[-1].reason}: {ended[-1].message}" if ended else "no end event"
-            raise RuntimeError(f"engine call {i} did not complete ({why})")
-        frames = [e for e in evs if isinstance(e, FrameEvent)]
-        records.append(CallRecord(
-            text=torch.tensor([f.text for f in frames], dtype=torch.int64),
-            func=torch.tensor([f.func for f in frames], dtype=torch.int64),
-            top2=torch.tensor([f.top2 for f in frames], dtype=torch.float32).reshape(-1, 2),
-            codes=torch.from_numpy(np.stack([f.codes for f in frames])) if frames else torch.empty(0, dtype=torch.int64),
-            pcm=torch.from_numpy(np.concatenate([f.pcm for f in frames])) if frames else torch.empty(0),
-            enc=encoders.get(i)))
-    return records
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ class GateConfig:
 
 @dataclass
 class GateApp(ModelApp):
-    """eval/gate.py and each row run alone (eval/encoder_parity.py, eval/margins.py, eval/consistency.py)."""
+    """eval/gate.py."""
     eval: GateConfig = field(default_factory=GateConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

@@ -1,42 +1,34 @@
-"""Captured frame steps, one per batch bucket.
+"""Captured steps, one per batch bucket: a step function run eagerly, compiled, or replayed from CUDA graphs.
 
-`StepRunner` runs `frame_step` for a batch of calls: it pads the batch to the next capture bucket with
-rows that point at the sink slot (so padding touches no real call), replays that bucket's graph, and
-returns the real rows. Buckets are captured at start-up, largest first, never while serving. A batch
-above the largest bucket is split into groups of at most the largest bucket, each replayed. With
-`graphs=False` the very same function runs eagerly, so graphs on and off compute the same thing (eager
-steps run the batch's own rows, or, with `pad_eager`, the same padded rows and groups as the graphs).
+`StepRunner` runs a step function (nemo_duplex/serving/runner.py builds it around `frame_step`) for a batch
+of rows: it pads the batch to the next capture bucket with rows that point at the sink slot (so padding
+touches no real call), replays that bucket's graph, and returns the real rows. Buckets are captured at
+start-up, largest first, never while serving. A batch above the largest bucket is split into groups of at
+most the largest bucket, each replayed. With `graphs=False` the very same function runs eagerly, so graphs
+on and off compute the same thing (eager steps run the batch's own rows, or, with `pad_eager`, the same
+padded rows and groups as the graphs). This package knows nothing of the model: the step function, the
+tensors it writes in place (`static`), the sink row and the output fields to take to the host are given.
 
 Batch invariance (`engine.batch_invariant`: one bucket, eager steps padded too): every step then runs the
 same number of rows, so every kernel choice that follows the row count (on the GPU cuBLASLt's split-K,
 cuDNN's convolution algorithm, the decode attention's split count) is the same whatever shares the step,
-and a call's outputs are the same bit for bit alone or beside others: on the H200 at full size in bf16
-(tests/test_graphs.py; with several buckets they are not) and on the CPU (tests/test_engine.py).
+and a call's outputs are the same bit for bit alone or beside others.
 
-Three capture back ends (`engine.graph_backend`):
+Capture back ends (`engine.graph_backend`):
 - "cudagraph-eager" (default): the step as written, captured by hand with `torch.cuda.CUDAGraph` into
-  static input buffers. Seconds to capture. The fusion Inductor would bring is done by hand instead:
-  ops/ kernels for the norms (with the talker's rotary), the attention, the Mamba step, the RNG and the
-  codec GEMMs, which took the step from ~7,300 to ~3,600 kernels (docs/performance.md).
+  static input buffers. Seconds to capture. The fusion Inductor would bring is done by hand instead: ops/
+  kernels for the norms, the attention, the Mamba step, the RNG and the codec GEMMs.
 - "cudagraph-regions": the same hand capture, with the step's pure small-op pieces (the talker's MoG
-  passes, the RNN-T symbol loop) compiled by Inductor on their own (graphs/regions.py). About 1 ms a
-  step faster at full size, but its bf16 codes part from the plain step's (graphs/regions.py says why).
+  passes, the RNN-T symbol loop) compiled by Inductor on their own (graphs/regions.py says why it is off).
 - "reduce-overhead": `torch.compile(mode="reduce-overhead", fullgraph=True)`; Inductor fuses the
-  pointwise work and cudagraph trees record a CUDA graph per shape; the pools are closed over, marked as
-  static inputs (mark_static_inputs: without the mark no graph was recorded) and written in place.
+  pointwise work and cudagraph trees record a CUDA graph per shape; the static tensors are marked as
+  static inputs (mark_static_inputs: without the mark no graph is recorded) and written in place.
 - "cudagraph": `torch.compile` (default mode) for fusion, captured by hand as above.
-Why the hand capture serves: at full size on the H200 (torch 2.11), N=32 at position 1000, the sampling
-variant, on one lease (session 16): reduce-overhead 22.75 ms a step, with 3.66 ms of host work per step (not
-profiled; Dynamo's guards and cudagraph trees' checks run over the graph's 1,385 inputs at every call, and
-the step's GPU time includes the wait for them), against 18.18 ms and 0.74 ms for the hand capture. Its
-build of one bucket took 71 s, so the serving default's 20 buckets (conf/config.yaml) would take about 20 x
-71 s at start-up, twice that with `greedy_graphs` (not measured). Earlier builds never ended: session 2's
-failed in Inductor's code generation for the sampler's cumsum over 131,072 logits (now a custom op,
-sampling.nucleus_draw); session 15's was still lowering when stopped at 7 minutes, and session 16's stack
-samples put it inside the string torch 2.11 makes of an implicit fallback's arguments from minute 2 to
-minute 10 (graphs/fallbacks.py, which registers the ops first). The Triton kernels are custom ops (opaque to
-torch.compile), so the compiled back ends keep fullgraph=True; they compile and match eager on the CPU
-(tests/test_graphs.py, aot_eager and Inductor) and, at tiny size, reduce-overhead on the GPU.
+Why the hand capture serves: at full size on the H200, N=32 at position 1000, reduce-overhead took 22.75 ms a
+step with 3.66 ms of host work (Dynamo's guards and cudagraph trees' checks over the graph's 1,385 inputs at
+every call), against 18.18 ms and 0.74 ms for the hand capture, and 71 s to build one bucket
+(docs/performance.md, "Compiled back ends"; graphs/fallbacks.py is what made the build finish at all). The
+Triton kernels are custom ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True.
 On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
 `compiler="aot_eager"`, which the CPU graphs-vs-eager test uses to trace the same graph cheaply).
 """
@@ -51,13 +43,9 @@ import torch
 
 from graphs.fallbacks import register_inductor_fallbacks
 from graphs.regions import install_regions
-from nemo_duplex.serving.frame_step import StepOutput, frame_step
-from nemo_duplex.serving.state import state_tensors
 
 log = logging.getLogger(__name__)
 
-# What the engine takes to the host after a step (the rest of StepOutput stays on the device).
-HOST_FIELDS = ("text", "func", "top2", "user", "codes", "pcm")
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
 
 
@@ -73,41 +61,26 @@ def buckets_for(configured, max_calls: int) -> list[int]:
     return below + [next((b for b in sizes if b >= max_calls), max_calls)]
 
 
-def mark_static_inputs(state, specials: torch.Tensor) -> None:
-    """Mark every state pool (and the special-token ids) as a static address for torch.compile.
+def mark_static_inputs(static: list[torch.Tensor]) -> None:
+    """Mark every tensor the step reads or writes outside its arguments (the state pools, the special-token
+    ids) as a static address for torch.compile.
 
-    Why: the step reaches the pools through `self.state`, so Dynamo lifts each one into a graph input,
-    and cudagraph trees (reduce-overhead) treat a graph input that is neither a parameter, a buffer nor
+    Why: the step reaches them through its closure, so Dynamo lifts each one into a graph input, and
+    cudagraph trees (reduce-overhead) treat a graph input that is neither a parameter, a buffer nor
     marked static as one to copy into the graph's own memory at every replay, and refuse to record a
     graph for a function that writes one in place (torch/_inductor/cudagraph_utils.py,
     `check_for_mutation`: "skipping cudagraphs due to mutated inputs"). The step writes every pool, so
     without the mark torch.compile records no graph for it (on the H200: tests/test_graphs.py). The pools
     are the same tensors for the runner's life (allocated once, written in place): static indeed."""
-    for _, t in state_tensors(state):
+    for t in static:
         torch._dynamo.mark_static_address(t)
-    torch._dynamo.mark_static_address(specials)
 
 
-def check_sm_carveout(sms, device: torch.device, pipeline: int = 0, takes_carveout: bool = True) -> int:
-    """engine.llm_sm_carveout as an int, or a ValueError naming its bounds (0 .. the device's SMs - 1).
-    "auto": half the device's SMs where the step is two deep on CUDA and captured by hand or eager (the
-    only steps whose GEMMs can take a carveout: StepRunner), else 0. Half because on the H200 (132 SMs)
-    64, 80 and 96 gave the same step, 13.37-13.56 ms at N=32 against 13.93-14.05 without, and 16-48 SMs
-    gained less; one deep and serial it neither helped nor hurt (docs/performance.md, session 21)."""
-    total = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-    if sms == "auto":
-        usable = (total is not None and pipeline == 2 and takes_carveout
-                  and hasattr(torch._C, "_set_sm_carveout_experimental"))
-        return total // 2 if usable else 0
-    try:
-        sms = int(sms)
-    except (TypeError, ValueError):
-        raise ValueError(f"engine.llm_sm_carveout must be auto or an int, got {sms!r}") from None
-    if sms < 0 or (total is not None and sms >= total):
-        raise ValueError(f"engine.llm_sm_carveout must be 0 .. {total - 1 if total else 'the SMs - 1'}, got {sms}")
-    if sms and not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        raise ValueError(f"engine.llm_sm_carveout needs torch's SM carveout (torch {torch.__version__} has none)")
-    return sms
+def resolve_graphs(graphs, device: torch.device) -> bool:
+    """engine.graphs: "auto" = captured on CUDA (the serving path), eager on the CPU (no graphs there)."""
+    if graphs not in ("auto", True, False):
+        raise ValueError(f"engine.graphs must be auto, true or false, got {graphs!r}")
+    return device.type == "cuda" if graphs == "auto" else bool(graphs)
 
 
 def cudagraph_skips() -> int:
@@ -117,33 +90,87 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-class StepRunner:
-    takes_sampling_flag = True  # step_to_host passes `sampling` (test stand-ins do not take it)
+# ---------------------------------------------------------------------------------------------------------
+# A step for the engine: numpy in, numpy out, as few torch calls as possible
+# ---------------------------------------------------------------------------------------------------------
+# Why: every torch call from Python releases the GIL and takes it back. The server's event loop holds it
+# meanwhile, up to a switch interval each time, so under load each call costs the engine thread up to
+# 0.5 ms. The general path (`runner(...)` then `to_host`) makes ~50 such calls per step: at 128 live calls
+# the engine spent 12-15 ms per step before the device even started (docs/performance.md, "Load"). A
+# captured bucket here takes four: one copy in, the replay, one copy out, one wait.
 
-    def __init__(self, model, state, specials: torch.Tensor, buckets: list[int], graphs: bool | str = True,
-                 backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
-                 side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0, llm_sm_carveout: int | str = 0):
-        self.model, self.state, self.specials = model, state, specials
-        # pipeline (engine.pipeline): 1, each step's speech half is that of the rows' previous frames
-        # (frame_step's speech_slots); 2, also its text half (text_slots), the speech half two frames back.
-        # Every row then carries a slot per half (the sink where its call has no frame for that half).
-        self.pipeline = int(pipeline)
-        if self.pipeline not in (0, 1, 2):
-            raise ValueError(f"engine.pipeline must be 0, 1 or 2 (false / true = 0 / 1), got {pipeline!r}")
+@dataclass
+class HostStep:
+    outputs: dict[str, np.ndarray]   # the host fields, first dim = the batch's rows, owned by the caller
+    launched: float                  # perf_counter() once the step's device work was queued
+    padded_rows: int                 # rows the device ran, capture-bucket padding included
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy tensors to the host with ONE wait for the device (pinned buffers, non-blocking copies)."""
+    if not tensors or not tensors[0].is_cuda:
+        return [t.cpu() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]  # cached pinned blocks
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host
+
+
+class HostStepper:
+    """What the engine calls a step through: `step_to_host`, numpy in and numpy out. This generic version
+    calls the runner (`self(...)`) and copies `host_fields` out with one wait; StepRunner's captured buckets
+    take a staged path of four torch calls instead. Test stand-ins and wrappers inherit it."""
+    host_fields: tuple[str, ...] = ()
+    takes_sampling_flag = True   # whether __call__ takes `sampling=`, `speech=`, `text=`
+
+    def padded_rows(self, n: int) -> int:
+        return n
+
+    def step_to_host(self, slots: np.ndarray, audio: np.ndarray, forced: np.ndarray, sampling: bool = True,
+                     speech: np.ndarray | None = None, text: np.ndarray | None = None, events=None) -> "HostStep":
+        """One step for rows slots [n] int64, audio [n, frame] float32, forced [n] int64, speech and text slots
+        [n] int64 (pipelined steps; None = slots); `sampling=False` when every row is greedy."""
+        args = (torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
+                torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)),
+                torch.from_numpy(np.ascontiguousarray(forced, dtype=np.int64)))
+        if self.takes_sampling_flag:
+            extra = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64))
+                     for k, v in (("speech", speech), ("text", text)) if v is not None}
+            out = self(*args, sampling=sampling, **extra)
+        else:
+            out = self(*args)
+        launched = time.perf_counter()
+        host = to_host([getattr(out, k) for k in self.host_fields])
+        return HostStep({k: t.numpy() for k, t in zip(self.host_fields, host)}, launched, self.padded_rows(len(slots)))
+
+
+class StepRunner(HostStepper):
+    """`step(slots, audio, forced, speech, text, sampling)` -> a dataclass of [rows, ...] tensors, run per
+    capture bucket. `static`: the tensors the step reads and writes besides its arguments (marked static
+    for torch.compile); `sink`: the slot padding rows point at; `frame_samples`: audio per row;
+    `host_fields`: the output fields `step_to_host` takes to the host; `regions_root`: the object whose
+    pure pieces "cudagraph-regions" compiles (graphs/regions.py)."""
+
+    def __init__(self, step, static: list[torch.Tensor], sink: int, frame_samples: int, device: torch.device,
+                 buckets: list[int], graphs: bool | str = True, backend: str = "reduce-overhead",
+                 compiler: str = "inductor", greedy_graphs: bool = False, pad_eager: bool = False,
+                 host_fields: tuple[str, ...] = (), regions_root=None, label: str = ""):
+        self.step, self.sink, self.frame_samples = step, sink, frame_samples
+        self.label = label   # what the capture log says of the step (its pipeline depth, its SM carveout)
+        self.host_fields = tuple(host_fields)
         self.pad_eager = pad_eager  # eager steps padded to the buckets as the graphs are (batch invariance)
-        # greedy_graphs: every bucket also gets a variant for batches of greedy calls only (frame_step's
+        # greedy_graphs: every bucket also gets a variant for batches of greedy calls only (the step's
         # sampling=False: no sort over the vocabulary), at twice the captures; the general one serves all
         self.variants = (True, False) if greedy_graphs else (True,)
         self.buckets = sorted(set(int(b) for b in buckets))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"engine.capture_buckets must be positive sizes, got {buckets}")
-        self.device = state.llm_len.device
-        # "auto": captured on CUDA (the serving path), eager on the CPU (no graphs there)
-        if graphs not in ("auto", True, False):
-            raise ValueError(f"engine.graphs must be auto, true or false, got {graphs!r}")
-        self.graphs = self.device.type == "cuda" if graphs == "auto" else bool(graphs)
+        self.device = torch.device(device)
+        self.graphs = resolve_graphs(graphs, self.device)
+        if backend not in BACKENDS:
+            raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
-        self.sink = state.sink
         self._compiled = None
         self._cuda_graphs: dict[tuple, tuple] = {}  # (bucket, sampling) -> graph, static inputs, outputs
         self._graph_pool = None  # shared by every bucket's graph (_capture_cuda_graph)
@@ -153,36 +180,15 @@ class StepRunner:
         # per captured (bucket, sampling): its first and second replay at capture (_capture_cuda_graph), ms
         self.replay_ms: dict[tuple, tuple[float, float]] = {}
         self.regions = []
-        # frame_step's second stream (its `branch`), on CUDA when the step runs eagerly or is captured by
-        # hand; not inside torch.compile's whole-step graphs, which would have to trace the stream switches
-        hand_run = not self.graphs or backend.startswith("cudagraph")
-        streams = side_stream and hand_run and self.device.type == "cuda"
-        self.side_stream = torch.cuda.Stream(self.device) if streams else None
-        # the pipelined step's speech half, a third path beside the encoder + LLM chain and the side branch
-        # (stream priorities, either way round, changed nothing measurable: docs/performance.md, sessions 19-20)
-        self.speech_stream = torch.cuda.Stream(self.device) if streams and self.pipeline else None
-        # two deep: the listening half (encoder, RNN-T) on a fourth path; with it on the step's stream the
-        # encoder's ~400 small kernels, slowed by the speech half beside them, were the chain's first 4 ms
-        # (docs/performance.md, session 20)
-        self.encoder_stream = torch.cuda.Stream(self.device) if streams and self.pipeline == 2 else None
-        if backend not in BACKENDS:
-            raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        # the carveout is a process-wide setting flipped around the text half while it is queued: eager steps
-        # and the hand capture of them take it, nothing torch.compile traces (reduce-overhead, cudagraph)
-        takes_carveout = not self.graphs or backend in ("cudagraph-eager", "cudagraph-regions")
-        self.llm_sm_carveout = check_sm_carveout(llm_sm_carveout, self.device, self.pipeline, takes_carveout)
-        if self.llm_sm_carveout and not takes_carveout:
-            raise ValueError("engine.llm_sm_carveout works with the hand capture (cudagraph-eager, cudagraph-regions) "
-                             f"or eager steps, not engine.graph_backend={backend}")
         if self.graphs and backend == "cudagraph-eager":
             self._compiled = self._eager
         elif self.graphs and backend == "cudagraph-regions":
-            self.regions = install_regions(model, compiler)  # compiled on the capture's warm-up calls
+            self.regions = install_regions(regions_root, compiler)  # compiled on the capture's warm-up calls
             self._compiled = self._eager
         elif self.graphs:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                         4 * len(self.buckets) * len(self.variants))
-            mark_static_inputs(state, specials)
+            mark_static_inputs(static)
             register_inductor_fallbacks()
             mode = "reduce-overhead" if backend == "reduce-overhead" and self.device.type == "cuda" else None
             # compiler "aot_eager" traces the same graph but runs it with eager kernels: the CPU test of
@@ -190,21 +196,21 @@ class StepRunner:
             self._compiled = torch.compile(self._eager, mode=mode if compiler == "inductor" else None,
                                            backend=compiler, fullgraph=True, dynamic=False)
 
-    def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
-               speech: torch.Tensor | None = None, text: torch.Tensor | None = None,
-               sampling: bool = True) -> StepOutput:
-        return self._step(slots, audio, forced, speech, text, sampling)
+    @property
+    def staged(self) -> bool:
+        """Captured buckets step through the staged path (step_to_host): CUDA graphs recorded by hand."""
+        return bool(self._staging)
 
-    def _step(self, slots, audio, forced, speech, text, sampling: bool) -> StepOutput:
-        """frame_step for the rows, as deep as `pipeline` (speech, text: the rows' slots on those halves;
-        None: the rows' own slots)."""
-        halves = {}
-        if self.pipeline >= 1:
-            halves.update(speech_slots=slots if speech is None else speech, speech_stream=self.speech_stream)
-        if self.pipeline == 2:
-            halves.update(text_slots=slots if text is None else text, encoder_stream=self.encoder_stream)
-        return frame_step(self.model, self.state, slots, audio, forced, self.specials, sampling=sampling,
-                          side_stream=self.side_stream, llm_sm_carveout=self.llm_sm_carveout, **halves)
+    @property
+    def hand_run(self) -> bool:
+        """Eager steps, or captured by hand: what may switch CUDA streams and process-wide settings inside a
+        step (torch.compile's whole-step graphs would have to trace those)."""
+        return not self.graphs or self.backend.startswith("cudagraph")
+
+    def _eager(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
+               speech: torch.Tensor | None = None, text: torch.Tensor | None = None, sampling: bool = True):
+        return self.step(slots, audio, forced, slots if speech is None else speech, slots if text is None else text,
+                         sampling)
 
     def padded_rows(self, n: int) -> int:
         """Rows a batch of n runs as: its bucket (groups of the largest bucket above it); n when eager
@@ -236,7 +242,7 @@ class StepRunner:
         """Record every bucket, largest first, on padding rows only (the sink slot)."""
         if not self.graphs:
             return
-        n_in = self.model.cfg.samples_per_frame_in
+        n_in = self.frame_samples
         skips = cudagraph_skips()
         for b in sorted(self.buckets, reverse=True):
             t0 = time.perf_counter()
@@ -252,8 +258,8 @@ class StepRunner:
                 torch.cuda.synchronize()
             self.capture_seconds[b] = time.perf_counter() - t0
             replays = ", ".join("%.1f / %.1f" % self.replay_ms[(b, v)] for v in self.variants if (b, v) in self.replay_ms)
-            log.info("captured bucket %d (%s, pipeline %d, LLM SM carveout %d) in %.1f s; first / second replay %s ms",
-                     b, self.backend, self.pipeline, self.llm_sm_carveout, self.capture_seconds[b], replays or "-")
+            log.info("captured bucket %d (%s%s) in %.1f s; first / second replay %s ms",
+                     b, self.backend, f", {self.label}" if self.label else "", self.capture_seconds[b], replays or "-")
             if self.backend == "reduce-overhead" and self.device.type == "cuda" and cudagraph_skips() > skips:
                 raise RuntimeError(f"engine.graph_backend=reduce-overhead recorded no CUDA graph for bucket {b} "
                                    "(torch.compile skipped it; TORCH_LOGS=cudagraphs says why)")
@@ -261,7 +267,7 @@ class StepRunner:
     def _staged_inputs(self, b: int):
         """A bucket's static inputs as views of ONE device buffer, with a pinned host twin: a step then
         moves its inputs with one copy (step_to_host). Audio first, so every view stays aligned."""
-        n_in = self.model.cfg.samples_per_frame_in
+        n_in = self.frame_samples
         nbytes = b * n_in * 4 + 4 * b * 8
         device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -296,12 +302,12 @@ class StepRunner:
             out = self._compiled(*static, sampling)
             # the fields the engine takes to the host, packed into one buffer inside the graph: one copy out
             packed = torch.cat([getattr(out, k).reshape(b, -1).contiguous().view(torch.uint8).reshape(-1)
-                                for k in HOST_FIELDS])
+                                for k in self.host_fields])
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
         host_out = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
         views, offset, flat = {}, 0, host_out.numpy()
-        for k in HOST_FIELDS:
+        for k in self.host_fields:
             t = getattr(out, k)
             nbytes = t.numel() * t.element_size()
             views[k] = flat[offset: offset + nbytes].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
@@ -310,10 +316,9 @@ class StepRunner:
         self._staging[(b, sampling)] = staging + (packed, host_out, views)
         # Replay once now, on the sink rows the static inputs still hold, so that whatever a graph's first
         # launch costs (its upload to the device) is paid at start-up, not by the first calls in a bucket.
-        # Measured (session 5): the first replay here takes 0.3-1.3 ms more than the second, so this is not
-        # what made one step of a load run take 221 ms (194 ms of device time for 13 rows, the first step
-        # of 128 lockstep calls; still unexplained); the run after this change had no such step (first
-        # audio p50 67 ms against 498 ms), one run each (docs/performance.md).
+        # Measured: the first replay here takes 0.3-1.3 ms more than the second; a load run without this
+        # warm replay once had a 221 ms first step at 128 lockstep calls (first audio p50 498 ms against 67 ms
+        # with it, one run each; docs/performance.md).
         times = []
         for _ in range(2):  # the second replay, for comparison in the log
             torch.cuda.synchronize()
@@ -331,21 +336,21 @@ class StepRunner:
     @torch.no_grad()
     def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
                  sampling: bool = True, speech: torch.Tensor | None = None,
-                 text: torch.Tensor | None = None) -> StepOutput:
+                 text: torch.Tensor | None = None):
         """`sampling=False`: the caller vouches that every row is greedy (frame_step). `speech`, `text`: the
         rows' slots on those halves when pipelined (None: the rows' own slots)."""
         n = slots.shape[0]
         speech = slots if speech is None else speech
         text = slots if text is None else text
         if not self.graphs and not self.pad_eager:
-            return self._step(slots.to(self.device), audio.to(self.device), forced.to(self.device),
-                              speech.to(self.device), text.to(self.device), sampling)
+            return self.step(slots.to(self.device), audio.to(self.device), forced.to(self.device),
+                             speech.to(self.device), text.to(self.device), sampling)
         sampling = sampling or False not in self.variants  # only what capture() prepared, never a new compile
         largest = self.buckets[-1]
         if n > largest:  # groups of at most the largest bucket, each replayed
             parts = [self(slots[i: i + largest], audio[i: i + largest], forced[i: i + largest], sampling,
                           speech[i: i + largest], text[i: i + largest]) for i in range(0, n, largest)]
-            return StepOutput(**{fl.name: torch.cat([getattr(p, fl.name) for p in parts]) for fl in fields(StepOutput)})
+            return type(parts[0])(**{fl.name: torch.cat([getattr(p, fl.name) for p in parts]) for fl in fields(parts[0])})
         b = self.bucket_for(n)
         key = self.variant(b, sampling)
         if key in self._cuda_graphs:
@@ -357,93 +362,50 @@ class StepRunner:
             out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced, speech, text),
                                                   sampling)
         # a replayed graph reuses its output memory on the next replay: copy the real rows out now
-        return StepOutput(**{fl.name: getattr(out, fl.name)[:n].clone() for fl in fields(StepOutput)})
+        return type(out)(**{fl.name: getattr(out, fl.name)[:n].clone() for fl in fields(out)})
+
+    def step_to_host(self, slots, audio, forced, sampling=True, speech=None, text=None,
+                             events=None) -> HostStep:
+        """StepRunner.step_to_host: a captured bucket takes the staged path (its inputs through one pinned
+        buffer, the replay, its outputs through another); anything else (eager, compiled back ends, a batch
+        above the largest bucket, in groups) runs as HostStepper does. `events` (two CUDA timing events, staged
+        path only): recorded just before the step's input copy and just after its output copy are queued
+        (scripts/bench_step.py)."""
+        n = len(slots)
+        largest = self.buckets[-1]
+        if self._staging:
+            key = self.variant(self.bucket_for(n), sampling) if n <= largest else None
+            if key in self._staging:
+                return self._staged(key, slots, audio, forced, slots if speech is None else speech,
+                                    slots if text is None else text, events)
+            if n > largest:  # groups of at most the largest bucket, each its own staged step
+                part = lambda rows, i: None if rows is None else rows[i: i + largest]  # noqa: E731
+                parts = [self.step_to_host(slots[i: i + largest], audio[i: i + largest], forced[i: i + largest],
+                                           sampling, part(speech, i), part(text, i))
+                         for i in range(0, n, largest)]
+                return HostStep({k: np.concatenate([p.outputs[k] for p in parts]) for k in self.host_fields},
+                                parts[-1].launched, sum(p.padded_rows for p in parts))
+        return HostStepper.step_to_host(self, slots, audio, forced, sampling, speech, text)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# A step for the engine: numpy in, numpy out, as few torch calls as possible
-# ---------------------------------------------------------------------------------------------------------
-# Why: every torch call from Python releases the GIL and takes it back. The server's event loop holds it
-# meanwhile, up to a switch interval each time, so under load each call costs the engine thread up to
-# 0.5 ms. The general path (`runner(...)` then `to_host`) makes ~50 such calls per step: at 128 live calls
-# the engine spent 12-15 ms per step before the device even started (docs/performance.md, "Load"). A
-# captured bucket here takes four: one copy in, the replay, one copy out, one wait.
-
-@dataclass
-class HostStep:
-    outputs: dict[str, np.ndarray]   # HOST_FIELDS, first dim = the batch's rows, owned by the caller
-    launched: float                  # perf_counter() once the step's device work was queued
-    padded_rows: int                 # rows the device ran, capture-bucket padding included
-
-
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy tensors to the host with ONE wait for the device (pinned buffers, non-blocking copies)."""
-    if not tensors or not tensors[0].is_cuda:
-        return [t.cpu() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]  # cached pinned blocks
-    for h, t in zip(host, tensors):
-        h.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return host
-
-
-def step_to_host(runner, slots: np.ndarray, audio: np.ndarray, forced: np.ndarray,
-                 sampling: bool = True, speech: np.ndarray | None = None, text: np.ndarray | None = None,
-                 events=None) -> HostStep:
-    """One step of `runner` (a StepRunner, or anything called like one) for rows slots [n] int64, audio
-    [n, 1280] float32, forced [n] int64, speech and text slots [n] int64 (pipelined runners; None = slots);
-    `sampling=False` when every row is greedy. A StepRunner's
-    captured buckets take the staged path; anything else (eager, compiled back ends, test doubles and
-    wrappers) runs `runner(...)` and copies out. `events` (two CUDA timing events, staged path only): recorded
-    just before the step's input copy and just after its output copy are queued (scripts/bench_step.py)."""
-    n = len(slots)
-    if getattr(runner, "_staging", None):   # (duck-typed: tests stand doubles in for StepRunner)
-        largest = runner.buckets[-1]
-        key = runner.variant(runner.bucket_for(n), sampling) if n <= largest else None
-        if key in runner._staging:
-            return _staged_step(runner, key, slots, audio, forced, slots if speech is None else speech,
-                                slots if text is None else text, events)
-        if n > largest:  # groups of at most the largest bucket, each its own staged step
-            part = lambda rows, i: None if rows is None else rows[i: i + largest]  # noqa: E731
-            parts = [step_to_host(runner, slots[i: i + largest], audio[i: i + largest], forced[i: i + largest],
-                                  sampling, part(speech, i), part(text, i))
-                     for i in range(0, n, largest)]
-            return HostStep({k: np.concatenate([p.outputs[k] for p in parts]) for k in HOST_FIELDS},
-                            parts[-1].launched, sum(p.padded_rows for p in parts))
-    args = (torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
-            torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)),
-            torch.from_numpy(np.ascontiguousarray(forced, dtype=np.int64)))
-    if getattr(runner, "takes_sampling_flag", False):
-        extra = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64))
-                 for k, v in (("speech", speech), ("text", text)) if v is not None}
-        out = runner(*args, sampling=sampling, **extra)
-    else:
-        out = runner(*args)
-    launched = time.perf_counter()
-    host = to_host([getattr(out, k) for k in HOST_FIELDS])
-    padded = runner.padded_rows(n) if hasattr(runner, "padded_rows") else n
-    return HostStep({k: t.numpy() for k, t in zip(HOST_FIELDS, host)}, launched, padded)
-
-
-def _staged_step(runner: StepRunner, key: tuple[int, bool], slots, audio, forced, speech, text,
-                 events=None) -> HostStep:
-    graph = runner._cuda_graphs[key][0]
-    device_in, host_in, (s, a, f, ss, ts), packed, host_out, views = runner._staging[key]
-    b = key[0]
-    n = len(slots)
-    s[:n], s[n:] = slots, runner.sink   # padding rows: the sink on every half, silence, nothing forced
-    a[:n], a[n:] = audio, 0.0
-    f[:n], f[n:] = forced, -1
-    ss[:n], ss[n:] = speech, runner.sink
-    ts[:n], ts[n:] = text, runner.sink
-    if events is not None:
-        events[0].record()
-    device_in.copy_(host_in, non_blocking=True)
-    graph.replay()
-    host_out.copy_(packed, non_blocking=True)
-    if events is not None:
-        events[1].record()
-    launched = time.perf_counter()
-    torch.cuda.current_stream(runner.device).synchronize()
-    # copies: the pinned buffers are overwritten by the bucket's next step
-    return HostStep({k: views[k][:n].copy() for k in HOST_FIELDS}, launched, b)
+    def _staged(self, key: tuple[int, bool], slots, audio, forced, speech, text, events=None) -> HostStep:
+        graph = self._cuda_graphs[key][0]
+        device_in, host_in, (s, a, f, ss, ts), packed, host_out, views = self._staging[key]
+        b = key[0]
+        n = len(slots)
+        s[:n], s[n:] = slots, self.sink   # padding rows: the sink on every half, silence, nothing forced
+        a[:n], a[n:] = audio, 0.0
+        f[:n], f[n:] = forced, -1
+        ss[:n], ss[n:] = speech, self.sink
+        ts[:n], ts[n:] = text, self.sink
+        if events is not None:
+            events[0].record()
+        device_in.copy_(host_in, non_blocking=True)
+        graph.replay()
+        host_out.copy_(packed, non_blocking=True)
+        if events is not None:
+            events[1].record()
+        launched = time.perf_counter()
+        torch.cuda.current_stream(self.device).synchronize()
+        # copies: the pinned buffers are overwritten by the bucket's next step
+        return HostStep({k: views[k][:n].copy() for k in self.host_fields}, launched, b)

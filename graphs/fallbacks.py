@@ -4,11 +4,12 @@ Why: Inductor has no lowering for a custom op, so the first time a build meets o
 "implicit fallback" for it, and torch 2.11 (the GPU machine's) formats a log line for that at once, logged
 or not: `operator_str` prints every argument's IR, and an argument's IR prints its inputs' IR in turn, a
 DAG written out as a tree. At full size, with custom ops first met deep in the step, that is what the
-whole-step build did for minutes: session 15's build of one bucket was still lowering when it was
-stopped at 7 minutes, and in session 16 every stack sample of the build from minute 2 to minute 10 sat
-in `ir.py`'s `__str__` under `operator_str`.
-With the ops registered here first, each is already in `lowerings`, the implicit path never runs, and
-the same build took 71 s (docs/performance.md, session 16). torch 2.13 defers the string (a LazyString).
+whole-step build did for minutes: a build of one bucket was still lowering when stopped at 7 minutes,
+and every stack sample of another from minute 2 to minute 10 sat in `ir.py`'s `__str__` under
+`operator_str`. With the ops registered here first, each is already in `lowerings`, the implicit path
+never runs, and the same build took 71 s (docs/performance.md). torch 2.13 defers the string (a LazyString).
+The ops of the model's own modules (nemo_duplex::nucleus_draw) are registered when those modules are
+imported, which a model to compile has been; the ops/ kernels are imported here.
 The layout constraint is the one the implicit path would take (the op's tag, else the default tag), so
 what Inductor builds is unchanged.
 """
@@ -39,7 +40,6 @@ def register_inductor_fallbacks(namespace: str = NAMESPACE) -> list[torch._ops.O
 
     for module in pkgutil.iter_modules(ops.__path__):   # every kernel's custom op defined
         importlib.import_module(f"ops.{module.name}")
-    importlib.import_module("nemo_duplex.models.sampling")     # nucleus_draw
 
     registered = []
     for op in custom_ops(namespace):

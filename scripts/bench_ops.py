@@ -14,7 +14,6 @@ import argparse
 import copy
 import functools
 import json
-import math
 import os
 import sys
 import time

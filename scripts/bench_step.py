@@ -29,7 +29,6 @@ from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from graphs.capture import step_to_host  # noqa: E402
 from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.serving.frame_step import special_ids  # noqa: E402
 from nemo_duplex.serving.state import allocate_call_state, state_tensors  # noqa: E402
@@ -138,12 +137,12 @@ def time_staged_steps(runner, slots, audio, forced, sampling: bool, iters: int, 
     the device waits for the host there (0.16-0.62 ms a step on the H200, session 19), which no served step does."""
     args = (slots.numpy(), audio.numpy(), forced.numpy())
     for _ in range(warmup):
-        step_to_host(runner, *args, sampling=sampling)
+        runner.step_to_host(*args, sampling=sampling)
     gpu, host = [], []
     for _ in range(iters):
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         t0 = time.perf_counter()
-        out = step_to_host(runner, *args, sampling=sampling, events=events)
+        out = runner.step_to_host(*args, sampling=sampling, events=events)
         host.append(out.launched - t0)
         torch.cuda.synchronize()
         gpu.append(events[0].elapsed_time(events[1]) / 1e3)
@@ -152,7 +151,8 @@ def time_staged_steps(runner, slots, audio, forced, sampling: bool, iters: int, 
 
 @hydra.main(config_path="../conf", config_name="bench_step", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from graphs.capture import StepRunner, buckets_for
+    from graphs.capture import buckets_for
+    from nemo_duplex.serving.runner import build_runner
 
     b = cfg.bench
     device = torch.device(cfg.device)
@@ -177,13 +177,13 @@ def main(cfg: DictConfig) -> None:
     print(f"weights read per step: {read_fixed / 2**30:.2f} GiB + {read_per_call / 2**10:.0f} KiB per call "
           f"(parameters: {wbytes / 2**30:.2f} GiB)", flush=True)
     buckets = buckets_for(cfg.engine.capture_buckets, max_n)
-    graphs = StepRunner(model, st, specials, buckets, graphs=cfg.engine.graphs, backend=cfg.engine.graph_backend,
+    graphs = build_runner(model, st, specials, buckets, graphs=cfg.engine.graphs, backend=cfg.engine.graph_backend,
                         greedy_graphs=cfg.engine.greedy_graphs, side_stream=cfg.engine.side_stream,
                         pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
     # the benchmark's calls are greedy (SamplingParams' default): with engine.greedy_graphs the engine would
     # run them through the greedy-only graphs, so those are what is timed then
     sampling = not cfg.engine.greedy_graphs
-    eager = StepRunner(model, st, specials, buckets, graphs=False, side_stream=cfg.engine.side_stream,
+    eager = build_runner(model, st, specials, buckets, graphs=False, side_stream=cfg.engine.side_stream,
                        pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
     t0 = time.perf_counter()
     graphs.capture()
@@ -209,7 +209,7 @@ def main(cfg: DictConfig) -> None:
                 fill_random(st, pos, slots.to(device), mcfg.prompt_frames)
                 g, h = time_steps(lambda: runner(slots, audio, forced, sampling), b.iters, b.warmup, device)
                 row[f"{name}_gpu_ms"], row[f"{name}_host_ms"] = g * 1e3, h * 1e3
-                if name == "graphs" and runner._staging:
+                if name == "graphs" and runner.staged:
                     # the served path; the figures above then stay as "call" (the method of sessions 1-18)
                     row["graphs_call_gpu_ms"], row["graphs_call_host_ms"] = g * 1e3, h * 1e3
                     fill_random(st, pos, slots.to(device), mcfg.prompt_frames)
@@ -222,7 +222,7 @@ def main(cfg: DictConfig) -> None:
     result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
               "copy_bandwidth_GBps": bw / 1e9, "bf16_gemm_TFLOPs": flops / 1e12,
               "capture_s": capture_s, "backend": cfg.engine.graph_backend, "graphs": graphs.graphs,
-              "pipeline": graphs.pipeline, "llm_sm_carveout": graphs.llm_sm_carveout,
+              "pipeline": graphs.step.pipeline, "llm_sm_carveout": graphs.step.llm_sm_carveout,
               "regions": {r.name: r.failed or "compiled" for r in graphs.regions},
               "buckets": buckets, "dtype": mcfg.dtype.llm, "rows": rows,
               "config": runtime.effective_settings(cfg, loaded)}
@@ -230,7 +230,7 @@ def main(cfg: DictConfig) -> None:
     runtime.write_settings(out_dir, cfg, loaded)
     (out_dir / f"bench_step_{int(time.time())}.json").write_text(json.dumps(result, indent=1))
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s, capture {capture_s:.0f} s "
-          f"({cfg.engine.graph_backend}, pipeline {graphs.pipeline}, LLM SM carveout {graphs.llm_sm_carveout}), "
+          f"({cfg.engine.graph_backend}, pipeline {graphs.step.pipeline}, LLM SM carveout {graphs.step.llm_sm_carveout}), "
           f"weights {wbytes / 2**30:.1f} GiB, read per step {read_fixed / 2**30:.2f} GiB "
           f"+ {read_per_call / 2**10:.0f} KiB per call")
     for r in graphs.regions:

@@ -139,7 +139,7 @@ def print_graph_profile(prof, n: int, pos: int, top: int = 45, first_kernels: in
 def main(cfg: DictConfig) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from graphs.capture import StepRunner
+    from nemo_duplex.serving.runner import build_runner
 
     device = torch.device(cfg.device)
     n_max, pos = max(cfg.bench.batch_sizes), max(cfg.bench.positions)
@@ -159,7 +159,7 @@ def main(cfg: DictConfig) -> None:
         if on_graphs:
             # profile.greedy=true: the greedy-only graph (engine.greedy_graphs), what bench_step times
             greedy = cfg.profile.greedy
-            runner = StepRunner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
+            runner = build_runner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
                                 side_stream=cfg.engine.side_stream, greedy_graphs=greedy,
                                 pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
             runner.capture()

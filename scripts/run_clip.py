@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.audio import read_wav, write_wav  # noqa: E402
+from nemo_duplex.serving.drive import clip_plans, drive
 
 EXAMPLE_CLIP = runtime.REPO / "eval" / "clips" / "example.wav"
 MODES = ("offline", "streaming", "engine")
@@ -54,10 +55,10 @@ def engine_config(cfg, n_clips: int):
 
 
 def run_engine(model, tokenizer, engine_cfg, cfg, clips, offsets, prompt, sampling):
-    from nemo_duplex.serving.engine import Engine
+    from nemo_duplex.serving.engine import build_engine
 
-    engine = Engine(model, tokenizer, engine_cfg)
-    return engine.run_clips(clips, offsets=offsets, prompt=prompt, seed=int(cfg.seed), sampling=sampling)
+    engine = build_engine(model, tokenizer, engine_cfg)
+    return drive(engine, clip_plans(clips, offsets=offsets, prompt=prompt, seed=int(cfg.seed), sampling=sampling))
 
 
 def check_settings(cfg) -> None:

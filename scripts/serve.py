@@ -30,7 +30,7 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
     # imported only now: `--help` and a refusal (no checkpoint, bad settings) need neither torch nor the server
     from nemo_duplex.server.app import Server
     from nemo_duplex.server.realtime import SessionSettings
-    from nemo_duplex.serving.engine import Engine
+    from nemo_duplex.serving.engine import build_engine
 
     loaded = runtime.load(cfg, resolved=resolved, calls=(engine_cfg.max_calls, engine_cfg.max_call_s))
     model, tokenizer, rnnt_vocab, mcfg = loaded
@@ -38,7 +38,7 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
     sampling = OmegaConf.to_object(cfg.sampling)
     defaults = SessionSettings(seed=int(cfg.seed), temperature=sampling.temperature, top_p=sampling.top_p,
                                repetition_penalty=sampling.repetition_penalty)
-    engine = Engine(model, tokenizer, engine_cfg)
+    engine = build_engine(model, tokenizer, engine_cfg)
     voices = sorted(model.tts_model.audio_prompt_latents.keys())
     print(runtime.summary(cfg, loaded, "serve", [
         f"engine: {engine_cfg.max_calls} call places of up to {engine_cfg.max_call_s:g} s, graphs "

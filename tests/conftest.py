@@ -114,7 +114,7 @@ def serving_blas():
     """On CUDA: torch's GEMMs through the library the server selects (engine.blas_library's default,
     nemo_duplex/runtime.py select_blas), restored afterwards."""
     from nemo_duplex.runtime import select_blas
-    from nemo_duplex.serving.engine import EngineConfig
+    from nemo_duplex.settings import EngineConfig
 
     before = torch.backends.cuda.preferred_blas_library()
     library = EngineConfig().blas_library

@@ -15,13 +15,15 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-import graphs.capture
+from graphs.capture import HostStepper
 from nemo_duplex.models.config import tiny_config
 from nemo_duplex.models.tokenizer import Tokenizer, make_tiny_rnnt_vocab, make_tiny_tokenizer
 from nemo_duplex.server.app import Server
 from nemo_duplex.serving import engine as engine_mod
-from nemo_duplex.serving.engine import Engine, EngineConfig
+from nemo_duplex.serving.engine import Engine
 from nemo_duplex.serving.frame_step import StepOutput
+from nemo_duplex.serving.runner import HOST_FIELDS
+from nemo_duplex.settings import EngineConfig
 
 
 # ---- a scripted model --------------------------------------------------------------------------------
@@ -96,18 +98,18 @@ class ScriptedModel:
 
 
 def scripted_engine(monkeypatch, model: ScriptedModel, tokenizer, max_calls: int = 4, **engine_kwargs) -> Engine:
-    monkeypatch.setattr(engine_mod, "allocate_call_state", model.allocate)
+    """A real Engine over the script: its admission is the script's, its runner ScriptedRunner."""
     monkeypatch.setattr(engine_mod, "admit", model.admit)
-    monkeypatch.setattr(engine_mod, "special_ids", lambda m, d: torch.tensor([0, 1, 2]))
-    monkeypatch.setattr(graphs.capture, "StepRunner", ScriptedRunner)
-    return Engine(model, tokenizer, EngineConfig(max_calls=max_calls, **engine_kwargs), device=torch.device("cpu"))
+    state = model.allocate(model, max_calls, 0, torch.device("cpu"))
+    return Engine(model, tokenizer, EngineConfig(max_calls=max_calls, **engine_kwargs), state, ScriptedRunner(model))
 
 
-class ScriptedRunner:
-    """Stands in for graphs.capture.StepRunner: nothing to capture, the step is the script."""
+class ScriptedRunner(HostStepper):
+    """Stands in for the engine's StepRunner: nothing to capture, the step is the script."""
+    host_fields = HOST_FIELDS
+    takes_sampling_flag = False
 
-    def __init__(self, model, state, specials, buckets, graphs=False, backend=None, greedy_graphs=False,
-                 side_stream=True, pad_eager=False, pipeline=0, llm_sm_carveout=0):
+    def __init__(self, model):
         self.model = model
 
     def capture(self) -> None:   # (engine.start calls this before serving)

@@ -4,24 +4,26 @@ import numpy as np
 import pytest
 import torch
 
+from graphs.capture import HostStepper
 from nemo_duplex.models.model import offline_inference
-from nemo_duplex.serving.engine import (
+from nemo_duplex.serving.calls import (
     CallClosed,
     CallOptions,
     DrainedEvent,
     EndedEvent,
-    Engine,
     EngineBusy,
-    EngineConfig,
     FrameEvent,
     InputBudgetExceeded,
 )
+from nemo_duplex.serving.drive import clip_plans, drive
+from nemo_duplex.serving.engine import build_engine
 from nemo_duplex.serving.frame_step import stream_inference
+from nemo_duplex.settings import EngineConfig
 
 
 def _engine(tiny, **kw):
     model, tok, *_ = tiny
-    return Engine(model, tok, EngineConfig(**{"max_calls": 4, "max_call_s": 20.0, **kw}))
+    return build_engine(model, tok, EngineConfig(**{"max_calls": 4, "max_call_s": 20.0, **kw}))
 
 
 def _clips(example_clip, n, frames, seed=0):
@@ -38,7 +40,7 @@ def test_live_equals_upload_equals_offline(tiny, example_clip):
     model, tok, *_ = tiny
     clip = example_clip[: 1280 * 20]
     for prompt in (None, "Be brief."):
-        live, upload = _engine(tiny).run_clips([clip, clip], prompt=prompt, uploads=[False, True], seed=5)
+        live, upload = drive(_engine(tiny), clip_plans([clip, clip], prompt=prompt, uploads=[False, True], seed=5))
         ids = model.prompt_ids(tok, prompt)
         off = offline_inference(model, clip, ids, seed=5)
         assert live.text_tokens.shape[0] == upload.text_tokens.shape[0] == 20
@@ -53,7 +55,7 @@ def test_codes_equal_the_streaming_loop_and_depend_on_the_seed(tiny, example_cli
     model, *_ = tiny
     clip = example_clip[: 1280 * 10]
     eng = _engine(tiny)
-    a, b = eng.run_clips([clip, clip], seed=3)          # seeds 3 and 4
+    a, b = drive(eng, clip_plans([clip, clip], seed=3))          # seeds 3 and 4
     ref = stream_inference(model, clip, seed=3)
     assert torch.equal(a.codes, ref.codes) and torch.equal(a.text_tokens, ref.text_tokens)
     # PCM: batched fp32 convolutions round differently per batch size; within one int16 step
@@ -66,10 +68,10 @@ def test_batch_invariance_with_staggered_calls_and_uploads(tiny, example_clip):
     different times, with uploads mixed in."""
     frames = 12
     clips = _clips(example_clip, 9, frames)
-    alone = _engine(tiny, max_calls=1).run_clips([clips[0]], seed=11)[0]
+    alone = drive(_engine(tiny, max_calls=1), clip_plans([clips[0]], seed=11))[0]
     offsets = [4, 0, 1, 2, 3, 5, 6, 7, 9]
     uploads = [False, True, False, True, False, False, True, False, False]
-    mixed = _engine(tiny, max_calls=9).run_clips(clips, offsets=offsets, uploads=uploads, seed=11)
+    mixed = drive(_engine(tiny, max_calls=9), clip_plans(clips, offsets=offsets, uploads=uploads, seed=11))
     # the engine gives clip i seed 11 + i; compare clip 0 (seed 11) with the lone call (seed 11)
     assert torch.equal(mixed[0].text_tokens, alone.text_tokens)
     assert torch.equal(mixed[0].codes, alone.codes)
@@ -87,10 +89,10 @@ def test_batch_invariant_engine_is_bit_for_bit(tiny, example_clip):
     clips = _clips(example_clip, 9, frames, seed=1)
     alone_eng = _engine(tiny, max_calls=9, batch_invariant=True)
     assert alone_eng.step_runner.buckets == [16] and alone_eng.step_runner.padded_rows(1) == 16
-    alone = alone_eng.run_clips([clips[0]], seed=21)[0]
-    mixed = _engine(tiny, max_calls=9, batch_invariant=True).run_clips(
+    alone = drive(alone_eng, clip_plans([clips[0]], seed=21))[0]
+    mixed = drive(_engine(tiny, max_calls=9, batch_invariant=True), clip_plans(
         clips, offsets=[3, 0, 1, 2, 4, 5, 6, 7, 8], uploads=[False, True, False, False, True, False, False, True, False],
-        seed=21)
+        seed=21))
     assert torch.equal(mixed[0].text_tokens, alone.text_tokens)
     assert torch.equal(mixed[0].codes, alone.codes)
     assert torch.equal(mixed[0].wav, alone.wav)
@@ -103,7 +105,7 @@ def test_slot_hygiene_many_short_calls(tiny, example_clip):
     frame of audio, at end of input with no audio, and by abort (before or after admission)."""
     eng = _engine(tiny, max_calls=4)
     clip = example_clip[1280 * 8: 1280 * 10]
-    fresh = _engine(tiny, max_calls=4).run_clips([clip], seed=7)[0]
+    fresh = drive(_engine(tiny, max_calls=4), clip_plans([clip], seed=7))[0]
     ended = []
     for start in range(0, 1000, 4):
         calls = [eng.open_call(CallOptions(seed=100 + start + i), on_event=ended.append) for i in range(4)]
@@ -125,7 +127,7 @@ def test_slot_hygiene_many_short_calls(tiny, example_clip):
     reasons = [e.reason for e in ended if isinstance(e, EndedEvent)]
     assert len(reasons) == 1000 and reasons.count("completed") == 500 and reasons.count("aborted") == 500
     assert sum(isinstance(e, FrameEvent) for e in ended) == 250
-    again = eng.run_clips([clip], seed=7)[0]
+    again = drive(eng, clip_plans([clip], seed=7))[0]
     assert torch.equal(again.codes, fresh.codes) and torch.equal(again.text_tokens, fresh.text_tokens)
     assert eng.prefix_cache.hits >= 500     # same (no prompt, speaker): admission copied, not recomputed
 
@@ -133,9 +135,9 @@ def test_slot_hygiene_many_short_calls(tiny, example_clip):
 def test_prefix_cache_copy_equals_fresh_admission(tiny, example_clip):
     clip = example_clip[: 1280 * 8]
     cached = _engine(tiny)
-    first = cached.run_clips([clip], prompt="Say hello.", seed=2)[0]
-    second = cached.run_clips([clip], prompt="Say hello.", seed=2)[0]   # admitted from the cache
-    uncached = _engine(tiny, prefix_cache_entries=0).run_clips([clip], prompt="Say hello.", seed=2)[0]
+    first = drive(cached, clip_plans([clip], prompt="Say hello.", seed=2))[0]
+    second = drive(cached, clip_plans([clip], prompt="Say hello.", seed=2))[0]   # admitted from the cache
+    uncached = drive(_engine(tiny, prefix_cache_entries=0), clip_plans([clip], prompt="Say hello.", seed=2))[0]
     assert cached.prefix_cache.hits == 1
     for r in (second, uncached):
         assert torch.equal(r.text_tokens, first.text_tokens) and torch.equal(r.codes, first.codes)
@@ -211,17 +213,18 @@ def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip)
     by one. Any other exception only ends the calls of that step (the engine keeps serving)."""
     import time
 
-    from nemo_duplex.serving.engine import EngineDown
+    from nemo_duplex.serving.calls import EngineDown
 
     for message, stops in (("boom: a plain bug", False), ("CUDA error: device-side assert triggered", True)):
         eng = _engine(tiny, max_calls=2)
         real_runner = eng.step_runner
 
-        def failing_step(*args, _msg=message):
-            eng.step_runner = real_runner  # fail once
-            raise RuntimeError(_msg)
+        class FailingStep(HostStepper):
+            def step_to_host(self, *args, _msg=message, **kwargs):
+                eng.step_runner = real_runner  # fail once
+                raise RuntimeError(_msg)
         eng.start()  # captures with the real runner
-        eng.step_runner = failing_step
+        eng.step_runner = FailingStep()
         events = []
         call = eng.open_call(on_event=events.append)
         call.append(example_clip[: 1280 * 2].numpy())
@@ -363,7 +366,7 @@ def test_calls_opened_together_share_their_first_step(tiny, example_clip, open_g
 def test_opened_together_rule():
     """opened_together on made-up open times (seconds, sorted), bound 0.015: within the bound of any call
     whose first frame is pending (before or after it), or not; no such call, nothing to go by."""
-    from nemo_duplex.serving.engine import opened_together
+    from nemo_duplex.serving.pacing import opened_together
 
     assert opened_together(10.004, [10.000], 0.015)
     assert opened_together(9.990, [10.000, 12.0], 0.015)
@@ -377,7 +380,7 @@ def test_coalesce_limit_and_deadline():
     """coalesce_limit: engine.coalesce_ms capped by the last step's seconds (none yet: the bound itself;
     0 = off). coalesce_deadline: the oldest paced frame (alone in its call) + the bound; backlogs and
     calls without a frame do not set it."""
-    from nemo_duplex.serving.engine import coalesce_deadline, coalesce_limit
+    from nemo_duplex.serving.pacing import coalesce_deadline, coalesce_limit
 
     assert coalesce_limit(0.015, None) == 0.015
     assert coalesce_limit(0.015, (10.0, 0.012)) == 0.012
@@ -391,7 +394,7 @@ def test_coalesce_limit_and_deadline():
 def test_coalesce_wait_rule():
     """coalesce_wait on made-up arrival times (seconds; frames every 0.08 s, bound 0.02 s); per call
     (oldest pending frame's arrival, last frame's arrival, frames pending)."""
-    from nemo_duplex.serving.engine import coalesce_wait
+    from nemo_duplex.serving.pacing import coalesce_wait
 
     F, L = 0.08, 0.02
     # lockstep: b's next frame is due with a's (its last came one period before a's): wait to the bound
@@ -421,7 +424,7 @@ def test_duty_wait_rule():
     """duty_wait on made-up times (seconds): the last step started at 10.000 and took 0.030; max_duty 0.75
     allows the next at 10.040, but a paced frame (one pending) never waits past its arrival + cap (0.020
     here); backlogs (more than one pending) neither set the cap nor are a reason to hold."""
-    from nemo_duplex.serving.engine import duty_wait
+    from nemo_duplex.serving.pacing import duty_wait
 
     last, cap = (10.000, 0.030), 0.020
     assert duty_wait([(10.031, 10.031, 1), (None, 9.99, 0)], 10.032, last, 0.75, cap) == pytest.approx(0.008)
@@ -491,14 +494,14 @@ def test_engine_runs_all_greedy_batches_without_sampling(tiny, example_clip):
     """The engine tells the step runner when every call of a batch is greedy (StepRunner then replays its
     greedy-only graphs, engine.greedy_graphs); a batch with one sampling call takes the general step."""
     from nemo_duplex.models.config import SamplingParams
-    from nemo_duplex.serving.engine import CallOptions
+    from nemo_duplex.serving.calls import CallOptions
 
     eng = _engine(tiny, max_calls=3)
     flags = []
     runner = eng.step_runner
 
-    class Spy:   # the real runner, recording what the engine asked for
-        takes_sampling_flag = True
+    class Spy(HostStepper):   # the real runner, recording what the engine asked for
+        host_fields = runner.host_fields
 
         def __call__(self, slots, audio, forced, sampling=True):
             flags.append((len(slots), sampling))

@@ -117,14 +117,14 @@ def test_consistency_passes_and_catches_a_slot_mixup(tmp_path, models, example_c
     assert all(c["frames"] in (12, 10) for c in good.details["comparisons"])
 
     # the engine's batched step hands each call its batch mate's audio (a slot mix-up)
-    import graphs.capture as capture
+    import nemo_duplex.serving.runner as runner_module
 
-    real_step = capture.frame_step
+    real_step = runner_module.frame_step
 
     def mixed_up(model, st, slots, audio, forced, specials, **kwargs):
         return real_step(model, st, slots, audio.roll(1, dims=0), forced, specials, **kwargs)
 
-    monkeypatch.setattr(capture, "frame_step", mixed_up)
+    monkeypatch.setattr(runner_module, "frame_step", mixed_up)
     bad = consistency(ctx, CRITERIA["consistency"])
     assert bad.status == FAIL and "streaming/engine" in bad.reason
     offline_streaming = [c for c in bad.details["comparisons"] if c["pair"] == "offline/streaming"]

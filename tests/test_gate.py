@@ -287,10 +287,10 @@ def test_gate_runs_the_model_rows(tmp_path, tiny):
     assert "| consistency | **pass** |" in (tmp_path / "gate.md").read_text()
 
 
-def test_a_row_module_runs_alone_and_fails_on_a_criterion_it_cannot_meet(tmp_path):
-    # `python eval/encoder_parity.py`: the gate with that one row; a bound no encoder meets must fail it.
+def test_one_row_alone_fails_on_a_criterion_it_cannot_meet(tmp_path):
+    # `python eval/gate.py eval.rows=[encoder_parity]`: that one row; a bound no encoder meets must fail it.
     out = tmp_path / "run"
-    cmd = [sys.executable, "eval/encoder_parity.py", "eval.only_clips=[question_capital]",
+    cmd = [sys.executable, "eval/gate.py", "eval.rows=[encoder_parity]", "eval.only_clips=[question_capital]",
            "eval.models.max_seconds=0.5", "eval.models.chunk_sizes=[1280]", f"eval.out_dir={out}",
            "eval.criteria.encoder_parity.fp32_min_cosine=1.1", "wandb.mode=disabled",
            f"hydra.run.dir={tmp_path / 'hydra'}"]

@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from graphs.capture import HOST_FIELDS, StepRunner, step_to_host
 from graphs.regions import regions_bypassed
 from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
+from nemo_duplex.serving.runner import HOST_FIELDS, build_runner
 from nemo_duplex.serving.state import allocate_call_state, state_tensors
 
 FRAMES = 200
@@ -106,7 +106,7 @@ def test_graphs_match_eager_teacher_forced(tiny, example_clip, compiler):
     admit(model, st, 1, model.prompt_ids(tok, "Be brief."), 4, SamplingParams())
     specials = special_ids(model, torch.device("cpu"))
     torch._dynamo.reset()
-    graphs = StepRunner(model, st, specials, [4], graphs=True, compiler=compiler)
+    graphs = build_runner(model, st, specials, [4], graphs=True, compiler=compiler)
     slots = torch.tensor([0, 1])
     forced = torch.tensor([-1, -1])
 
@@ -139,7 +139,7 @@ def test_compiled_step_copies_only_its_rows_in(tiny, backend):
         inputs.extend(x for x in example_inputs if isinstance(x, torch.Tensor))
         return gm
     torch._dynamo.reset()
-    runner = StepRunner(model, st, specials, [4], graphs=True, backend=backend, compiler=backend_seeing_inputs)
+    runner = build_runner(model, st, specials, [4], graphs=True, backend=backend, compiler=backend_seeing_inputs)
     s, a, f, *_ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
     runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
     runner.capture()         # what the engine runs at start-up: the build of each bucket, with its inputs
@@ -186,7 +186,7 @@ def test_reduce_overhead_records_a_graph_and_matches_eager(tiny, static_pools, m
     st = _admitted_state(model, 2, 60, dev)
     specials = special_ids(model, dev)
     torch._dynamo.reset()
-    runner = StepRunner(model, st, specials, [4], graphs=True, backend="reduce-overhead")
+    runner = build_runner(model, st, specials, [4], graphs=True, backend="reduce-overhead")
     s, a, f, *_ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
     runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
     skips = capture.cudagraph_skips()
@@ -232,7 +232,7 @@ def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
     n_calls = 8
     st = _admitted_state(model, n_calls, FRAMES + 4, dev)
     specials = special_ids(model, dev)
-    graphs = StepRunner(model, st, specials, [16], graphs=True, backend=backend)
+    graphs = build_runner(model, st, specials, [16], graphs=True, backend=backend)
     graphs.capture()
     slots = torch.arange(n_calls)
     forced = torch.full((n_calls,), -1)
@@ -272,9 +272,9 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit(serving_blas):
     n_calls, frames = 8, 30
     states = [_admitted_state(model, n_calls, frames + 8, dev) for _ in range(2)]
     specials = special_ids(model, dev)
-    one = StepRunner(model, states[0], specials, [16], graphs=True, backend="cudagraph-eager", side_stream=False)
-    two = StepRunner(model, states[1], specials, [16], graphs=True, backend="cudagraph-eager", side_stream=True)
-    assert one.side_stream is None and two.side_stream is not None
+    one = build_runner(model, states[0], specials, [16], graphs=True, backend="cudagraph-eager", side_stream=False)
+    two = build_runner(model, states[1], specials, [16], graphs=True, backend="cudagraph-eager", side_stream=True)
+    assert one.step.side_stream is None and two.step.side_stream is not None
     one.capture()
     two.capture()
     slots = torch.arange(n_calls)
@@ -288,7 +288,7 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit(serving_blas):
         else:  # eager, the padded batch as the graphs see it
             s, a, f, *_ = one._padded_inputs(16, slots, chunk, forced)
             outs = [frame_step(model, st, s, a, f, specials, side_stream=side)
-                    for st, side in zip(states, (None, two.side_stream))]
+                    for st, side in zip(states, (None, two.step.side_stream))]
         for name in ("text", "func", "top2", "codes", "pcm", "user", "enc"):
             assert torch.equal(getattr(outs[0], name)[:n_calls], getattr(outs[1], name)[:n_calls]), (t, name)
         emitted += int((outs[0].user[:n_calls] >= 0).sum())
@@ -306,7 +306,7 @@ def _alone_and_shared(model, buckets, n_calls: int, frames: int, dev) -> list[in
         st = allocate_call_state(model, n_calls, frames + 8, dev, max_prompt_tokens=0)
         for s in range(n_calls):  # slot 0 samples (the sort over the vocabulary), every third call is greedy
             admit(model, st, s, None, 100 + s, SamplingParams() if s % 3 == 1 else SamplingParams(0.8, 0.9))
-        runners.append(StepRunner(model, st, specials, buckets, graphs=True, backend="cudagraph-eager"))
+        runners.append(build_runner(model, st, specials, buckets, graphs=True, backend="cudagraph-eager"))
         runners[-1].capture()
     slots, forced = torch.arange(n_calls), torch.full((n_calls,), -1)
     g = torch.Generator().manual_seed(7)
@@ -357,9 +357,9 @@ def test_buckets_sharing_one_graph_pool_match_eager(tiny):
     specials = special_ids(model, dev)
     # identical triplets: graphs through __call__, graphs through step_to_host, eager
     states = [_admitted_state(model, 5, 40, dev) for _ in range(3)]
-    runner = StepRunner(model, states[0], specials, [1, 2, 4, 8], graphs=True, backend="cudagraph-eager")
+    runner = build_runner(model, states[0], specials, [1, 2, 4, 8], graphs=True, backend="cudagraph-eager")
     runner.capture()
-    staged = StepRunner(model, states[1], specials, [1, 2, 4], graphs=True, backend="cudagraph-eager",
+    staged = build_runner(model, states[1], specials, [1, 2, 4], graphs=True, backend="cudagraph-eager",
                         greedy_graphs=True)
     staged.capture()   # largest bucket 4: a batch of 5 runs as two staged groups (4 + 1)
     g = torch.Generator().manual_seed(3)
@@ -370,7 +370,7 @@ def test_buckets_sharing_one_graph_pool_match_eager(tiny):
         forced[0] = 7 if n == 3 else -1   # a forced function token goes through the staged inputs too
         out_g = runner(slots, audio, forced)
         # every call is greedy: odd batches through the greedy-only graphs, even ones the general graphs
-        host = step_to_host(staged, slots.numpy(), audio.numpy(), forced.numpy(), sampling=n % 2 == 0)
+        host = staged.step_to_host(slots.numpy(), audio.numpy(), forced.numpy(), sampling=n % 2 == 0)
         out_e = frame_step(model, states[2], slots.to(dev), audio.to(dev), forced.to(dev), specials)
         assert torch.equal(out_g.text, out_e.text) and torch.equal(out_g.codes, out_e.codes), n
         torch.testing.assert_close(out_g.pcm, out_e.pcm, rtol=1e-5, atol=1e-5)
@@ -398,7 +398,7 @@ def test_capture_replays_each_graph_once_on_the_sink_only():
     st = _admitted_state(model, n_calls, device=dev)
     assert st.sink == n_calls
     before = _snapshot(st)
-    runner = StepRunner(model, st, special_ids(model, dev), [2, 4], graphs=True, backend="cudagraph-eager",
+    runner = build_runner(model, st, special_ids(model, dev), [2, 4], graphs=True, backend="cudagraph-eager",
                         greedy_graphs=True)
     runner.capture()
     assert set(runner.replay_ms) == {(2, True), (2, False), (4, True), (4, False)}
@@ -435,7 +435,7 @@ def test_batch_above_the_largest_bucket_runs_in_groups(tiny):
     model, *_ = tiny
     specials = special_ids(model, torch.device("cpu"))
     states = [_admitted_state(model, 5) for _ in range(2)]  # identical twins
-    grouped = StepRunner(model, states[0], specials, [2], graphs=True, backend="cudagraph-eager")
+    grouped = build_runner(model, states[0], specials, [2], graphs=True, backend="cudagraph-eager")
     slots, forced = torch.arange(5), torch.full((5,), -1)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -452,8 +452,8 @@ def test_graphs_auto_means_captured_on_cuda_only(tiny):
     model, *_ = tiny
     st = allocate_call_state(model, 1, 4, torch.device("cpu"), max_prompt_tokens=0)
     specials = special_ids(model, torch.device("cpu"))
-    assert StepRunner(model, st, specials, [1], graphs="auto").graphs is False
-    assert StepRunner(model, st, specials, [1], graphs=False).graphs is False
+    assert build_runner(model, st, specials, [1], graphs="auto").graphs is False
+    assert build_runner(model, st, specials, [1], graphs=False).graphs is False
 
 
 @torch.no_grad()
@@ -475,7 +475,7 @@ def test_compiled_regions_match_eager(tiny, compiler):
     eager = [frame_step(model, states[1], padded_slots, torch.cat([a, torch.zeros(1, 1280)]),
                         torch.full((4,), -1), specials) for a in frames]  # before any region is installed
     try:
-        runner = StepRunner(model, states[0], specials, [4], graphs=True, backend="cudagraph-regions",
+        runner = build_runner(model, states[0], specials, [4], graphs=True, backend="cudagraph-regions",
                             compiler=compiler)
         assert [r.name for r in runner.regions] == ["talker.generate_step", "stt_model.rnnt_decoder.decode_frame"]
         for audio, out_e in zip(frames, eager):
@@ -498,10 +498,10 @@ def test_padded_rows_per_batch(tiny):
     model, *_ = tiny
     st = allocate_call_state(model, 1, 4, torch.device("cpu"), max_prompt_tokens=0)
     specials = special_ids(model, torch.device("cpu"))
-    runner = StepRunner(model, st, specials, [8, 2], graphs=True, compiler="aot_eager")
+    runner = build_runner(model, st, specials, [8, 2], graphs=True, compiler="aot_eager")
     assert [runner.padded_rows(n) for n in (1, 2, 3, 8, 9, 17)] == [2, 2, 8, 8, 10, 18]
-    assert StepRunner(model, st, specials, [8, 2], graphs=False).padded_rows(3) == 3
-    assert StepRunner(model, st, specials, [8], graphs=False, pad_eager=True).padded_rows(3) == 8
+    assert build_runner(model, st, specials, [8, 2], graphs=False).padded_rows(3) == 3
+    assert build_runner(model, st, specials, [8], graphs=False, pad_eager=True).padded_rows(3) == 8
 
 
 def test_padded_eager_step_runs_the_bucket_and_its_groups(tiny):
@@ -511,9 +511,9 @@ def test_padded_eager_step_runs_the_bucket_and_its_groups(tiny):
     model, *_ = tiny
     specials = special_ids(model, torch.device("cpu"))
     states = [_admitted_state(model, 5) for _ in range(2)]
-    padded = StepRunner(model, states[0], specials, [2], graphs=False, pad_eager=True)
+    padded = build_runner(model, states[0], specials, [2], graphs=False, pad_eager=True)
     seen = []
-    padded._step = lambda s, a, f, speech, text, sampling: seen.append(s.tolist()) or frame_step(model, states[0], s, a, f, specials)
+    padded.step = lambda s, a, f, speech, text, sampling: seen.append(s.tolist()) or frame_step(model, states[0], s, a, f, specials)
     slots, forced = torch.arange(5), torch.full((5,), -1)
     audio = torch.randn(5, 1280, generator=torch.Generator().manual_seed(2)) * 0.1
     out_p = padded(slots, audio, forced)
@@ -572,7 +572,7 @@ def test_greedy_batches_use_only_what_was_captured(tiny):
     slots, audio, forced = torch.arange(2), torch.zeros(2, 1280), torch.full((2,), -1)
     for greedy_graphs, expect in ((False, [True]), (True, [False])):
         st = _admitted_state(model, 2)
-        runner = counting(StepRunner(model, st, specials, [2], graphs=True, backend="cudagraph-eager",
+        runner = counting(build_runner(model, st, specials, [2], graphs=True, backend="cudagraph-eager",
                                      greedy_graphs=greedy_graphs))
         runner.capture()
         assert calls == [True] * 3 + ([False] * 3 if greedy_graphs else [])   # warm-up calls per variant

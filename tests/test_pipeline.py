@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nemo_duplex.models.config import SamplingParams
+from nemo_duplex.serving.drive import clip_plans, drive
 from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
 from nemo_duplex.serving.state import allocate_call_state
 
@@ -91,9 +92,10 @@ def test_pipelined_speech_equals_serial(tiny, depth):
 
 # ---- the engine with engine.pipeline ------------------------------------------------------------------
 def _engine(tiny, **kw):
-    from nemo_duplex.serving.engine import Engine, EngineConfig
+    from nemo_duplex.serving.engine import build_engine
+    from nemo_duplex.settings import EngineConfig
     model, tok, *_ = tiny
-    return Engine(model, tok, EngineConfig(**{"max_calls": 4, "max_call_s": 20.0, **kw}))
+    return build_engine(model, tok, EngineConfig(**{"max_calls": 4, "max_call_s": 20.0, **kw}))
 
 
 def _clips(example_clip, n, frames):
@@ -113,9 +115,9 @@ def test_pipelined_engine_equals_serial_engine(tiny, example_clip, depth):
     kw = dict(max_calls=5, batch_invariant=True)
     args = dict(offsets=[0, 2, 1, 4, 3], uploads=[False, True, False, False, True], seed=40,
                 sampling=SamplingParams(temperature=0.7, top_p=0.9))
-    serial = _engine(tiny, **kw).run_clips(clips, **args)
+    serial = drive(_engine(tiny, **kw), clip_plans(clips, **args))
     piped_engine = _engine(tiny, pipeline=depth, **kw)
-    piped = piped_engine.run_clips(clips, **args)
+    piped = drive(piped_engine, clip_plans(clips, **args))
     for s, p in zip(serial, piped):
         assert p.text_tokens.shape[0] == frames
         assert torch.equal(s.text_tokens, p.text_tokens)
@@ -171,19 +173,19 @@ def test_sm_carveout_covers_the_text_half_only(tiny, monkeypatch):
 
 
 def test_sm_carveout_bounds(tiny):
-    from graphs.capture import StepRunner
+    from nemo_duplex.serving.runner import build_runner
     model = tiny[0]
     st = _state(model, 1, 4, SamplingParams())
     specials = special_ids(model, torch.device("cpu"))
     with pytest.raises(ValueError, match="engine.llm_sm_carveout must be 0"):
-        StepRunner(model, st, specials, [1], graphs=False, llm_sm_carveout=-1)
+        build_runner(model, st, specials, [1], graphs=False, llm_sm_carveout=-1)
     with pytest.raises(ValueError, match="not engine.graph_backend=reduce-overhead"):
-        StepRunner(model, st, specials, [1], graphs=True, backend="reduce-overhead", llm_sm_carveout=8)
-    assert StepRunner(model, st, specials, [1], graphs=False, llm_sm_carveout="8").llm_sm_carveout == 8
+        build_runner(model, st, specials, [1], graphs=True, backend="reduce-overhead", llm_sm_carveout=8)
+    assert build_runner(model, st, specials, [1], graphs=False, llm_sm_carveout="8").step.llm_sm_carveout == 8
     with pytest.raises(ValueError, match="must be auto or an int, got 'half'"):
-        StepRunner(model, st, specials, [1], graphs=False, llm_sm_carveout="half")
+        build_runner(model, st, specials, [1], graphs=False, llm_sm_carveout="half")
     # "auto" on the CPU: no SMs to leave, whatever the depth
-    assert StepRunner(model, st, specials, [1], graphs=False, pipeline=2, llm_sm_carveout="auto").llm_sm_carveout == 0
+    assert build_runner(model, st, specials, [1], graphs=False, pipeline=2, llm_sm_carveout="auto").step.llm_sm_carveout == 0
 
 
 def test_sm_carveout_auto_is_half_the_sms_two_deep_only(monkeypatch):
@@ -194,7 +196,7 @@ def test_sm_carveout_auto_is_half_the_sms_two_deep_only(monkeypatch):
 
     import torch._C as C
 
-    from graphs.capture import check_sm_carveout
+    from nemo_duplex.serving.runner import check_sm_carveout
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(C, "_set_sm_carveout_experimental", lambda v: None, raising=False)
     cuda = torch.device("cuda")
@@ -223,7 +225,7 @@ def test_pipelined_engine_runs_a_late_frames_speech_alone(tiny, example_clip, de
     limit and abort rules, pipelined too: tests/test_engine.py.)"""
     import time
 
-    from nemo_duplex.serving.engine import FrameEvent
+    from nemo_duplex.serving.calls import FrameEvent
     eng = _engine(tiny, max_calls=2, pipeline=depth)
     events = []
     call = eng.open_call(on_event=events.append)
@@ -251,7 +253,7 @@ def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, depth, carveout)
     sides too (the same SM target, so the same GEMM kernels)."""
     import copy
 
-    from graphs.capture import StepRunner
+    from nemo_duplex.serving.runner import build_runner
     dev = torch.device("cuda")
     model = copy.deepcopy(tiny[0]).to(dev)
     frames, n_calls = 12, 3
@@ -262,13 +264,13 @@ def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, depth, carveout)
     for st in states:
         for s in range(n_calls):
             admit(model, st, s, None, 60 + s, sampling)
-    piped = StepRunner(model, states[1], specials, [ROWS], graphs=True, backend="cudagraph-eager", pipeline=depth,
+    piped = build_runner(model, states[1], specials, [ROWS], graphs=True, backend="cudagraph-eager", pipeline=depth,
                        llm_sm_carveout=carveout)
-    assert (piped.llm_sm_carveout > 0) == (carveout == "auto")  # two deep, hand capture: half the SMs
+    assert (piped.step.llm_sm_carveout > 0) == (carveout == "auto")  # two deep, hand capture: half the SMs
     # the serial side with the SM target the pipelined step resolved ("auto" would be 0 there)
-    serial = StepRunner(model, states[0], specials, [ROWS], graphs=False, pad_eager=True,
-                        llm_sm_carveout=piped.llm_sm_carveout)
-    assert piped.speech_stream is not None and (piped.encoder_stream is not None) == (depth == 2)
+    serial = build_runner(model, states[0], specials, [ROWS], graphs=False, pad_eager=True,
+                        llm_sm_carveout=piped.step.llm_sm_carveout)
+    assert piped.step.speech_stream is not None and (piped.step.encoder_stream is not None) == (depth == 2)
     piped.capture()
     sink = states[1].sink
     slots = torch.arange(n_calls)

@@ -15,7 +15,8 @@ import torch
 
 from nemo_duplex.audio import read_wav
 from nemo_duplex.server.app import ServeConfig, Server
-from nemo_duplex.serving.engine import Engine, EngineConfig
+from nemo_duplex.serving.engine import build_engine
+from nemo_duplex.settings import EngineConfig
 from tests.server_support import RunningServer, wav_bytes
 
 FRAME_IN = 1280
@@ -44,7 +45,7 @@ def tiny():
 def serve(tiny, max_calls: int, pipeline: int = 0, **kw) -> RunningServer:
     model, tokenizer, rnnt_vocab, _ = tiny
     cfg = ServeConfig(warmup_frames=1, **kw)
-    engine = Engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=20.0, pipeline=pipeline))
+    engine = build_engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=20.0, pipeline=pipeline))
     return RunningServer(Server(engine, tokenizer, rnnt_vocab, cfg))
 
 

@@ -55,7 +55,7 @@ from nemo_duplex.server.realtime import (
     parse_session,
     session_object,
 )
-from nemo_duplex.serving.engine import (
+from nemo_duplex.serving.calls import (
     CallClosed,
     CallOptions,
     DrainedEvent,

@@ -9,222 +9,72 @@ formats. Calls join and leave between ticks; a call's slot is returned when it e
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
-from graphs.capture import step_to_host
 from nemo_duplex.audio import to_pcm16
-from nemo_duplex.models.config import SamplingParams
+from nemo_duplex.serving.calls import (
+    Call,
+    CallOptions,
+    DrainedEvent,
+    EndedEvent,
+    EngineBusy,
+    EngineDown,
+    FrameEvent,
+    InFlight,
+    PromptTooLong,
+    device_lost,
+)
 from nemo_duplex.serving.frame_step import admit, special_ids
+from nemo_duplex.serving.pacing import (
+    coalesce_deadline,
+    coalesce_limit,
+    coalesce_wait,
+    duty_wait,
+    frame_due,
+    opened_together,
+)
 from nemo_duplex.serving.state import PrefixCache, SlotAllocator, allocate_call_state
 from nemo_duplex.settings import EngineConfig
 
 
-# ---- errors a client can get ------------------------------------------------------------------------
-class EngineError(Exception):
-    code = "engine_error"
+def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torch.device | None = None) -> "Engine":
+    """An engine for `model` with settings `cfg`: its state pools (one slot per call, plus the sink) and
+    the step runner over them (serving/runner.py: the capture buckets, the pipeline depth, the graphs)."""
+    from nemo_duplex.serving.runner import engine_runner
 
-
-class EngineBusy(EngineError):
-    code = "busy"
-
-
-class PromptTooLong(EngineError):
-    code = "prompt_too_long"
-
-
-class InputBudgetExceeded(EngineError):
-    code = "input_budget_exceeded"
-
-
-class CallClosed(EngineError):
-    code = "call_closed"
-
-
-class EngineDown(EngineBusy):
-    """The engine stopped after a device error: no call can be served until the process restarts."""
-    code = "engine_down"
-
-
-def device_lost(e: BaseException) -> bool:
-    """A CUDA error (a device-side assert, an illegal access) poisons the process's CUDA context: every
-    later step would fail too, so the engine stops instead of failing each new call."""
-    return isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e)
-
-
-# ---- events -------------------------------------------------------------------------------------------
-@dataclass
-class CallOptions:
-    prompt: str | None = None
-    seed: int = 0
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    speaker: str | None = None
-
-
-@dataclass
-class FrameEvent:
-    call_id: str
-    frame: int
-    text: int
-    func: int
-    pcm: np.ndarray          # [1764] float32 at 22.05 kHz
-    user: list[int]          # RNN-T tokens of this frame
-    top2: tuple[float, float]
-    codes: np.ndarray        # [Q] int64
-    ready_at: float          # monotonic time the frame's last input sample arrived
-    sent_at: float           # monotonic time the engine handed the frame out
-    pcm16: bytes             # pcm as little-endian int16 (audio.to_pcm16), made for the whole batch at once
-
-
-@dataclass
-class DrainedEvent:
-    call_id: str
-    frames: int
-
-
-@dataclass
-class EndedEvent:
-    call_id: str
-    reason: str              # completed | aborted | limit | error | shutdown
-    message: str = ""
-
-
-@dataclass
-class InFlight:
-    """A pipelined frame between its steps: what its halves so far gave, for its FrameEvent. Heard (two
-    deep, its text half next): text, func and top2 still None."""
-    frame: int
-    ready_at: float
-    stepped_at: float        # monotonic time its last step ended
-    user: list[int]
-    forced: int = -1         # the function token forced on its text half (-1: none)
-    text: int | None = None
-    func: int | None = None
-    top2: tuple[float, float] | None = None
-
-
-class Call:
-    """A client's handle on one call. All methods are thread safe and never wait on the GPU."""
-
-    def __init__(self, engine: "Engine", call_id: str, options: CallOptions, on_event: Callable):
-        self.engine, self.id, self.options, self.on_event = engine, call_id, options, on_event
-        self.slot: int | None = None
-        self._lock = threading.Lock()
-        self._buf = np.zeros(0, dtype=np.float32)   # received samples not yet cut into frames
-        self._frames: deque[tuple[np.ndarray, float]] = deque()
-        self._forced: deque[int] = deque()
-        self.input_ended = False
-        self.closed = False
-        self.frames_in = 0        # whole frames received
-        self.last_ready: float | None = None  # when the last whole frame arrived (engine.coalesce_ms)
-        self.frames_out = 0       # frames handed out (FrameEvents)
-        self.frames_stepped = 0   # frames a step has heard (frames_out, plus those in flight when pipelined)
-        # engine.pipeline: the frames between their steps (Engine._step): heard, its text half next (two
-        # deep); its text half done, its speech half next
-        self._text_due: InFlight | None = None
-        self._speech_due: InFlight | None = None
-        self.admitted = False
-        self.opened_at = time.monotonic()   # its rhythm's phase until its first frame (opened_together)
-
-    # client side
-    def append(self, pcm: np.ndarray) -> None:
-        """Append float32 samples in [-1, 1] at 16 kHz, any length; they are regrouped into frames."""
-        n = self.engine.frame_samples
-        with self._lock:
-            if self.closed:
-                raise CallClosed(f"call {self.id} has ended")
-            if self.input_ended:
-                raise CallClosed(f"call {self.id}: append after end of input")
-            budget = self.engine.max_pending_frames
-            pending = len(self._frames) + (self._buf.size + pcm.size) / n
-            if pending > budget:
-                raise InputBudgetExceeded(
-                    f"pending input would be {pending * n / self.engine.sample_rate:.2f} s; the limit is "
-                    f"engine.max_pending_s = {self.engine.cfg.max_pending_s:g} s per call")
-            # one copy of the input (the caller may reuse its array); frames are views of it. The
-            # event loop takes a lockstep burst's appends one after another, so this is per-call cost
-            # that the burst's first frame waits for
-            pcm = np.array(pcm, dtype=np.float32)
-            if self._buf.size:
-                pcm = np.concatenate([self._buf, pcm])
-            now = time.monotonic()
-            whole = pcm.size - pcm.size % n
-            for k in range(0, whole, n):
-                self._frames.append((pcm[k:k + n], now))
-                self.frames_in += 1
-                self.last_ready = now
-            self._buf = pcm[whole:]
-        self.engine._wake()
-
-    def end_input(self) -> None:
-        """No more audio: a partial last frame is zero-padded; a DrainedEvent follows the last frame."""
-        n = self.engine.frame_samples
-        with self._lock:
-            if self.closed or self.input_ended:
-                return
-            if self._buf.size:
-                self._frames.append((np.pad(self._buf, (0, n - self._buf.size)), time.monotonic()))
-                self._buf = np.zeros(0, dtype=np.float32)
-                self.frames_in += 1
-            self.input_ended = True
-        self.engine._wake()
-
-    def abort(self, reason: str = "aborted", message: str = "") -> None:
-        """End the call now; its slot is freed before the next tick."""
-        self.engine._request_end(self, reason, message)
-
-    def inject_function_tokens(self, ids: list[int]) -> None:
-        """Force these tokens onto the function channel, one per frame (tool results, spec 3.9)."""
-        with self._lock:
-            self._forced.extend(int(i) for i in ids)
-
-    @property
-    def pending_frames(self) -> int:
-        with self._lock:
-            return len(self._frames)
-
-    # engine side
-    def _pacing(self) -> tuple[float | None, float | None, int]:
-        """(arrival of the oldest pending frame or None, arrival of the last frame or None, frames pending),
-        read under one lock: read one at a time, an append landing in between gave "1 pending, oldest
-        None", which crashed the engine thread under load (H200, 128 lockstep calls)."""
-        with self._lock:
-            return (self._frames[0][1] if self._frames else None), self.last_ready, len(self._frames)
-
-    def _take_frame(self):
-        with self._lock:
-            if not self._frames:
-                return None
-            audio, ready = self._frames.popleft()
-            forced = self._forced.popleft() if self._forced else -1
-            return audio, ready, forced
+    cfg = cfg or EngineConfig()
+    device = device or model.stt_model.embed_tokens.weight.device
+    max_frames = math.ceil(cfg.max_call_s / model.cfg.frame_length)
+    state = allocate_call_state(model, cfg.max_calls, max_frames, device, cfg.max_prompt_tokens)
+    specials = special_ids(model, device)
+    return Engine(model, tokenizer, cfg, state, engine_runner(model, state, specials, cfg))
 
 
 class Engine:
-    def __init__(self, model, tokenizer, cfg: EngineConfig | None = None, device: torch.device | None = None):
+    """The step loop over `state` (serving/state.py CallState: the pools, one slot per call), stepping through
+    `runner` (a graphs.capture.HostStepper: serving/runner.py builds the real one; `build_engine` makes all
+    three)."""
+
+    def __init__(self, model, tokenizer, cfg: EngineConfig, state, runner):
         self.model, self.tokenizer = model, tokenizer
-        self.cfg = cfg or EngineConfig()
-        self.device = device or model.stt_model.embed_tokens.weight.device
+        self.cfg = cfg
         mc = model.cfg
         self.frame_samples = mc.samples_per_frame_in
         self.sample_rate = mc.source_sample_rate
         self.max_frames = math.ceil(self.cfg.max_call_s / mc.frame_length)
         self.max_pending_frames = math.ceil(self.cfg.max_pending_s / mc.frame_length)
         self.frame_seconds = mc.frame_length
-        self.state = allocate_call_state(model, self.cfg.max_calls, self.max_frames, self.device,
-                                         self.cfg.max_prompt_tokens)
+        self.state = state
         self.slots = SlotAllocator(self.cfg.max_calls)
-        self.specials = special_ids(model, self.device)
         self._calls: dict[str, Call] = {}
         self._to_admit: deque[Call] = deque()
         self._to_end: dict[str, tuple[str, str]] = {}
@@ -233,14 +83,7 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._running = False
-        from graphs.capture import StepRunner, buckets_for
-        buckets = buckets_for(self.cfg.capture_buckets, self.cfg.max_calls)
-        self.step_runner = StepRunner(model, self.state, self.specials,
-                                      buckets[-1:] if self.cfg.batch_invariant else buckets,
-                                      graphs=self.cfg.graphs, backend=self.cfg.graph_backend,
-                                      greedy_graphs=self.cfg.greedy_graphs, side_stream=self.cfg.side_stream,
-                                      pad_eager=self.cfg.batch_invariant, pipeline=self.cfg.pipeline,
-                                      llm_sm_carveout=self.cfg.llm_sm_carveout)
+        self.step_runner = runner
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)
@@ -472,7 +315,7 @@ class Engine:
         else:
             forced = np.array([f for *_, f in batch], dtype=np.int64)
         sampling = not all(call.options.sampling.greedy for call, *_ in batch)
-        host = step_to_host(self.step_runner, slots, audio, forced, sampling, speech, text)  # numpy in and out
+        host = self.step_runner.step_to_host(slots, audio, forced, sampling, speech, text)  # numpy in and out
         waited = time.perf_counter()
         launched = host.launched
         out = host.outputs
@@ -525,130 +368,6 @@ class Engine:
             call.on_event(EndedEvent(call.id, reason, message))
         except Exception:
             traceback.print_exc()
-
-    # ---- driving clips without a server (run_clip mode=engine, tests) -------------------------------
-    def run_clips(self, clips: list[torch.Tensor], offsets: list[int] | None = None, prompt: str | None = None,
-                  seed: int = 0, sampling: SamplingParams | None = None, uploads: list[bool] | None = None):
-        """Run clips through the engine on the calling thread: clip i opens at tick offsets[i] with seed
-        seed + i, and is fed one frame per tick (live) or all at once (upload). Returns ClipResults."""
-        from nemo_duplex.models.model import ClipResult
-
-        offsets = offsets or [0] * len(clips)
-        uploads = uploads or [False] * len(clips)
-        events: dict[int, list] = {i: [] for i in range(len(clips))}
-        calls: dict[int, Call] = {}
-        fed = [0] * len(clips)
-        n = self.frame_samples
-        tick = 0
-        while True:
-            for i, clip in enumerate(clips):
-                if i not in calls and tick >= offsets[i]:
-                    opts = CallOptions(prompt=prompt, seed=seed + i, sampling=sampling or SamplingParams())
-                    calls[i] = self.open_call(opts, on_event=events[i].append)
-                    if uploads[i]:
-                        calls[i].append(clip.numpy())
-                        calls[i].end_input()
-                        fed[i] = clip.shape[0]
-                if i in calls and not uploads[i] and fed[i] < clip.shape[0]:
-                    calls[i].append(clip[fed[i]: fed[i] + n].numpy())
-                    fed[i] += n
-                    if fed[i] >= clip.shape[0]:
-                        calls[i].end_input()
-            self.tick()
-            tick += 1
-            if len(calls) == len(clips) and all(c.closed for c in calls.values()):
-                break
-        results = []
-        for i in range(len(clips)):
-            frames = [e for e in events[i] if isinstance(e, FrameEvent)]
-            ended = [e for e in events[i] if isinstance(e, EndedEvent)]
-            if ended and ended[-1].reason != "completed":
-                raise EngineError(f"clip {i} ended with {ended[-1].reason}: {ended[-1].message}")
-            results.append(ClipResult(
-                encoder_out=torch.empty(0), audio_embeds=torch.empty(0),
-                text_tokens=torch.tensor([f.text for f in frames], dtype=torch.int64),
-                function_tokens=torch.tensor([f.func for f in frames], dtype=torch.int64),
-                text_logits_top2=torch.tensor([f.top2 for f in frames]),
-                codes=torch.from_numpy(np.stack([f.codes for f in frames])) if frames else torch.empty(0),
-                wav=torch.from_numpy(np.concatenate([f.pcm for f in frames])) if frames else torch.empty(0),
-                user_tokens=[t for f in frames for t in f.user]))
-        return results
-
-
-def coalesce_limit(coalesce_s: float, last_step: tuple[float, float] | None) -> float:
-    """The coalescing bound: engine.coalesce_ms, but never longer than the last step took. Why: with
-    staggered callers some frame is always due soon, so every step was held until its oldest frame was
-    coalesce_ms old and the worst frame waited the bound and then its own step (H200 load run 10, 32
-    staggered calls: ~6 calls a step, 14 ms steps, p99 30.8 ms = 15 + 14 + 1.8 host). A frame held past one
-    step time would have been served as soon by stepping now and again for the late ones; lockstep
-    frames arrive within a few ms, well inside one step."""
-    if coalesce_s <= 0:
-        return 0.0
-    return coalesce_s if last_step is None else min(coalesce_s, last_step[1])
-
-
-def coalesce_deadline(calls: list[tuple[float | None, float | None, int]], limit: float) -> float | None:
-    """When a step held for coalescing must start: the arrival of the oldest frame pending alone in its
-    call (a paced frame) plus `limit`; None with no paced frame (calls as for coalesce_wait)."""
-    paced = [oldest for oldest, _, pending in calls if pending == 1 and oldest is not None]
-    return min(paced) + limit if paced else None
-
-
-def coalesce_wait(calls: list[tuple[float | None, float | None, int]], now: float, limit: float,
-                  frame_s: float) -> float:
-    """How long to hold a step so that frames due together share it; 0 = step now.
-
-    calls: per live call (arrival time of its oldest pending frame or None, arrival time of its last frame
-    or None, frames pending). A call without a pending frame is waited for when its next frame is due (its
-    last arrival plus one frame period) before the bound: the arrival of the oldest frame pending alone
-    in its call, plus `limit`. So callers that send in lockstep are stepped together even when their
-    frames reach the engine ~10 ms apart, while with staggered callers a step waits only for frames due
-    within the bound, and a step whose frames are already older than the bound (the engine was busy)
-    never waits. A call with a backlog (an upload being fed, or a call that fell behind) neither sets the
-    bound nor is waited for: its frames are not paced, and its old frames would otherwise turn
-    coalescing off for everyone while an upload runs. A call that has not sent a frame yet has no rhythm
-    to go by and is not waited for."""
-    deadline = coalesce_deadline(calls, limit)
-    if deadline is None or now >= deadline:
-        return 0.0
-    due = any(frame_due(last, pending, deadline, frame_s) for _, last, pending in calls)
-    return deadline - now if due else 0.0
-
-
-def duty_wait(calls: list[tuple[float | None, float | None, int]], now: float,
-              last_step: tuple[float, float] | None, max_duty: float, cap: float) -> float:
-    """How long to hold a step so that the engine's duty stays <= max_duty; 0 = step now (engine.max_duty).
-
-    calls: per live call as for coalesce_wait; the caller asks only while some live call has no frame
-    pending. last_step: (start, seconds) of the previous step. The next step may start at
-    start + seconds / max_duty, but no paced frame (the oldest of a call with exactly one pending) waits
-    past its arrival + cap; with no paced frame pending (only backlogs, or nothing) there is no hold."""
-    if max_duty <= 0 or last_step is None:
-        return 0.0
-    paced = [oldest for oldest, _, pending in calls if pending == 1 and oldest is not None]
-    if not paced:
-        return 0.0
-    start, seconds = last_step
-    until = min(start + seconds / max_duty, min(paced) + cap)
-    return max(0.0, until - now)
-
-
-def opened_together(opened_at: float, first_frame_opens: list[float], limit: float) -> bool:
-    """A call without a frame yet has no rhythm; until its first frame its open time stands for its
-    phase: it is waited for (within the coalescing bound) when it opened within `limit` of a call whose
-    first frame is pending. Callers that start together open together, then send their first frames
-    together (scripts/bench.py connects 1 s before the schedule starts), and the first step took only
-    the first frames already in: H200 load run 10, 32 lockstep calls, 7 first frames in the first step
-    and 25 a step later at 33-36 ms lag, the run's p99. Staggered callers open tens of ms apart.
-    first_frame_opens: sorted (a bisection, not a scan: 160 calls opening together ask 160 times)."""
-    i = bisect.bisect_left(first_frame_opens, opened_at - limit)
-    return i < len(first_frame_opens) and first_frame_opens[i] <= opened_at + limit
-
-
-def frame_due(last: float | None, pending: int, deadline: float, frame_s: float) -> bool:
-    """A call with no frame pending whose next frame (its last arrival + one period) is due by `deadline`:
-    the calls coalescing waits for."""
-    return pending == 0 and last is not None and last + frame_s <= deadline
 
 
 class EngineStats:
