@@ -100,7 +100,6 @@ class ServeConfig:
     max_message_kb: int = 1024          # largest WebSocket message accepted
     max_outbound_frames: int = 64       # frames waiting for a slow client before its call ends (5.1 s)
     slow_consumer_grace_s: float = 2.0  # then the socket is cut even if the error could not be delivered
-    send_buffer_kb: int = 0             # kernel send buffer per socket (0 = OS default); small = fast detection
     idle_timeout_s: float = 30.0        # a session that sends nothing this long (before end of input) ends
     deadline_ms: float = 80.0           # a frame later than this after its input arrived is a deadline miss
     warmup_frames: int = 2              # silent frames through a throwaway call before /health says ready

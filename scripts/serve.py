@@ -29,7 +29,7 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
     resolved = runtime.resolve_model(cfg, overrides)   # a missing checkpoint is refused here, in seconds
     # imported only now: `--help` and a refusal (no checkpoint, bad settings) need neither torch nor the server
     from nemo_duplex.server.app import Server
-    from nemo_duplex.server.realtime import SessionSettings
+    from nemo_duplex.server.realtime_protocol import SessionSettings
     from nemo_duplex.serving.engine import build_engine
 
     loaded = runtime.load(cfg, resolved=resolved, calls=(engine_cfg.max_calls, engine_cfg.max_call_s))
@@ -55,7 +55,7 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
 
 @hydra.main(config_path="../conf", config_name="serve", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from aiohttp import web
+    from nemo_duplex.server.app import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # The engine thread and the event loop share the GIL; a thread waiting for it gets it after at most
@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> None:
     print(f"serving {server.model_name} on http://{server.cfg.host}:{server.cfg.port} "
           f"(engine.max_calls={server.max_calls}, engine.max_call_s={server.max_call_s:g}); ready after warm-up, "
           f"see /health", flush=True)
-    web.run_app(server.app(), host=server.cfg.host, port=server.cfg.port, access_log=None, print=None)
+    serve(server)
 
 
 if __name__ == "__main__":

@@ -135,39 +135,31 @@ def free_port() -> int:
 
 
 class RunningServer:
-    """`Server(...).app()` served on 127.0.0.1 from a background thread with its own event loop."""
+    """`Server(...)` served by uvicorn on 127.0.0.1 (as scripts/serve.py serves it: server.app.uvicorn_config)
+    from a background thread with its own event loop."""
 
     def __init__(self, server: Server, wait_ready: bool = True):
-        from aiohttp import web
+        import uvicorn
+
+        from nemo_duplex.server.app import uvicorn_config
 
         self.server = server
         self.port = free_port()
+        self.uvicorn = uvicorn.Server(uvicorn_config(server, host="127.0.0.1", port=self.port))
+        self.uvicorn.config.setup_event_loop = lambda: None   # this thread's own loop (below)
         self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-
-        async def main():
-            self.runner = web.AppRunner(server.app())
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
         def run():
             asyncio.set_event_loop(self.loop)
-            try:
-                self.loop.run_until_complete(main())
-            except BaseException as e:  # surfaced by __init__
-                self._error = e
-                self._ready.set()
-                return
-            self._ready.set()
-            self.loop.run_forever()
+            self.loop.run_until_complete(self.uvicorn.serve())
 
         self.thread = threading.Thread(target=run, name="test-server", daemon=True)
         self.thread.start()
-        self._ready.wait(120)
-        if self._error is not None:
-            raise self._error
         t0 = time.monotonic()
+        while not self.uvicorn.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > 120:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
         while wait_ready and not server.healthy():   # warm-up runs in the background; /health turns 200 when done
             if time.monotonic() - t0 > 120:
                 raise TimeoutError("the server did not become ready")
@@ -182,10 +174,8 @@ class RunningServer:
         return f"ws://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        fut = asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop)
-        fut.result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
+        self.uvicorn.should_exit = True
+        self.thread.join(60)
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Every place and engine slot given back (asserts, with the counts, on timeout)."""

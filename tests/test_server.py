@@ -14,7 +14,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from nemo_duplex.server.app import ServeConfig, Server, parse_tool_calls, render_tool_prompt, tool_response_ids
+from nemo_duplex.server.app import Server
+from nemo_duplex.server.tools import parse_tool_calls, render_tool_prompt, tool_response_ids
+from nemo_duplex.settings import ServeConfig
 from tests.server_support import (
     RunningServer,
     ScriptedModel,
@@ -584,7 +586,7 @@ async def _registered(srv, call_id: str, timeout_s: float = 30.0) -> None:
 
 
 def test_slow_consumer_ends_only_its_call(server, tok):
-    srv, model = server(max_outbound_frames=4, send_buffer_kb=4, slow_consumer_grace_s=1.0)
+    srv, model = server(max_outbound_frames=4, slow_consumer_grace_s=1.0)
 
     async def slow():
         async with aiohttp.ClientSession() as http:
@@ -641,7 +643,7 @@ def test_client_that_stops_reading_after_its_call_ends_frees_its_place(server, t
     and the writer would wait on them for ever, holding the server place. The socket is cut once a
     client reading at playback rate would have had it all (slow_consumer_grace_s + 80 ms per frame still
     queued at the end), and the place is free for the next call."""
-    srv, model = server(send_buffer_kb=4, slow_consumer_grace_s=1.0, max_calls=1)
+    srv, model = server(slow_consumer_grace_s=1.0, max_calls=1)
 
     async def silent_reader():
         async with aiohttp.ClientSession() as http:
@@ -766,7 +768,7 @@ def test_call_script_writes_outputs(server, tok, tmp_path):
 def test_incremental_text_matches_whole_decode(tok):
     """Deltas of a long turn (folded every 16 ids) add up to the decode of the whole turn; the same for
     the RNN-T transcript, whose decoder strips a leading space."""
-    from nemo_duplex.server.app import IncrementalText
+    from nemo_duplex.server.frames import IncrementalText
 
     rng = np.random.default_rng(0)
     ids = tok.encode("Hello, and thank you for calling. How can I help you today? The weather is sunny. " * 4)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from nemo_duplex.audio import read_wav
-from nemo_duplex.server.app import ServeConfig, Server
+from nemo_duplex.server.app import Server
 from nemo_duplex.serving.engine import build_engine
-from nemo_duplex.settings import EngineConfig
+from nemo_duplex.settings import EngineConfig, ServeConfig
 from tests.server_support import RunningServer, wav_bytes
 
 FRAME_IN = 1280

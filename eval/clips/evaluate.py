@@ -87,7 +87,7 @@ def response_latency(agent_db: np.ndarray, stop_s: float | None, voiced_db: floa
 def function_calls(func_tokens: list[int], tokenizer, tokens) -> list[dict]:
     """Spans of the function channel between the tool-call start and end tokens (spec 3.9), decoded,
     with the frames where they start and end and the parsed calls (or why they do not parse)."""
-    from nemo_duplex.server.app import parse_tool_calls
+    from nemo_duplex.server.tools import parse_tool_calls
 
     start, end = tokenizer.token_to_id(tokens.tool_call_start), tokenizer.token_to_id(tokens.tool_call_end)
     skip = getattr(tokenizer, "display_skip_ids", frozenset({tokens.pad_id}))

@@ -1,0 +1,301 @@
+"""The native protocol: WS /generate/ws (a JSON opening message, binary PCM both ways, JSON events) and
+POST /generate (a WAV in; the same events and audio back as NDJSON while they are produced).
+docs/protocol.md has the wire formats."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+import time
+from typing import AsyncIterator
+
+import numpy as np
+from starlette.datastructures import Headers
+from starlette.requests import Request
+
+from nemo_duplex.server.bridge import CallBridge
+from nemo_duplex.server.context import ServerContext
+from nemo_duplex.server.errors import FATAL_CODES, Fatal, Refusal
+from nemo_duplex.server.frames import FrameDecoder, FrameOutputs
+from nemo_duplex.server.realtime_protocol import (
+    ProtocolError,
+    SessionSettings,
+    field_of,
+    parse_client_event,
+    parse_session,
+)
+from nemo_duplex.server.ws import DuplexSocket, Socket
+from nemo_duplex.serving.calls import DrainedEvent, EndedEvent, FrameEvent
+
+HEADER = struct.Struct("<If")   # frame index, server lag in ms; then the PCM16 samples
+
+
+# ---- the opening: /generate/ws's first message, POST /generate's query or form fields -------------------
+def native_opening(ctx: ServerContext, ev: dict, call_id: str | None) -> tuple[SessionSettings, str | None, str | None]:
+    """-> (settings, voice, call id), or ProtocolError naming the field."""
+    if ev.get("type", "start") != "start":
+        raise ProtocolError("invalid_event", f"the opening message must have type 'start', got {ev['type']!r}", "type")
+    for name, want in (("sample_rate", ctx.in_rate), ("channels", 1), ("sample_width", 2)):
+        if name in ev and ev[name] != want:
+            raise ProtocolError("invalid_audio_format", f"{name} {ev[name]}: this model takes {want} "
+                                f"(16 kHz mono 16-bit PCM; audio is never resampled)", name)
+    if "format" in ev and ev["format"] not in ("pcm16", "pcm_s16le"):
+        raise ProtocolError("invalid_audio_format", f"format {ev['format']!r}: only 'pcm16'", "format")
+    session = {k: ev[k] for k in ("instructions", "tools", "seed", "temperature", "top_p",
+                                  "repetition_penalty", "voice") if k in ev}
+    if "prompt" in ev:
+        session["instructions"] = ev["prompt"]
+    settings = parse_session(session, ctx.session_defaults, ctx.in_rate, ctx.out_rate, ctx.cfg.max_tools)
+    ctx.check_voice(settings.voice)
+    ctx.check_prompt(settings)
+    cid = field_of(ev, "call_id", str, "start") or call_id
+    return settings, settings.voice, cid
+
+
+def typed_fields(fields: dict) -> dict:
+    """Form/query strings -> the JSON types the opening message uses."""
+    out = {}
+    for k, v in fields.items():
+        if k in ("seed", "sample_rate", "channels", "sample_width"):
+            try:
+                v = int(v)
+            except ValueError:
+                raise ProtocolError("invalid_event", f"{k} must be an integer", k) from None
+        elif k in ("temperature", "top_p", "repetition_penalty"):
+            try:
+                v = float(v)
+            except ValueError:
+                raise ProtocolError("invalid_event", f"{k} must be a number", k) from None
+        elif k == "tools":
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise ProtocolError("invalid_event", "tools must be a JSON list", k) from None
+        out[k] = v
+    return out
+
+
+MULTIPART_SLACK = 65536   # a multipart body's boundaries and headers beside its WAV
+
+
+async def read_upload(request: Request, max_upload_mb: float) -> tuple[dict, bytes]:
+    """-> (fields, WAV bytes). The body is the WAV itself (settings in the query string), or
+    multipart/form-data with a file field `audio` (or `file`) and the settings as fields. The whole body
+    is capped at serve.max_upload_mb (plus the multipart slack) while it is read."""
+    limit = int(max_upload_mb * 2 ** 20)
+    too_large = Refusal("upload_too_large", f"the upload is larger than serve.max_upload_mb = {max_upload_mb:g} MiB",
+                        413)
+    multipart = request.headers.get("content-type", "").startswith("multipart/")
+    cap = limit + (MULTIPART_SLACK if multipart else 0)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise too_large
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > cap:
+            raise too_large
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    fields: dict = dict(request.query_params)
+    if not multipart:
+        wav = body
+    else:
+        wav = await _multipart(request.headers, body, limit, fields)
+    if not wav:
+        raise Refusal("invalid_audio_format", "no WAV in the request (raw body, or a multipart field 'audio')")
+    if len(wav) > limit:
+        raise too_large
+    return typed_fields(fields), wav
+
+
+async def _multipart(headers: Headers, body: bytes, limit: int, fields: dict) -> bytes | None:
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    async def stream():
+        yield body
+
+    boundary = headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip().strip('"')
+    if not boundary:
+        raise Refusal("invalid_upload", "the multipart/form-data body does not parse: no boundary", 400)
+    if not body.rstrip(b"\r\n").endswith(b"--" + boundary.encode() + b"--"):
+        raise Refusal("invalid_upload", "the multipart/form-data body does not parse: it ends inside a part "
+                      "(no closing boundary)", 400)
+    try:
+        form = await MultiPartParser(headers, stream(), max_files=2, max_fields=32, max_part_size=limit).parse()
+    except (MultiPartException, ValueError, AssertionError) as e:
+        raise Refusal("invalid_upload", f"the multipart/form-data body does not parse: {e}", 400) from None
+    wav = None
+    try:
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                if name in ("audio", "file"):
+                    wav = await value.read()
+            elif name in ("audio", "file"):
+                wav = value.encode("latin-1", errors="replace")
+            else:
+                fields[name] = value
+    finally:
+        await form.close()
+    return wav
+
+
+# ---- a call ------------------------------------------------------------------------------------------------
+class NativeSession:
+    def __init__(self, ctx: ServerContext, bridge: CallBridge, settings: SessionSettings, tokens: bool = False):
+        self.ctx, self.bridge = ctx, bridge
+        self.tokens = tokens   # opening {"tokens": true}: also send each frame's raw token ids
+        self.decoder = FrameDecoder(ctx.tokenizer, ctx.rnnt_vocab, ctx.tokens, bridge.ids, ctx.cfg.max_tool_call_tokens)
+
+    def started(self) -> dict:
+        c = self.ctx
+        return {"type": "started", "call_id": self.bridge.id,
+                "input": {"format": "pcm16", "sample_rate": c.in_rate, "channels": 1, "frame_samples": c.frame_in},
+                "output": {"format": "pcm16", "sample_rate": c.out_rate, "channels": 1,
+                           "frame_samples": c.frame_out, "header": "<If: frame, lag_ms"},
+                "limits": {"max_call_s": c.max_call_s, "max_pending_s": c.max_pending_s,
+                           "max_outbound_frames": c.cfg.max_outbound_frames}}
+
+    def events(self, item) -> tuple[FrameOutputs | None, list[dict], Fatal | None, bool]:
+        """An outbox item -> (frame outputs, JSON events, fatal error, call over)."""
+        c, b = self.ctx, self.bridge
+        if isinstance(item, Fatal):
+            return None, [], item, True
+        if isinstance(item, dict):
+            return None, [item], None, False
+        if isinstance(item, FrameEvent):
+            out = self.decoder(item)
+            k = out.frame
+            evs = [{"type": "tokens", "frame": k, "text": item.text, "func": item.func, "user": item.user}
+                   ] if self.tokens else []
+            if out.turn_start:
+                evs.append({"type": "turn", "frame": k, "event": "start"})
+            if out.text_delta:
+                evs.append({"type": "text", "frame": k, "delta": out.text_delta})
+            if out.turn_end:
+                evs.append({"type": "turn", "frame": k, "event": "end"})
+            if out.user_delta:
+                evs.append({"type": "transcript", "frame": k, "delta": out.user_delta})
+            for t in out.tool_calls:
+                b.tool_calls[t.call_id] = t
+                evs.append({"type": "function_call", "frame": k, "call_id": t.call_id, "name": t.name,
+                            "arguments": t.arguments})
+            for m in out.tool_errors:
+                c.metrics.refusal("function_call_parse_error")
+                evs.append({"type": "error", "frame": k, "code": "function_call_parse_error", "message": m})
+            # the lag the client gets in the header is /metrics' frame lag: input received -> packet sent
+            out.lag_s = time.monotonic() - item.ready_at
+            c.metrics.frame_sent(out.lag_s)
+            return out, evs, None, False
+        if isinstance(item, DrainedEvent):
+            return None, [{"type": "drained", "frames": item.frames}], None, False
+        if isinstance(item, EndedEvent):
+            fatal = c.limit_message(item)
+            if fatal is not None:
+                c.metrics.refusal(fatal.code)
+                return None, [], fatal, True
+            return None, [{"type": "ended", "reason": item.reason}], None, True
+        raise TypeError(item)
+
+    # -- /generate/ws
+    async def run_ws(self, socket: Socket) -> None:
+        self.bridge.push(self.started())
+        self.duplex = DuplexSocket(socket)
+        self.bridge.cut = self.duplex.cut
+        await self.duplex.run(lambda: self._read_ws(socket), lambda: self._write_ws(socket))
+
+    async def _read_ws(self, socket: Socket) -> None:
+        c, b = self.ctx, self.bridge
+        while True:
+            try:
+                msg = await socket.receive(timeout=c.cfg.idle_timeout_s if not b.call.input_ended else None)
+            except asyncio.TimeoutError:
+                b.fail("idle_timeout", f"nothing received for serve.idle_timeout_s = {c.cfg.idle_timeout_s:g} s")
+                continue
+            if msg.kind == "closed":
+                return
+            if b.failed is not None:
+                continue
+            try:
+                if msg.kind == "bytes":
+                    b.append_pcm16(msg.data)
+                    continue
+                ev = parse_client_event(msg.data)
+                kind = ev["type"]
+                if kind == "end_input":
+                    b.call.end_input()
+                elif kind == "tool_output":
+                    b.tool_output(ev.get("call_id"), ev.get("output", ""))
+                elif kind == "abort":   # -> EndedEvent(aborted) -> {"type": "ended", "reason": "aborted"}
+                    b.call.abort("aborted", "the client aborted the call")
+                elif kind == "start":
+                    raise ProtocolError("invalid_event", "the call has already started", "type")
+                else:
+                    raise ProtocolError("unknown_event", f"unknown event type {kind!r}", "type")
+            except ProtocolError as e:
+                c.metrics.refusal(e.code)
+                b.push({"type": "error", "code": e.code, "message": e.message, "param": e.param})
+            except Refusal as r:
+                if r.code in FATAL_CODES:
+                    b.fail(r.code, r.message)
+                else:
+                    c.metrics.refusal(r.code)
+                    b.push({"type": "error", "code": r.code, "message": r.message})
+
+    async def _write_ws(self, socket: Socket) -> None:
+        while True:
+            item = await self.bridge.next()
+            out, evs, fatal, over = self.events(item)
+            if out is not None:
+                await socket.send_bytes(HEADER.pack(out.frame, out.lag_s * 1000.0) + out.pcm16)
+            for e in evs:
+                await socket.send_text(json.dumps(e))
+            if fatal is not None:
+                await socket.send_text(json.dumps({"type": "error", "code": fatal.code, "message": fatal.message}))
+                await self.duplex.close(1008, fatal.code)
+                return
+            if over:
+                await self.duplex.close(1000, "completed")
+                return
+
+    # -- POST /generate
+    async def upload_lines(self, pcm: np.ndarray) -> AsyncIterator[bytes]:
+        """The NDJSON reply, line by line as the call produces it; the input is fed meanwhile."""
+        feeder = asyncio.create_task(self._feed(pcm))
+        try:
+            yield (json.dumps(self.started()) + "\n").encode()
+            while True:
+                item = await self.bridge.next()
+                out, evs, fatal, over = self.events(item)
+                lines = []
+                if out is not None:
+                    lines.append({"type": "audio", "frame": out.frame, "lag_ms": round(out.lag_s * 1000.0, 2),
+                                  "pcm16": base64.b64encode(out.pcm16).decode()})
+                lines += evs
+                if fatal is not None:
+                    lines.append({"type": "error", "code": fatal.code, "message": fatal.message})
+                if lines:
+                    yield "".join(json.dumps(e) + "\n" for e in lines).encode()
+                if over:
+                    return
+        finally:
+            feeder.cancel()
+
+    async def _feed(self, pcm: np.ndarray) -> None:
+        """An upload enters the call as fast as the engine takes it, but never more than half the
+        pending-input budget ahead (the budget protects the engine from live clients too)."""
+        b, c = self.bridge, self.ctx
+        n = c.frame_in
+        ahead = max(1, int(c.max_pending_s / c.frame_s) // 2)
+        pos = 0
+        while pos < pcm.size and b.failed is None and not b.engine_ended:
+            room = ahead - b.call.pending_frames
+            if room <= 0:
+                await asyncio.sleep(c.frame_s / 2)
+                continue
+            b.append(pcm[pos: pos + room * n])
+            pos += room * n
+        if b.failed is None and not b.engine_ended:
+            b.call.end_input()
