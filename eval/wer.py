@@ -1,6 +1,6 @@
 """Word error rate of speech: offline ASR, text normalisation, jiwer scoring, and a speech check.
 
-The gate scores the agent's audio against the agent's own text (issue 6): the talker must say what the
+The gate scores the agent's audio against the agent's own text: the talker must say what the
 LLM wrote. ASR backends:
 - `pocketsphinx` (default): needs no download, its US English model ships in the wheel. It is weak
   (measured on the espeak clips: see tests/test_wer.py), so WER bounds for it are loose.

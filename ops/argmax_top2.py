@@ -5,7 +5,7 @@
 
 Why: a greedy frame step took the text token with torch's argmax (one ~13 us reduction over 131,072 logits at
 32 calls) and the margins (`StepOutput.top2`) with torch.topk on the side stream, whose radix select is six
-kernels and ~0.14 ms of GPU time beside the talker's chain (H200 profile, docs/performance.md session 18).
+kernels and ~0.14 ms of GPU time beside the talker's chain (H200 profile, docs/performance.md).
 Here the vocabulary is cut into chunks, one program per (row, chunk) keeps its chunk's maximum, that maximum's
 first index and the largest other value, and a second launch merges the chunks in order. Every value is an
 input value (no arithmetic), so the result equals torch's exactly, ties included. Rows with NaN are not

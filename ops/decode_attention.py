@@ -327,8 +327,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         # One warp per (row, head, split) and 16 keys per block: the reductions over keys stay inside a
         # warp (no barriers) and many small programs keep enough loads in flight; at least two splits per
         # row even where the rows alone fill the GPU. Measured on the H200 at the talker's shape, 1037 keys
-        # (docs/performance.md, session 9, with 16-byte loads): 3.95 TB/s at N=128 with 2 splits, against
-        # 3.19 for one split of 8-key blocks (session 8's choice with 2-byte loads) and 3.53 for one of 32;
+        # (docs/performance.md, with 16-byte loads): 3.95 TB/s at N=128 with 2 splits, against
+        # 3.19 for one split of 8-key blocks (the best block with 2-byte loads) and 3.53 for one of 32;
         # 3.60 TB/s at N=32 with 2 splits (the count the 8-warps-per-SM rule gives there).
         block_n = block_n or 16
         num_warps = num_warps or 1

@@ -8,12 +8,12 @@ ConvNeXt blocks (spec 5.2, 5.4):
 Why a kernel: in torch the step ran the cat of the history, cuDNN/ATen's depthwise convolution over a
 [B, C, L] tensor, a transpose to [B, L, C], a contiguous copy for LayerNorm and the LayerNorm: ~5 kernels
 and four round trips through memory per block, ~2.5 ms of a 52 ms step at N=128 (the conv alone 1.07 ms,
-docs/performance.md, session 5 profile). Here each program reads its BLOCK_L output frames' k input frames
+docs/performance.md profile). Here each program reads its BLOCK_L output frames' k input frames
 straight from x or the history (no cat), and writes y channels-last, ready for the pointwise GEMMs.
 
-The codec's fp16x3w GEMMs take y split (ops/fp16x3_linear.py); a variant of this kernel wrote it split
-(session 11), but on the H200 it ran slower than this kernel and a separate split pass together (9 blocks:
-202 vs 178 us at 32 calls, 722 vs 661 us at 128; docs/performance.md, session 12), so it is gone.
+The codec's fp16x3w GEMMs take y split (ops/fp16x3_linear.py); a variant of this kernel that wrote it split
+ran slower on the H200 than this kernel and a separate split pass together (9 blocks:
+202 vs 178 us at 32 calls, 722 vs 661 us at 128; docs/performance.md), so it is gone.
 
 Layout: x [B, L, C], history [S, k-1, C], y [B, L, C], all channels-contiguous fp32. The history is only
 read; the caller moves it on afterwards (so no program reads a row another one has already overwritten).

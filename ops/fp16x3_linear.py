@@ -15,11 +15,11 @@ rounding, and tails below fp16's subnormal step of 2^-24, i.e. 2^-38 of the bloc
 relative, as for 3xTF32. Each K block's three products are summed on their own (smallest first) and the
 block's sum, scaled back by its x scale, is added to the fp32 accumulator: accumulating the products
 straight into the running sum loses their low bits in the tensor cores (measured on the H200 for fp16 as
-for TF32: 3e-6 to 4e-5 relative against 4e-7 to 9e-7 with per-block sums; docs/performance.md,
-session 11). Powers of two make every scaling exact, so the result differs from 3xTF32's only by the
+for TF32: 3e-6 to 4e-5 relative against 4e-7 to 9e-7 with per-block sums; docs/performance.md).
+Powers of two make every scaling exact, so the result differs from 3xTF32's only by the
 order and rounding of the same ~2^-22 terms.
 
-Measured on the H200 (session 11 probe, the codec's seven GEMM shapes at 128 calls, each replayed from a
+Measured on the H200 (a probe of the codec's seven GEMM shapes at 128 calls, each replayed from a
 CUDA graph): 1.91 ms against 3.22 ms for the 3xTF32 kernel with its weight pre-split, errors 3.6e-7 to
 6.4e-7 relative to each row's max |y|.
 
@@ -243,7 +243,7 @@ def split_fp16_rows_triton(x: torch.Tensor) -> Fp16Split:
     return Fp16Split(hi, lo, inv)
 
 
-TILES = (128, 128, 8, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages: best of the session-11 probe (K block 64)
+TILES = (128, 128, 8, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages: best of the H200 probe above (K block 64)
 
 
 def fp16x3_linear_triton(x: Fp16Split, weight: Fp16Split, bias: torch.Tensor | None, gelu: bool = False,

@@ -193,7 +193,7 @@ def split_tf32(weight: torch.Tensor, out: torch.Tensor | None = None) -> tuple[t
 
 
 GPU_TILES = (128, 64, 32, 4, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages: best of a sweep (docs/performance.md)
-PRESPLIT_TILES = (128, 128, 32, 8, 3)  # the same for tf32x3w (session 4 sweep at stage 3: -6% against GPU_TILES)
+PRESPLIT_TILES = (128, 128, 32, 8, 3)  # the same for tf32x3w (a sweep at stage 3: -6% against GPU_TILES)
 
 
 # Split-K: at most this many splits (1 turns it off). Each split keeps at least SPLIT_K_MIN_K of the reduction.
@@ -209,7 +209,7 @@ def pick_split_k(tiles: int, k: int, block_k: int, num_sms: int, max_splits: int
     and re-reads s partial products). Grids above two waves are not split. Why: a grid a little above or far
     below the SM count leaves SMs idle for a whole wave (the codec's stage-1 pwconv2: 9 x 12 = 108 tiles
     for 132 SMs at 128 calls, 3 x 12 = 36 at 32 calls). Measured on the H200 at 32 calls' codec shapes
-    (docs/performance.md, session 9): 36 tiles, 3 splits 0.094 ms against 0.259 for one pass; 144 tiles, 3
+    (docs/performance.md): 36 tiles, 3 splits 0.094 ms against 0.259 for one pass; 144 tiles, 3
     splits 0.108 against 0.135; 96 tiles, 4 splits 0.116 against 0.131; but 333 tiles (2.5 waves), 3
     splits 0.222 against 0.202, the partial products' traffic costing more than the waves save. Static
     shapes in, so a captured graph keeps one choice."""

@@ -20,7 +20,7 @@ The inverse DFT stays a dot product with ops/dft.py's float64-built basis (no FF
 sample r is sum_j frames[t - j, j hop + r] (j = 0..n/hop-1, in that order, as `overlap_add` adds them), so a
 program computes, for each j, only the hop columns j hop..j hop+hop-1 of the frames t - j it needs: every
 frame's n columns once in all, with the spectrum's exp / cos / sin recomputed n/hop times. Not cheap, it turned
-out: 0.046 ms per step at 32 calls on the H200, with register spills (docs/performance.md, session 18).
+out: 0.046 ms per step at 32 calls on the H200, with register spills (docs/performance.md).
 
 Programs: (row, block of BLOCK_T output hop-blocks). Only the first block of a row touches the row's state:
 its samples 0..n-hop-1 take the previous tails, its samples below stream_delay the before-start mask (so

@@ -35,8 +35,8 @@ def add_layer_norm_reference(x: torch.Tensor, delta: torch.Tensor | None, alpha:
     """The torch statement (the encoder's CPU path and the kernel's reference): the two ops the streaming
     layer ran before. The sum is written `x + delta * alpha`, not `torch.add(x, delta, alpha=alpha)`: when
     delta comes from a matmul, Inductor fuses that add into an addmm and drops the alpha (pytorch/pytorch
-    #167313; session 15 found the tiny model's whole step compiled by Inductor ~0.5 relative off eager
-    from it). For the alphas the encoder uses (1 and 0.5) the product is exact, so the bits are the same."""
+    #167313: from it the tiny model's whole step compiled by Inductor came out ~0.5 relative off eager).
+    For the alphas the encoder uses (1 and 0.5) the product is exact, so the bits are the same."""
     assert alpha in (1.0, 0.5), f"alpha {alpha}: only 1 and 0.5 keep x + delta * alpha exact"
     s = x if delta is None else x + delta * alpha
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)

@@ -163,7 +163,7 @@ def mamba_step_triton(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch
 
     y = torch.empty(batch, d_inner, device=xBC.device, dtype=torch.float32)
     # 8 channels x d_state 128 per program and 2 warps on the GPU (H200, 128 calls: 3.83 TB/s against 3.59
-    # for 16 x 4 warps; docs/performance.md, session 8); the interpreter pays per program: bigger blocks there
+    # for 16 x 4 warps; docs/performance.md); the interpreter pays per program: bigger blocks there
     if block_r is None:
         block_r = 8 if xBC.is_cuda else min(128, triton.next_power_of_2(d_inner))
     if num_warps is None and xBC.is_cuda:

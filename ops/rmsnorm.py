@@ -18,7 +18,7 @@ residual stream s and the next block's input y (the LLM's 56 joints and the talk
 (norm, each product and the sum each rounded to the compute dtype, as bf16 torch ops do).
 Why a kernel: in torch each norm is 7-9 kernels (casts, pow, mean, rsqrt, two multiplies, cast back);
 with ~250 norms per frame step that was roughly 2,000 of the step's ~7,300 kernels (an estimate from the
-op counts; with the other session-2 changes the step went to ~3,600, docs/performance.md).
+op counts; with these and the other first kernels of ops/ the step went to ~3,600, docs/performance.md).
 """
 from __future__ import annotations
 

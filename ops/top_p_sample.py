@@ -4,8 +4,8 @@ argmax(log_softmax(filtered) + Gumbel)), five times per frame (one per unmasking
 
 Why a kernel: in torch each draw is a sort of the row, a softmax, a cumsum, a scatter of the drop mask
 back to the unsorted order, a masked fill, a log_softmax, an add and an argmax: ~12 kernels, and at N=128
-the segmented radix sorts and scans alone were ~2 ms of a 52 ms step (docs/performance.md, session 5
-profile). A row of 1024 fits in one program's registers; Triton's bitonic `tl.sort` and `tl.cumsum` do
+the segmented radix sorts and scans alone were ~2 ms of a 52 ms step (profiled, docs/performance.md).
+A row of 1024 fits in one program's registers; Triton's bitonic `tl.sort` and `tl.cumsum` do
 the sort and the scan there, and no permutation is needed to map the drop mask back:
 
     t = the largest sorted value whose ascending cumulative probability is <= 1 - p (never the last one)

@@ -175,9 +175,9 @@ async def callers(http, ws_url: str, calls: list[tuple[int, float, float]], pcm:
 # Real callers are separate machines, not one Python event loop taking 128 x 2 messages per 80 ms and
 # timestamping them: above loadtest.callers_per_process the callers are sharded over processes, each with
 # its own event loop (their times are CLOCK_MONOTONIC, shared by all), so the bench's own queueing cannot
-# pass for the server's. (Session 6: at lockstep 128 the client-side lag exceeded the server's by 14 ms at
+# pass for the server's. (Measured at lockstep 128: the client-side lag exceeded the server's by 14 ms at
 # p50 and 46 at p99; sharding did not close that gap, the server's event loop was the cause:
-# docs/performance.md "Load", session 6.)
+# docs/performance.md, "Through the server (load)".)
 def callers_process(ws_url: str, calls: list[tuple[int, float, float]], pcm: bytes, seed: int,
                     limit: float) -> list[CallRecord]:
     import aiohttp

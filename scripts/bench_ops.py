@@ -194,8 +194,8 @@ def bench_fp32_linear(device, smoke, quick, sweep):
                 variants += [("fp32_linear split-K", f"tf32x3w presplit split_k={splits}", dict(split_k=splits))
                              for splits in (1, 2, 3, 4, 6, 8) if k % (splits * PRESPLIT_TILES[2]) == 0]
             if sweep and "N=32" not in name:
-                # Session 4 swept (128|64, 64|128, 32|16|64, 4|8, 2-4) and (256, 64, 32, 8, 3): (128, 128, 32, 8, 3)
-                # won; session 9 tries the larger tiles that fit in shared memory with fewer stages.
+                # A sweep of (128|64, 64|128, 32|16|64, 4|8, 2-4) and (256, 64, 32, 8, 3) picked (128, 128, 32, 8, 3);
+                # beside it, the larger tiles that fit in shared memory with fewer stages.
                 variants += [("fp32_linear sweep", f"tf32x3w presplit tiles {tiles}", dict(tiles=tiles))
                              for tiles in ((128, 128, 32, 8, 3), (128, 256, 32, 8, 2), (256, 128, 32, 8, 2),
                                            (128, 128, 32, 8, 4), (256, 128, 32, 8, 3), (128, 256, 16, 8, 3))]
@@ -260,7 +260,7 @@ def bench_codec(device, smoke, quick, sweep):
         variants += [(f"tf32x3w min_rows={r}", "tf32x3w", r, default_split)
                      for r in (0, 64, 256, 512) if r != default_min_rows]
     variants.append(("tf32x3w split once", "tf32x3w", default_min_rows, default_split))
-    variants.append(("fp16x3w split once", "fp16x3w", default_fp16_rows, default_split))  # session 11: the default
+    variants.append(("fp16x3w split once", "fp16x3w", default_fp16_rows, default_split))  # the CUDA default
     if not smoke:
         variants += [(f"fp16x3w min_rows={r} split once", "fp16x3w", r, default_split)
                      for r in (0, 64, 256) if r != default_fp16_rows]

@@ -134,7 +134,7 @@ def time_staged_steps(runner, slots, audio, forced, sampling: bool, iters: int, 
     output copy, numpy out), timed on the device from just before its input copy to just after its output
     copy, and on the host from the call to the last launch. Why beside `time_steps`: that one times
     `runner(...)`, whose inputs are padded and copied by some ten torch calls after its start event, so
-    the device waits for the host there (0.16-0.62 ms a step on the H200, session 19), which no served step does."""
+    the device waits for the host there (0.16-0.62 ms a step on the H200), which no served step does."""
     args = (slots.numpy(), audio.numpy(), forced.numpy())
     for _ in range(warmup):
         runner.step_to_host(*args, sampling=sampling)
@@ -210,7 +210,7 @@ def main(cfg: DictConfig) -> None:
                 g, h = time_steps(lambda: runner(slots, audio, forced, sampling), b.iters, b.warmup, device)
                 row[f"{name}_gpu_ms"], row[f"{name}_host_ms"] = g * 1e3, h * 1e3
                 if name == "graphs" and runner.staged:
-                    # the served path; the figures above then stay as "call" (the method of sessions 1-18)
+                    # the served path; the figures above (runner(...) timed from the call) then stay as "call"
                     row["graphs_call_gpu_ms"], row["graphs_call_host_ms"] = g * 1e3, h * 1e3
                     fill_random(st, pos, slots.to(device), mcfg.prompt_frames)
                     g, h = time_staged_steps(runner, slots, audio, forced, sampling, b.iters, b.warmup)

@@ -1,9 +1,9 @@
 """Compile Triton kernels for the H200 (sm_90) on a machine without a GPU: Triton ships ptxas, so a
 kernel's whole GPU build (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs here. CPU tests run the kernels
 through the interpreter, which accepts some code the GPU build rejects (and the reverse); this catches the
-build errors before a device is lent. Covered: the kernels added in session 5 and the variants they added
-to older ones, session 9's split-K GEMM and its sum, the talker's decode attention (whose PTX must have
-16-byte loads where its rows are aligned), and session 11's fp16x3 GEMM, its split-K sum, the activations'
+build errors before a device is lent. Covered: the kernels imported below with the variants the served
+paths use, among them the split-K GEMMs and their sums, the talker's decode attention (whose PTX must have
+16-byte loads where its rows are aligned), the fp16x3 GEMM, the activations'
 split and the split output of the codec's conv + norm, at the full model's shapes. Run without TRITON_INTERPRET
 (tests/test_compile_kernels.py runs it in a subprocess).
 
@@ -68,7 +68,7 @@ for c in (384, 768, 1536):
     compile_(_dwconv_layer_norm_kernel, {"x_ptr": f32, "hist_ptr": f32, "slots_ptr": "*i64", "w_ptr": f32, "b_ptr": f32,
                                          "nw_ptr": f32, "nb_ptr": f32, "y_ptr": f32, "eps": "fp32"},
              {"C": c, "KSIZE": 7, "BLOCK_L": max(1, 4096 // bc), "BLOCK_C": bc}, num_warps=4)
-for split_k in (1, 3):  # session 9: split-K (partial products to scratch, then the sum kernel's epilogue)
+for split_k in (1, 3):  # split-K (partial products to scratch, then the sum kernel's epilogue)
     compile_(_fp32_linear_kernel, {"x_ptr": f32, "w_ptr": f32, "wl_ptr": f32, "b_ptr": f32, "r_ptr": f32, "y_ptr": f32,
                                    "part_ptr": f32},
              {"K": 1536, "HAS_BIAS": True, "GELU": False, "HAS_RESIDUAL": True, "PRECISION": "tf32", "PRESPLIT": True,
@@ -76,7 +76,7 @@ for split_k in (1, 3):  # session 9: split-K (partial products to scratch, then 
 compile_(_split_k_sum_kernel, {"part_ptr": f32, "b_ptr": f32, "r_ptr": f32, "y_ptr": f32},
          {"SPLIT_K": 3, "HAS_BIAS": True, "GELU": True, "HAS_RESIDUAL": False, "BLOCK_M": 32, "BLOCK_N": 128},
          num_warps=4)
-# Session 11: the codec's fp16x3 GEMM (split-K, and the epilogue that writes its output split), its split-K sum
+# The codec's fp16x3 GEMM (split-K, and the epilogue that writes its output split), its split-K sum
 # and the activations' split.
 f16 = "*fp16"
 fp16x3_ptrs = {"xh_ptr": f16, "xl_ptr": f16, "xinv_ptr": f32, "wh_ptr": f16, "wl_ptr": f16, "winv_ptr": f32,
@@ -90,8 +90,8 @@ compile_(_fp16x3_split_k_sum_kernel, {n: t for n, t in fp16x3_ptrs.items() if no
           "BLOCK_N": 128, "SCALE": 64}, num_warps=4)
 compile_(_split_rows_kernel, {"x_ptr": f32, "hi_ptr": f16, "lo_ptr": f16, "inv_ptr": f32}, {"BLOCK_M": 32, "SCALE": 64},
          num_warps=4)
-# The talker's decode attention with its rows known 16-byte aligned must load 16 bytes at a time (session 9: the
-# 72-element key stride left Triton with 2-byte loads; docs/performance.md). Strides as runtime ints, as served.
+# The talker's decode attention with its rows known 16-byte aligned must load 16 bytes at a time (without
+# ROWS_ALIGNED its 72-element key stride gives 2-byte loads; docs/performance.md). Strides as runtime ints, as served.
 for aligned in (False, True):
     ptx = compile_(_decode_attention_vector_kernel,
                    {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "out_ptr": bf16, "slots_ptr": "*i64",
@@ -112,22 +112,22 @@ for store in (False, True):
 compile_(_rnnt_commit_kernel, {"logits_ptr": bf16, "active_ptr": "*i1", "hn_ptr": bf16, "h_ptr": bf16, "cn_ptr": bf16,
                                "c_ptr": bf16, "last_ptr": "*i64", "tokens_ptr": "*i64"},
          {"LAYERS": 2, "BLOCK_V": 2048, "BLOCK_H": 1024}, num_warps=4)
-for t in (f32, bf16):  # bf16: the talker's stacked heads output, read as it is (session 17)
+for t in (f32, bf16):  # bf16: the talker's stacked heads output, read as it is
     compile_(_top_p_gumbel_argmax_kernel, {"logits_ptr": t, "noise_ptr": f32, "out_ptr": "*i64", "drop_mass": "fp32"},
              {"BLOCK": 1024}, num_warps=4)
-for nxt in (False, True):  # the encoder's joints; NEXT: norm_out then the next layer's first norm (session 17)
+for nxt in (False, True):  # the encoder's joints; NEXT: norm_out then the next layer's first norm
     compile_(_add_layer_norm_kernel, {n: bf16 for n in ("x_ptr", "delta_ptr", "w_ptr", "b_ptr", "s_ptr", "y_ptr",
                                                         "w2_ptr", "b2_ptr")} | {"alpha": "fp32", "eps": "fp32", "eps2": "fp32"},
              {"D": 1024, "HAS_DELTA": True, "NEXT": nxt, "BLOCK_D": 1024, "BF16": True}, num_warps=4)
 compile_(_mog_latent_kernel, {n: bf16 for n in ("x_ptr", "wmus_ptr", "low_ptr", "wlogs_ptr", "else_ptr", "normal_ptr")}
          | {"comp_ptr": "*i64", "z_ptr": f32, "min_log_std": "fp32", "noise_scale": "fp32"},
          {"BLOCK_H": 128, "BLOCK_R": 64, "BLOCK_L": 128, "DTYPE": tl.bfloat16, "BF16": True}, num_warps=4)
-# Session 18: the codec's streaming iSTFT tail (ops/istft_step.py) at the full codec's sizes, the GPU's block split
+# The codec's streaming iSTFT tail (ops/istft_step.py) at the full codec's sizes, the GPU's block split
 compile_(_istft_step_kernel, {n: f32 for n in ("head_ptr", "basis_ptr", "window_ptr", "inner_ptr", "env_ptr", "ola_ptr",
                                                "env_tail_ptr", "wav_ptr")}
          | {"step_head_ptr": "*i1", "done_ptr": "*i64", "slots_ptr": "*i64"},
          {"N_FFT": 16, "HOP": 4, "BLOCK_T": 32, "BLOCK_F": 32, "BLOCK_HOP": 16, "BLOCK_TAIL": 16}, num_warps=4)
-# Session 18: the text logits' argmax with their top two values (per chunk, then the merge).
+# The text logits' argmax with their top two values (per chunk, then the merge).
 compile_(_chunk_kernel, {"x_ptr": bf16, "best_ptr": f32, "index_ptr": "*i32", "second_ptr": f32}, {"BLOCK": 4096},
          num_warps=8)
 compile_(_merge_kernel, {"best_ptr": f32, "index_ptr": "*i32", "second_ptr": f32, "argmax_ptr": "*i64", "top2_ptr": f32},

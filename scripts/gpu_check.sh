@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Device-machine checks and measurements of the serving defaults, in calls that each fit the device
-# tool's 600 s limit (session 8, from a cold machine: the GPU tests > 5 min, the step part ~2 min, the load
+# tool's 600 s limit (from a cold machine: the GPU tests > 5 min, the step part ~2 min, the load
 # part ~6.5 min). Results under $OUT (small files only: Hydra and load directories stay under /tmp, and only
 # their summaries are copied).
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (+ pytest's wheels in .whl/extra/,
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
 #   bash scripts/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
 #   bash scripts/gpu_check.sh step [overrides...]   # bench_step N=1/32/128 at position 1000
-#   bash scripts/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
-#                                             # graphs and eager (its command: 99 s, session 9)
+#   bash scripts/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
+#                                             # graphs and eager (its command: 99 s)
 #   bash scripts/gpu_check.sh profile         # the captured greedy step's kernels at N=32/128 (what `step` times), then every compiled
 #                                             # Triton kernel's loads by width (scripts/ptx_loads.py)
 #   [GATE_DTYPE=fp32] bash scripts/gpu_check.sh gate [seconds] [rows]   # the gate's model rows at full size (random

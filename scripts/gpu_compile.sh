@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole-step torch.compile build (engine.graph_backend=reduce-overhead) at full size on the device
-# machine. Until session 16 a build of one bucket never finished (over 6 minutes; graphs/fallbacks.py says
-# why); one takes ~70 s now. The build runs detached (setsid), so a longer one goes on between calls while
+# machine. A build of one bucket takes ~70 s (without graphs/fallbacks.py it ran over 6 minutes; that
+# file says why). The build runs detached (setsid), so a longer one goes on between calls while
 # the machine stays warm (30 s after a call), and writes under outputs/compile/ (ignored, kept between
 # calls on a warm machine):
 #   bash scripts/gpu_compile.sh start [bench_step overrides...]   # launch, then wait as below

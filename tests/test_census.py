@@ -1,5 +1,5 @@
 """scripts/census_step.py counts the device ops of one frame step on the CPU (tiny model, kernel code
-paths under the interpreter). Guards on the counts that the session-2 kernels brought down."""
+paths under the interpreter). Guards on the counts that the kernels of ops/ brought down."""
 import sys
 from pathlib import Path
 
@@ -15,7 +15,7 @@ def test_census_counts_the_fused_kernels_once():
     counts = census(calls=2)
     everything = sum((c for c in counts.values()), start=type(next(iter(counts.values())))())
     assert everything["counter_rng"] == 3          # two talker draws and the text sampler's, one op each
-    # the talker's q norm + rotary runs in its k / v store's launch (session 17), none on its own
+    # the talker's q norm + rotary runs in its k / v store's launch, none on its own
     assert everything["rms_norm"] > 0 and everything["rms_norm_rope_qk_store"] > 0 and everything["rms_norm_rope"] == 0
     assert everything["bitwise_xor"] == 0          # no integer hash left in torch
     assert counts["rnnt"]["lstm_cell"] > 0 and counts["rnnt"]["sigmoid"] == 0
@@ -40,22 +40,22 @@ def test_census_with_the_full_layer_counts():
     assert talker_module._decode_attention is before
     total = lambda c: sum(c.values())  # noqa: E731
     per_layer, rest = divmod(total(full["encoder"]) - total(tiny["encoder"]), 24 - 2)  # 2 -> 24 layers
-    # 18 ops per fused encoder layer (31 before ops/layernorm.py, 19 before session 17's add_layer_norm_then)
+    # 18 ops per fused encoder layer (31 before ops/layernorm.py, 19 before its add_layer_norm_then)
     assert rest == 0 and 0 < per_layer <= 18
     assert full["encoder"]["add_layer_norm_then"] == 23 and full["encoder"]["native_layer_norm"] <= 1
     assert full["talker.backbone"]["decode_attention"] == 28 and tiny["talker.backbone"]["decode_attention"] == 6
-    # per talker layer one norm + rotary launch for q, k and v (session 17); the cos / sin of both thetas
+    # per talker layer one norm + rotary launch for q, k and v; the cos / sin of both thetas
     # from one product per step, not ~9 ops per theta
     assert full["talker.backbone"]["rms_norm_rope_qk_store"] == 28 and full["talker.backbone"]["cat"] == 0
     assert full["llm"]["mamba_step"] == 27
-    # the LLM attention layers' q/k/v as one GEMM (session 17): 2 GEMMs per Mamba, MLP and attention layer
+    # the LLM attention layers' q/k/v as one GEMM: 2 GEMMs per Mamba, MLP and attention layer
     assert full["llm"]["mm"] == 2 * (27 + 25 + 4)
-    # the MoG passes (session 17): the trunk's joints, the stacked heads and the latent draw as kernels,
+    # the MoG passes: the trunk's joints, the stacked heads and the latent draw as kernels,
     # 296 ops before; per pass now 8 GEMMs and 9 other ops, plus each codebook's distance GEMM and argmin
     # (on the CPU an addmm also copies its bias: 31 copy_ that the GPU's epilogue does not launch)
     assert full["talker.generate"]["mog_latent"] == 5 and full["talker.generate"]["bmm"] == 0
     assert total(full["talker.generate"]) <= 180
-    # session 18: the codec's iSTFT tail and state update as one kernel (107 ops in the stage before); the
+    # the codec's iSTFT tail and state update as one kernel (107 ops in the stage before); the
     # text's argmax and its top-2 margins as one op on the step's own stream (torch.topk's ~6 kernels before)
     assert full["codec"]["istft_step"] == 1 and total(full["codec"]) <= 65
     assert full["other"]["argmax_top2"] == 1 and full["other"]["topk"] == 0

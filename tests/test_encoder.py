@@ -231,7 +231,7 @@ def test_pos_tables_follow_loaded_weights(monkeypatch):
 @torch.no_grad()
 def test_streaming_qkv_stack_is_the_weights_themselves():
     """The streaming step's one q/k/v GEMM reads `stack` (nemo_duplex/models/stacking.py), whose row blocks ARE
-    linear_q/k/v's weights: no second copy (until session 15 a concatenated copy, 144 MiB at full size in
+    linear_q/k/v's weights: no second copy (a concatenated copy would be 144 MiB at full size in
     bf16), a state_dict load writes into it, a cast re-stacks it; the checkpoint keys are unchanged."""
     model = make_perception(seed=5)
     keys = set(model.state_dict())

@@ -1,4 +1,4 @@
-"""The batched engine (issue 3): live == upload == offline, batch invariance, slot hygiene, prefix cache,
+"""The batched engine: live == upload == offline, batch invariance, slot hygiene, prefix cache,
 tool-result injection, limits. Tiny model, CPU, fp32."""
 import numpy as np
 import pytest

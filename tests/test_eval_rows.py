@@ -1,4 +1,4 @@
-"""The gate's model rows (issue 6) on the tiny model: each passes on the model as built and fails, naming
+"""The gate's model rows on the tiny model: each passes on the model as built and fails, naming
 what broke, on a deliberately broken variant. CPU, fp32 yardstick + bf16 variant, fresh noisy clips."""
 import dataclasses
 from pathlib import Path

@@ -1,6 +1,6 @@
 """graphs/fallbacks.py: every ops/ custom op is an explicit Inductor fallback before a build, so Inductor
 never takes the implicit-fallback path, whose argument string (every input's IR, recursively) torch 2.11
-builds whether it is logged or not: the full-size whole-step build spent minutes in it (session 16's stack
+builds whether it is logged or not: the full-size whole-step build spent minutes in it (its stack
 samples) and took 71 s once the ops were registered."""
 import logging
 

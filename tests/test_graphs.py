@@ -1,10 +1,10 @@
-"""Graphs on vs off (issue 4): the captured frame step computes what the eager one does.
+"""Graphs on vs off: the captured frame step computes what the eager one does.
 
 On the CPU there are no CUDA graphs; "graphs on" is the torch.compile'd step (fullgraph, as on the GPU),
 built twice: with the aot_eager compiler, which traces exactly the graph the GPU build captures but runs it
 with eager kernels, and with Inductor (its C++ build of the tiny step, ~2 minutes on a 2-core machine),
 which compiles that graph. Only the second found the torch.add-with-alpha miscompile (pytorch/pytorch#167313,
-session 15: ~0.5 relative off eager; ops/layernorm.py). The batch is
+~0.5 relative off eager; ops/layernorm.py). The batch is
 padded to its bucket with sink rows, as when serving. Teacher-forced: before every frame both paths
 start from the same state, and the run continues from the eager path's state, so one near-tie cannot
 cascade. Criteria: every stage's output within 1e-4 relative (fp32); a token or code may differ only
@@ -172,7 +172,7 @@ def test_reduce_overhead_records_a_graph_and_matches_eager(tiny, static_pools, m
     the pools marked static (mark_static_inputs): cudagraph trees record one graph that copies in only the
     step's 3 row inputs, and the replayed step matches the eager one teacher-forced over 50 frames: every
     stage within 1e-4 relative, a token or code differing only where eager's margin is below 1e-3.
-    Unmarked (static_pools=False, the back end before session 16): torch.compile records no CUDA graph,
+    Unmarked (static_pools=False): torch.compile records no CUDA graph,
     and capture() says so. Inductor's caches are off: a build loaded from the cache of the other variant's
     build keeps that build's static inputs."""
     import copy
@@ -216,11 +216,11 @@ def test_reduce_overhead_records_a_graph_and_matches_eager(tiny, static_pools, m
 @torch.no_grad()
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cudagraph-eager", pytest.param("cudagraph-regions", marks=pytest.mark.xfail(
-    reason="H200, session 4: with the compiled regions the talker's codes differed from the plain step at "
+    reason="H200: with the compiled regions the talker's codes differed from the plain step at "
            "frame 0 for 5 of 8 calls (the text comes before any region; its margins there were 0.47-0.63); "
            "cause not isolated (graphs/regions.py). Why cudagraph-regions is not the serving default."))])
 def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
-    """The issue-4 GPU criterion: full size, bf16, 200 teacher-forced frames, 8 calls padded into a
+    """The GPU criterion: full size, bf16, 200 teacher-forced frames, 8 calls padded into a
     bucket of 16. Stated bf16 tolerance: every stage within 2e-2 relative (the kernels' bf16 rounding
     differs between captured and eager launches only through cuBLAS choices); a token or code may differ
     only where eager's top-1/top-2 margin is below 1e-3, and the test reports how many did. The hand

@@ -97,7 +97,7 @@ def test_eos_does_not_stop_generation(tiny, example_clip):
 
 
 def test_offline_and_streaming_agree_on_shared_frames(tiny, example_clip):
-    """Issue 2 done-when: both modes' text tokens agree frame for frame on the frames they share, and the
+    """Both modes' text tokens agree frame for frame on the frames they share, and the
     streaming WAV is exactly 1764 samples per frame. With and without a system prompt."""
     model, tok, *_ = tiny
     clip = example_clip[: 1280 * 24 + 700]   # not a multiple of 1280

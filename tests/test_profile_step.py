@@ -1,5 +1,5 @@
-"""scripts/profile_step.py's timeline summaries (what session 19's stream measurements rest on), on made-up
-kernel records: the union of busy intervals, and each stage's span within a step."""
+"""scripts/profile_step.py's timeline summaries (what the stream measurements of docs/performance.md rest
+on), on made-up kernel records: the union of busy intervals, and each stage's span within a step."""
 import importlib.util
 import sys
 from pathlib import Path

@@ -235,7 +235,7 @@ def test_cached_step_matches_full_forward(kernels):
     `kernels` the norm kernels run through the interpreter (the step's fused add + norm joints against
     prefill's separate norms)."""
     # a 12-position window (the tiny model's is 48) so that T = 20 frames cross it: fewer steps through the
-    # interpreter (session 14: 130 s with T = 70)
+    # interpreter (130 s with T = 70)
     model = make_model(backbone=dataclasses.replace(tiny_config().talker.backbone, sliding_window=12))
     H, T, S, L = model.cfg.backbone.hidden_size, 20, 4, 96  # T > sliding window 12
     g = torch.Generator().manual_seed(2)
@@ -691,7 +691,7 @@ def test_steps_after_warmup_match_full_recompute():
            [PAD, PAD, PAD, BOS, 120, 121, 122, 123, 124, 125, EOS, PAD, PAD, PAD]]
     rolls = [draws(T, model, 10 + c) for c in range(2)]
     cache = model.allocate_cache(S, 64, "cpu", torch.float32)
-    slots = torch.tensor([1, 0, 2])  # call 0 in slot 1, call 1 in slot 0, padding row in the sink
+    slots = torch.tensor([1, 0, 2])  # calls 0 and 1 in slots 1 and 0, a padding row in the sink
     with torch.no_grad():
         model.prefill_warmup(cache, slots[:2], latent, silence)
         prev = torch.full((3, 31), model.cfg.codebook_size)
@@ -790,7 +790,7 @@ def test_full_size_cached_step_and_talker_step_on_gpu():
     with torch.no_grad():
         full = model.backbone(xs, torch.arange(T, device=dev)[None].expand(2, -1))
         cache = model.allocate_cache(S, 64, dev, torch.float32)
-        rows = torch.tensor([1, S + 0, 2], device=dev)  # call 0: stream 0 slot 1, call 1: stream 1 slot 0, sink
+        rows = torch.tensor([1, S + 0, 2], device=dev)  # calls 0 and 1: stream 0 slot 1 and stream 1 slot 0; sink
         out = []
         for t in range(T):
             x = torch.stack([xs[0, t], xs[1, t], torch.randn(H, generator=g, device=dev)])

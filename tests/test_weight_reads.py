@@ -98,8 +98,8 @@ def test_fixed_and_per_call_add_up(tiny):
 def test_kernels_gathering_rows_count_the_rows_the_references_gather():
     """The talker's code embedding (ops/codebook_sum.py) and MoG latent draw (ops/mog_latent.py) gather rows
     of their tables inside the kernel; the counter must count those rows, as it counts the references'
-    embedding / index gathers, not the whole table (session 17's first count of the new kernels took
-    proj_mus and low_mat as read whole: 0.23 GiB more per step at full size, the floor too high). The same
+    embedding / index gathers, not the whole table (counting proj_mus and low_mat as read
+    whole adds 0.23 GiB per step at full size, the floor too high). The same
     MoG passes through both paths count the same bytes for each table."""
     from ops import torch_references
     from tests.test_talker import draws, make_model

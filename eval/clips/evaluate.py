@@ -1,4 +1,4 @@
-"""Offline evaluation of a folder of clips (issue 6, item 4): what the agent says to each, and when.
+"""Offline evaluation of a folder of clips: what the agent says to each, and when.
 
     python eval/clips.py dir=<wavs> [checkpoint=<dir>] [mode=offline] [prompt="..."] [out=<dir>]
 

@@ -1,4 +1,4 @@
-"""Make the English test clips with espeak-ng (issue 6), or load a folder of WAVs instead.
+"""Make the English test clips with espeak-ng, or load a folder of WAVs instead.
 
     python eval/clips/make_clips.py --out outputs/clips [--trailing-silence-s 10] [--config conf/eval/clips.yaml]
 

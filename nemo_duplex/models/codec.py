@@ -83,12 +83,12 @@ GEMMS = ("auto", "ieee", "tf32x3", "tf32x3w", "fp16x3w", "bf16x3")
 PRESPLIT_GEMMS = ("tf32x3w", "fp16x3w")  # the paths whose weights RVQCodec.presplit_weights splits once
 # Below this many rows the split GEMMs lose to the IEEE SGEMM (too few tiles to fill the GPU), so "tf32x3" /
 # "bf16x3" fall back to "ieee" there. Row counts are static per batch bucket, so a captured graph keeps one
-# path. Session 5's sweep of decode_step (stage 1 has 9 rows per call, stage 2 63, stage 3 441) chose 512;
-# since session 9 the 3xTF32 kernel splits K where its grid leaves SMs idle (ops/fp32_linear.py), and the
+# path. A sweep of decode_step (stage 1 has 9 rows per call, stage 2 63, stage 3 441) chose 512 for a
+# single-pass kernel; the 3xTF32 kernel splits K where its grid leaves SMs idle (ops/fp32_linear.py), and the
 # same sweep (docs/performance.md) puts the line at 64: N=1 / 8 / 32 / 64 / 128 = 1.15 / 1.63 / 3.65 / 6.16
 # / 10.89 ms against 1.20 / 2.31 / 4.15 / 6.19 / 10.90 at 512; 0 loses at N=1 (1.36: 9-row GEMMs).
 SPLIT_GEMM_MIN_ROWS = 64
-# The same line for "fp16x3w": none. The session-11 sweep (scripts/bench_ops.py --only codec, H200,
+# The same line for "fp16x3w": none. The same sweep (scripts/bench_ops.py --only codec, H200,
 # docs/performance.md): decode_step at N=1 / 8 / 32 / 64 / 128 = 0.65 / 0.87 / 2.08 / 3.59 / 6.63 ms with
 # every GEMM on the fp16 kernel, against 1.08 / 0.93 / 2.14 / 3.59 / 6.61 with the IEEE SGEMM below 64 rows.
 FP16X3_MIN_ROWS = 0
@@ -100,8 +100,8 @@ def split_min_rows(gemm: str) -> int:
 
 
 def resolve_gemm(gemm: str, device: torch.device) -> str:
-    """"auto" -> the fp16x3 GEMM (weights split first) where there are tensor cores (docs/performance.md,
-    session 11: the codec's GEMMs 1.9 ms against 3.2 for tf32x3w at 128 calls), IEEE fp32 elsewhere; any
+    """"auto" -> the fp16x3 GEMM (weights split first) where there are tensor cores (docs/performance.md:
+    the codec's GEMMs 1.9 ms against 3.2 for tf32x3w at 128 calls), IEEE fp32 elsewhere; any
     other choice as it is."""
     if gemm == "auto":
         return "fp16x3w" if torch.device(device).type == "cuda" else "ieee"
@@ -742,7 +742,7 @@ class RVQCodec(nn.Module):
         (Latent2Wav.step_gemms), so the GEMMs take them as they are: for tf32x3w, without them every step
         ran split_tf32 over the ~92 M weights (0.26 ms in an H200 profile) and copied the upsampling weights
         into their row order; with them decode_step took 0.38 / 0.36 / 0.47 / 0.44 ms less at 8 / 32 / 64 /
-        128 calls on the H200, bit for bit the same output (scripts/bench_ops.py --only codec, session 10).
+        128 calls on the H200, bit for bit the same output (scripts/bench_ops.py --only codec).
         fp16x3w has no per-step split kernel (its weight split is torch code). Bytes per weight: 2 x 4
         (tf32x3w: 700 MiB at full size) or 2 x 2 plus 4 per output channel (fp16x3w: 350 MiB), counted by
         memory.derived_table_bytes. Built only where decode_step reads them (`presplit_used`: tf32x3w or

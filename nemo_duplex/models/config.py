@@ -202,7 +202,7 @@ class CodecConfig:
     # "tf32x3" (3xTF32 Triton GEMM, fp32-accurate; "tf32x3w": the weight split beforehand, for decode_step
     # once at load, RVQCodec.presplit_weights), "fp16x3w" (three fp16 products of power-of-two-scaled halves,
     # as accurate, weights split once the same way), "bf16x3" (~1e-5 relative), or "auto": fp16x3w on CUDA
-    # (measured fastest, docs/performance.md, session 11), ieee elsewhere. Not in config.json.
+    # (measured fastest, docs/performance.md), ieee elsewhere. Not in config.json.
     gemm: str = "auto"
 
 

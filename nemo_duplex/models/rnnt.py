@@ -168,7 +168,7 @@ class RNNTJoint(nn.Module):
         first rows ARE the module's weight and bias (re-pointed views, so loading a state_dict writes into
         it), and compute the logits through the padded GEMM, then slice. Why: a 1025-wide bf16 output's rows
         are not 16-byte aligned, and cuBLAS then runs an `align1` kernel: 0.26 / 0.63 ms per step at N=32 /
-        128 for the ten symbol steps (H200 profile, docs/performance.md, session 8). Re-done after every cast
+        128 for the ten symbol steps (H200 profile, docs/performance.md). Re-done after every cast
         or move (`_apply`), which gives each parameter a tensor of its own again."""
         out = self.joint_net[2]
         classes = out.out_features

@@ -525,7 +525,7 @@ def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor, norms: torch.Ten
     for book, norm in zip(books, norms):
         # one GEMM for the distances. With the norms as a 1-D bias cuBLAS adds them in its epilogue; a
         # [1, codebook] view was first copied into every output row (H200, 31 books: 435 -> 382 us at 32
-        # calls, 706 -> 637 at 128, bit for bit the same; docs/performance.md, session 10)
+        # calls, 706 -> 637 at 128, bit for bit the same; docs/performance.md)
         distances = torch.addmm(norm, r, book.T, alpha=-2)
         idx, r = argmin_residual(distances, r, book)  # argmin, gather, subtract: one kernel on the GPU
         codes.append(idx)

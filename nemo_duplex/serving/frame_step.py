@@ -96,12 +96,12 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
     the others' chains of small dependent kernels leave the GPU part idle:
     - one deep (`speech_slots` given): the speech half is that of the frame the row's call heard in its
       previous step, whose text token that step left in `st.pending_text`. H200, N=32, position 1000:
-      16.81 -> 14.67 ms a step (docs/performance.md, session 19).
+      16.81 -> 14.67 ms a step (docs/performance.md).
     - two deep (`text_slots` given too): the text half is that of the frame heard in the previous step,
       whose projected encoder frame that step left in `st.pending_audio`, and the speech half that of the
       frame heard two steps ago. The listening half runs on `encoder_stream`, so the encoder is off the
-      step's critical path: 14.79 -> 14.04 ms on one lease (session 20), 13.4-13.6 with the text half's
-      GEMMs leaving half the SMs to the talker (engine.llm_sm_carveout=auto, session 21).
+      step's critical path: 14.79 -> 14.04 ms (docs/performance.md), 13.4-13.6 with the text half's
+      GEMMs leaving half the SMs to the talker (engine.llm_sm_carveout=auto).
     A row's entry in `slots`, `text_slots` or `speech_slots` is the sink where its call has no frame for
     that half (a call's first steps, its last steps after its input ended, a padding row). The outputs
     belong to the halves' frames: enc and user to `slots`', text, func and top2 to `text_slots`', codes

@@ -44,7 +44,7 @@ class CallState:
         return self.max_calls
 
     def nbytes_per_slot(self) -> dict[str, int]:
-        """Bytes of each kind of state one call holds (memory planning, issue 7)."""
+        """Bytes of each kind of state one call holds (memory planning, nemo_duplex/serving/memory.py)."""
         rows = self.max_calls + 1
         def size(obj) -> int:
             return sum(t.numel() * t.element_size() for _, t in state_tensors(obj))

@@ -1,11 +1,11 @@
-"""The weight bytes one frame step reads: what the memory floor of a step counts (issue 4: "weight bytes
-read per step"), measured on the step itself rather than assumed from the parameter list.
+"""The weight bytes one frame step reads: what the memory floor of a step counts ("weight bytes read per
+step"), measured on the step itself rather than assumed from the parameter list.
 
 A step does not read every parameter and buffer: the LLM's 131072-row embedding table and the talker's
 per-token table are gathered a row per call, the codec's encoder and the talker's prompt projection run
 only at admission, the char-aware subword encoder only builds the per-token table, and on CUDA the codec's
-GEMMs read their fp16 splits instead of the fp32 weights. Counting the parameter list (as bench_step did
-until session 12) overstates the floor by those bytes.
+GEMMs read their fp16 splits instead of the fp32 weights. Counting the parameter list overstates the floor
+by those bytes.
 
 How: one eager frame step under a TorchDispatchMode that sees every op with its tensor arguments (every
 Triton kernel of ops/ is a torch.library custom op, so it is seen too, with the weights it is given). An

@@ -87,7 +87,7 @@ def test_reference_is_torch_add_with_alpha_bit_for_bit(dtype):
 def test_reference_compiled_by_inductor_after_a_matmul_keeps_its_alpha():
     """The encoder's joint as the whole-step compile sees it on the CPU: delta from a matmul, then the
     reference. With torch.add(..., alpha=0.5) Inductor fused the add into an addmm and dropped the alpha
-    (pytorch/pytorch#167313): 0.24 relative off eager here, so the compiled step was wrong (session 15).
+    (pytorch/pytorch#167313): 0.24 relative off eager here, so the compiled step was wrong.
     fp32; tolerance 1e-5 relative (Inductor's own GEMM and norm)."""
     gen = torch.Generator().manual_seed(6)
     x, _, w, b = _inputs(gen, 4, 64, torch.float32)

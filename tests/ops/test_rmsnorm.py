@@ -162,7 +162,7 @@ def test_norm_rope_store_writes_the_pools(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
-    """rms_norm_rope_qk_store (the talker's q beside its k/v store, session 17): q bit for bit what
+    """rms_norm_rope_qk_store (the talker's q beside its k/v store): q bit for bit what
     rms_norm_rope_triton makes of it with its own weight, the pools bit for bit what the store kernel
     writes; the torch statements (the CPU path) within rms_norm_rope's tolerance; q read from a strided view."""
     from ops.rmsnorm import (
