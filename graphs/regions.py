@@ -3,7 +3,7 @@
 Why: the whole frame step compiled by Inductor builds in ~70 s per bucket at full size and runs slower
 than the hand capture (graphs/capture.py), while most of the step is already one kernel per op (ops/).
 What is left of the small kernels sits in a few fixed-size pieces that do not depend on the layer counts
-(scripts/census_step.py): the talker's MoG passes with their residual quantisation (~500 ops in torch, 176
+(scripts/dev/census_step.py): the talker's MoG passes with their residual quantisation (~500 ops in torch, 176
 with the trunk's joints, the stacked heads and the latent draw as kernels) and the RNN-T's unrolled symbol
 loop (~260, now 182). Those are pure functions of their inputs (no state pools), so each is
 compiled on its own, `fullgraph=True`, and the step around them is captured by hand as before

@@ -240,7 +240,7 @@ class ProfileConfig:
 
 @dataclass
 class ProfileApp(BenchStepApp):
-    """scripts/profile_step.py: where one frame step's GPU time goes."""
+    """scripts/dev/profile_step.py: where one frame step's GPU time goes."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 

@@ -5,7 +5,7 @@
     relu_square(x)          = relu(x) ** 2             (the LLM's MLP, spec 3.5)
 
 Why kernels: in torch each is two launches (gelu, mul; clamp_min, pow), 44 + 25 of them per frame step
-at full size (scripts/census_step.py), each a few microseconds on the step's critical path
+at full size (scripts/dev/census_step.py), each a few microseconds on the step's critical path
 (docs/performance.md). relu_square is torch's arithmetic exactly (a bf16 square of a bf16 value is exact in
 fp32, so it rounds once either way). gelu_tanh_mul is ATen's formula in fp32, with the gelu rounded to the
 input dtype before the multiply as torch rounds between its two ops, but its tanh is written with exp, not

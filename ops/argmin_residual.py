@@ -4,7 +4,7 @@
     out[b] = residual[b] - book[idx[b]]         (fp32, one subtraction per element, as torch)
 
 Why a kernel: per codebook the torch statement is three launches after the distance GEMM (argmin, the
-codeword gather, the subtraction), 93 of them for the 31 codebooks of a frame step (scripts/census_step.py);
+codeword gather, the subtraction), 93 of them for the 31 codebooks of a frame step (scripts/dev/census_step.py);
 this is one. Bit for bit the same results: the minimum and its first index are exact, and the subtraction is
 the same single fp32 operation.
 """

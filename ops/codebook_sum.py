@@ -5,7 +5,7 @@ talker's code embedding (`depthsum`, spec 4.2.1),
 
 added left to right in fp32 and rounded once to the tables' dtype, so for fp32 tables (the codec) the result
 is bit for bit the torch statement's (an embedding lookup and an add per codebook). Why a kernel: that
-statement is 61 launches per frame step for the 31 codebooks (scripts/census_step.py); this is one; the
+statement is 61 launches per frame step for the 31 codebooks (scripts/dev/census_step.py); this is one; the
 talker's lookup + sum + offsets was 3 launches per MoG pass. tables is the codebooks stacked [Q, K, D] (the
 codec keeps a stacked copy, `ResidualVQ.stacked`; the talker's padded code table viewed [Q, K + 1, D]).
 `repeat` writes the rows `repeat` times over (out row r is codes row r % rows): the talker's two CFG streams

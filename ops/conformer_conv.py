@@ -10,7 +10,7 @@ with the roundings of the torch ops it replaces (ConformerConvolution.step befor
 conv output, the LayerNorm output and the SiLU output are each rounded once to the compute dtype (bf16 by
 rmsnorm's `_round_to`), everything between in fp32.
 Why a kernel: in torch this is 7 launches per layer (glu, gather, cat, index_copy_, depthwise conv,
-layer_norm, silu), 168 of the encoder's 828 per frame step at 24 layers (scripts/census_step.py).
+layer_norm, silu), 168 of the encoder's 828 per frame step at 24 layers (scripts/dev/census_step.py).
 Races: one program per row, and it touches only its own slot's cache row. Real rows have distinct slots;
 padding rows may all share the sink slot, whose contents are garbage anyway (their outputs are discarded).
 Within a program every thread reads its window (both the taps and the shifted copy it writes back) before

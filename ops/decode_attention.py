@@ -93,7 +93,7 @@ def _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i, 
     if ROWS_ALIGNED:
         # Triton only knows an integer argument's divisibility when it is a multiple of 16, and the talker's
         # key stride is 72: without the hint every element is its own 2-byte load (the PTX: 75 `ld.global.b16`
-        # per block of 16 keys, against 8 16-byte `ld.global.v4` with it; scripts/ptx_loads.py). The hint
+        # per block of 16 keys, against 8 16-byte `ld.global.v4` with it; scripts/dev/ptx_loads.py). The hint
         # goes on the 1-D offsets: Triton 3.6 drops one given on the broadcast [BLOCK_N, 1] form.
         k_rows = tl.multiple_of(k_rows, 8)
         v_rows = tl.multiple_of(v_rows, 8)
@@ -314,7 +314,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             num_warps: int | None = None, pipelined: bool | None = None,
                             num_stages: int | None = None) -> torch.Tensor:
     """The Triton path. `num_splits`, `block_n`, `num_warps`, `pipelined`, `num_stages` override the tuned choices
-    (scripts/bench_ops.py sweeps them); `precision` is the group kernel's tl.dot input precision."""
+    (scripts/dev/bench_ops.py sweeps them); `precision` is the group kernel's tl.dot input precision."""
     batch, num_heads, head_dim = q.shape
     num_slots, kv_heads, max_len, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape and num_heads % kv_heads == 0

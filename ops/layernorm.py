@@ -11,7 +11,7 @@ stream s and the normed y. With delta None it is a plain LayerNorm (y only). Wit
 LayerNorm) the sum is not kept: (y, then(y)), a layer's output norm and the next layer's first norm
 (norm_out, then the next layer's norm_feed_forward1): 23 fewer launches per frame step at full size.
 Why a kernel: at full size (24 layers, d_model 1024) the four joints were 192 of the encoder's 828 launches
-of a frame step (scripts/census_step.py), each a few microseconds inside a CUDA graph for a [B, 1024] tile.
+of a frame step (scripts/dev/census_step.py), each a few microseconds inside a CUDA graph for a [B, 1024] tile.
 bf16 roundings inside the kernel use rmsnorm's `_round_to` (bit arithmetic, see its docstring).
 """
 from __future__ import annotations

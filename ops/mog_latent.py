@@ -7,7 +7,7 @@
 
 for one row per call (x is the CFG-guided trunk output, k the drawn component). Why a kernel: in torch this is
 two gathers of the component's blocks, two batched GEMMs, a GEMV, the clamp, exp, and five elementwise ops
-with their roundings: 11 launches per pass, 55 per frame step (scripts/census_step.py), each a few
+with their roundings: 11 launches per pass, 55 per frame step (scripts/dev/census_step.py), each a few
 microseconds on a dependent chain. Here a program reads the component's W_mus block ([R, H]: 147 KB in bf16
 at full size) and a BLOCK_L-row slice of its low_mat block, and writes BLOCK_L entries of z.
 

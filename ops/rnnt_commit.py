@@ -10,7 +10,7 @@
 Why a kernel: in torch these are eight launches per symbol step (argmax, !=, &, where and the column copy,
 three more wheres) and the decode runs its ten symbol steps on every frame (the op sequence must not depend
 on the data inside a captured graph): ~80 of the RNN-T's ~260 launches per frame step
-(scripts/census_step.py). Selections and an exact maximum only: bit for bit the torch statements.
+(scripts/dev/census_step.py). Selections and an exact maximum only: bit for bit the torch statements.
 h, c, last, active and tokens are updated in place.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ kernels). Measured since (docs/performance.md): cuBLAS alone already streams the
 TB/s at 1-32 rows, this kernel reached 3.1-3.6 and won only on the encoder's small GEMMs at one row and
 the text head, and the whole step was 0.5-1.1 ms slower with it (every Linear of the LLM, heads, talker
 and RNN-T through it, commit c884f45). So no model code uses it; it stays with its benchmark
-(scripts/bench_ops.py --only skinny) as the measured alternative. Here each program owns BLOCK_N output
+(scripts/dev/bench_ops.py --only skinny) as the measured alternative. Here each program owns BLOCK_N output
 columns for ALL rows (so each weight element is read exactly once) and a slice of K; the K slices
 (split-K) exist only to put enough programs on the GPU when N is small, and their fp32 partial sums are
 added by a second kernel in a fixed order (no atomics: the result does not depend on scheduling).
@@ -109,7 +109,7 @@ def pick_split_k(n_blocks: int, k: int, block_k: int, num_sms: int) -> int:
     return max(1, min(want, k // (4 * block_k)))
 
 
-GPU_TILES = (64, 128, 4, 4)  # BLOCK_N, BLOCK_K, num_warps, num_stages (scripts/bench_ops.py --only skinny --sweep)
+GPU_TILES = (64, 128, 4, 4)  # BLOCK_N, BLOCK_K, num_warps, num_stages (scripts/dev/bench_ops.py --only skinny --sweep)
 
 
 def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -1,4 +1,4 @@
-"""scripts/bench_ops.py: the GEMM census it times on the GPU, and a CPU smoke run of that section."""
+"""scripts/dev/bench_ops.py: the GEMM census it times on the GPU, and a CPU smoke run of that section."""
 import json
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "dev"))
 
 import bench_ops  # noqa: E402
 
@@ -31,7 +31,7 @@ def test_step_gemm_shapes_full_size():
 
 def test_gemm_section_smoke(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(REPO / "scripts/bench_ops.py"), "--smoke", "--only", "gemm",
+    r = subprocess.run([sys.executable, str(REPO / "scripts/dev/bench_ops.py"), "--smoke", "--only", "gemm",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads((tmp_path / "bench_ops.json").read_text())["rows"]

@@ -1,11 +1,11 @@
-"""scripts/census_step.py counts the device ops of one frame step on the CPU (tiny model, kernel code
+"""scripts/dev/census_step.py counts the device ops of one frame step on the CPU (tiny model, kernel code
 paths under the interpreter). Guards on the counts that the kernels of ops/ brought down."""
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "dev"))
 
 
 @pytest.mark.triton_interpret

@@ -1,4 +1,4 @@
-"""scripts/compile_kernels.py: the GPU build (to an sm_90 cubin, with Triton's own ptxas) of the kernels it
+"""scripts/dev/compile_kernels.py: the GPU build (to an sm_90 cubin, with Triton's own ptxas) of the kernels it
 covers succeeds on a machine without a GPU. In a subprocess without TRITON_INTERPRET, since the test
 process defines every kernel for the interpreter (tests/conftest.py)."""
 import os
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_kernels_build_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(REPO / "scripts/compile_kernels.py")], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, str(REPO / "scripts/dev/compile_kernels.py")], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     built = [line for line in r.stdout.splitlines() if line.endswith("ptx chars)")]

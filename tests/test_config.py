@@ -13,7 +13,7 @@ from tests.apps import APPS, REPO, compose_app
 
 ENTRY_POINTS = {"serve": "scripts/serve.py", "run_clip": "scripts/run_clip.py",
                 "make_checkpoint": "scripts/make_checkpoint.py", "bench_step": "scripts/bench_step.py",
-                "bench": "scripts/bench.py", "profile_step": "scripts/profile_step.py", "gate": "eval/gate.py",
+                "bench": "scripts/bench.py", "profile_step": "scripts/dev/profile_step.py", "gate": "eval/gate.py",
                 "eval_clips": "eval/clips.py"}
 
 

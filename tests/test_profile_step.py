@@ -1,4 +1,4 @@
-"""scripts/profile_step.py's timeline summaries (what the stream measurements of docs/performance.md rest
+"""scripts/dev/profile_step.py's timeline summaries (what the stream measurements of docs/performance.md rest
 on), on made-up kernel records: the union of busy intervals, and each stage's span within a step."""
 import importlib.util
 import sys
@@ -9,8 +9,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _load():
-    sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location("profile_step", REPO / "scripts" / "profile_step.py")
+    sys.path.insert(0, str(REPO / "scripts" / "dev"))
+    spec = importlib.util.spec_from_file_location("profile_step", REPO / "scripts" / "dev" / "profile_step.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -88,7 +88,7 @@ PRESPLIT_GEMMS = ("tf32x3w", "fp16x3w")  # the paths whose weights RVQCodec.pres
 # same sweep (docs/performance.md) puts the line at 64: N=1 / 8 / 32 / 64 / 128 = 1.15 / 1.63 / 3.65 / 6.16
 # / 10.89 ms against 1.20 / 2.31 / 4.15 / 6.19 / 10.90 at 512; 0 loses at N=1 (1.36: 9-row GEMMs).
 SPLIT_GEMM_MIN_ROWS = 64
-# The same line for "fp16x3w": none. The same sweep (scripts/bench_ops.py --only codec, H200,
+# The same line for "fp16x3w": none. The same sweep (scripts/dev/bench_ops.py --only codec, H200,
 # docs/performance.md): decode_step at N=1 / 8 / 32 / 64 / 128 = 0.65 / 0.87 / 2.08 / 3.59 / 6.63 ms with
 # every GEMM on the fp16 kernel, against 1.08 / 0.93 / 2.14 / 3.59 / 6.61 with the IEEE SGEMM below 64 rows.
 FP16X3_MIN_ROWS = 0
@@ -742,7 +742,7 @@ class RVQCodec(nn.Module):
         (Latent2Wav.step_gemms), so the GEMMs take them as they are: for tf32x3w, without them every step
         ran split_tf32 over the ~92 M weights (0.26 ms in an H200 profile) and copied the upsampling weights
         into their row order; with them decode_step took 0.38 / 0.36 / 0.47 / 0.44 ms less at 8 / 32 / 64 /
-        128 calls on the H200, bit for bit the same output (scripts/bench_ops.py --only codec).
+        128 calls on the H200, bit for bit the same output (scripts/dev/bench_ops.py --only codec).
         fp16x3w has no per-step split kernel (its weight split is torch code). Bytes per weight: 2 x 4
         (tf32x3w: 700 MiB at full size) or 2 x 2 plus 4 per output channel (fp16x3w: 350 MiB), counted by
         memory.derived_table_bytes. Built only where decode_step reads them (`presplit_used`: tf32x3w or

@@ -650,7 +650,7 @@ class EarTTS(nn.Module):
         """The tables a frame step would otherwise derive from the weights every time:
         - text_table: text_condition of every token id. It depends on the id alone (the char encoder sees
           only the token's own characters; the flags are per id), so a step looks up one row per call
-          instead of running the char encoder: ~80 fewer launches per step (scripts/census_step.py), for
+          instead of running the char encoder: ~80 fewer launches per step (scripts/dev/census_step.py), for
           vocab x H values (302 MiB in bf16 at full size). Built in chunks of `chunk` ids (the char
           encoder's activations grow with the longest token's characters squared: ~1 GiB of attention
           scores per 1024 ids at 128 characters), so its values equal the char encoder's within the

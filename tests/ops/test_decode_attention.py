@@ -72,7 +72,7 @@ def test_kernel_matches_reference(num_heads, kv_heads, head_dim, window, num_spl
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_vector_kernel_small_key_blocks(num_splits):
-    """8 keys per block (an override the attention sweep of scripts/bench_ops.py times) over rows whose
+    """8 keys per block (an override the attention sweep of scripts/dev/bench_ops.py times) over rows whose
     lengths are not multiples of 8, head dim 72 (64 + a tail of 8), with a sliding window."""
     gen = torch.Generator().manual_seed(num_splits)
     q, k, v = _make(4, 2, 2, 72, 45, 5, torch.float32, DEVICE, gen)

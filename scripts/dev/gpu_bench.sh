@@ -2,9 +2,9 @@
 # One device-machine call: install the carried wheels, run the step benchmark.
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (Hydra; .whl/ is git-ignored),
 # plus pytest's wheels in .whl/extra/ if the GPU tests should run too; name .whl in the call's carry.
-# Usage (on the device): bash scripts/gpu_bench.sh [extra bench_step overrides...]
+# Usage (on the device): bash scripts/dev/gpu_bench.sh [extra bench_step overrides...]
 set -o pipefail
-source scripts/gpu_env.sh   # the carried wheels (Hydra; pytest and wandb if carried)
+source scripts/dev/gpu_env.sh   # the carried wheels (Hydra; pytest and wandb if carried)
 export OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -2,8 +2,8 @@
 per-frame decode under each GEMM choice. Median device time from CUDA-graph replays (see `timed`), bytes
 moved (the minimum a kernel must read + write), GB/s, and the max error against a float64 reference.
 
-    python scripts/bench_ops.py [--out DIR] [--quick] [--sweep]       # on a CUDA machine
-    TRITON_INTERPRET=1 python scripts/bench_ops.py --smoke             # CPU: tiny shapes, checks the script runs
+    python scripts/dev/bench_ops.py [--out DIR] [--quick] [--sweep]       # on a CUDA machine
+    TRITON_INTERPRET=1 python scripts/dev/bench_ops.py --smoke             # CPU: tiny shapes, checks the script runs
 
 Writes DIR/bench_ops.md (tables) and DIR/bench_ops.json. `--sweep` also tries block sizes / warps /
 loop forms of the decode-attention and fp32-linear kernels (what picked their defaults).
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ops.decode_attention import decode_attention_reference, decode_attention_triton  # noqa: E402
 from ops.fp32_linear import PRESPLIT_TILES, fp32_linear_reference, fp32_linear_triton, split_tf32  # noqa: E402

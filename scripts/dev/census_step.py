@@ -1,7 +1,7 @@
 """Kernel census of one frame step on the CPU: how many device ops each stage launches, by op name.
 
-    TRITON_INTERPRET=1 python scripts/census_step.py            # tiny model, the kernels' code paths
-    TRITON_INTERPRET=1 python scripts/census_step.py calls=4 layers=full   # the real layer counts
+    TRITON_INTERPRET=1 python scripts/dev/census_step.py            # tiny model, the kernels' code paths
+    TRITON_INTERPRET=1 python scripts/dev/census_step.py calls=4 layers=full   # the real layer counts
 
 A captured step's time is mostly its launch count times a few microseconds (docs/performance.md,
 "Where the time goes"), and the count does not need a GPU: this runs the tiny model through the same
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nemo_duplex.checkpoint.random_weights import random_model  # noqa: E402
 from nemo_duplex.models import talker as talker_module  # noqa: E402

@@ -1,8 +1,8 @@
 """Where a frame step's GPU time goes, N calls at a call position (full-size model, random weights).
 A diagnosis tool beside bench_step.py.
 
-    python scripts/profile_step.py model=nemotron_duplex model.weights=random device=cuda bench.batch_sizes=[32]
-    python scripts/profile_step.py ... profile.graphs=true engine.graph_backend=cudagraph-eager
+    python scripts/dev/profile_step.py model=nemotron_duplex model.weights=random device=cuda bench.batch_sizes=[32]
+    python scripts/dev/profile_step.py ... profile.graphs=true engine.graph_backend=cudagraph-eager
 
 Eager (default): each stage of frame_step (its record_function range) with the sum of its kernels' device
 time, then the busiest ops. With `profile.graphs=true`: the step captured as the serving path captures
@@ -22,8 +22,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/: bench_step
 
 from bench_step import fill_random  # noqa: E402
 
@@ -135,7 +135,7 @@ def print_graph_profile(prof, n: int, pos: int, top: int = 45, first_kernels: in
         print(f"{t:8.3f}  {calls[name] / STEPS:5.0f}x  {name[:150]}")
 
 
-@hydra.main(config_path="../conf", config_name="profile_step", version_base=None)
+@hydra.main(config_path="../../conf", config_name="profile_step", version_base=None)
 def main(cfg: DictConfig) -> None:
     from torch.profiler import ProfilerActivity, profile
 

@@ -5,24 +5,24 @@
 # their summaries are copied).
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (+ pytest's wheels in .whl/extra/,
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
-#   bash scripts/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
-#   bash scripts/gpu_check.sh step [overrides...]   # bench_step N=1/32/128 at position 1000
-#   bash scripts/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
+#   bash scripts/dev/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
+#   bash scripts/dev/gpu_check.sh step [overrides...]   # bench_step N=1/32/128 at position 1000
+#   bash scripts/dev/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
 #                                             # graphs and eager (its command: 99 s)
-#   bash scripts/gpu_check.sh profile         # the captured greedy step's kernels at N=32/128 (what `step` times), then every compiled
-#                                             # Triton kernel's loads by width (scripts/ptx_loads.py)
-#   [GATE_DTYPE=fp32] bash scripts/gpu_check.sh gate [seconds] [rows]   # the gate's model rows at full size (random
+#   bash scripts/dev/gpu_check.sh profile         # the captured greedy step's kernels at N=32/128 (what `step` times), then every compiled
+#                                             # Triton kernel's loads by width (scripts/dev/ptx_loads.py)
+#   [GATE_DTYPE=fp32] bash scripts/dev/gpu_check.sh gate [seconds] [rows]   # the gate's model rows at full size (random
 #                                             # weights, bf16 deployment vs the fp32 yardstick) on clips made
 #                                             # here (the device has no espeak-ng): python eval/clips/make_clips.py
 #                                             # --out outputs/gate_clips, then carry [".whl", "outputs/gate_clips"];
 #                                             # jiwer's wheels (pip download jiwer ... -d .whl/extra) for eval/wer.py,
 #                                             # soundfile's and cffi's for W&B's audio (not numpy: the device's stays)
-#   bash scripts/gpu_check.sh load [seconds] [server overrides...]
+#   bash scripts/dev/gpu_check.sh load [seconds] [server overrides...]
 #                                             # the load sweep (both start modes, N up to 160) and the uploads run
-#   e.g. bash scripts/gpu_check.sh load 420 engine.open_quiet_ms=0
-#   N_CALLS='[32,16]' UPLOAD_RUNS='[]' bash scripts/gpu_check.sh load 100   # a short load run
+#   e.g. bash scripts/dev/gpu_check.sh load 420 engine.open_quiet_ms=0
+#   N_CALLS='[32,16]' UPLOAD_RUNS='[]' bash scripts/dev/gpu_check.sh load 100   # a short load run
 set -o pipefail
-source scripts/gpu_env.sh
+source scripts/dev/gpu_env.sh
 export OUT=${OUT:-outputs/gpu_check}
 mkdir -p "$OUT"
 PART=${1:-step}
@@ -43,13 +43,13 @@ elif [ "$PART" = table ]; then
         bench.compare_eager=true hydra.run.dir=/tmp/gpu_check_table > "$OUT/table.log" 2>&1; tail -n 17 "$OUT/table.log"
 elif [ "$PART" = profile ]; then
     export TRITON_CACHE_DIR=/tmp/gpu_check_triton_cache
-    timeout 200 python3 scripts/profile_step.py $M +profile_graphs=true +profile_greedy=true 'bench.batch_sizes=[32,128]' \
+    timeout 200 python3 scripts/dev/profile_step.py $M profile.graphs=true profile.greedy=true 'bench.batch_sizes=[32,128]' \
         'bench.positions=[1000]' hydra.run.dir=/tmp/gpu_check_profile > "$OUT/profile.log" 2>&1
-    python3 scripts/ptx_loads.py "$TRITON_CACHE_DIR" > "$OUT/ptx_loads.txt" 2>&1
+    python3 scripts/dev/ptx_loads.py "$TRITON_CACHE_DIR" > "$OUT/ptx_loads.txt" 2>&1
     grep -A12 "====" "$OUT/profile.log"; head -n 12 "$OUT/ptx_loads.txt"
 elif [ "$PART" = gate ]; then
     D=${GATE_DTYPE:-bf16}   # the configured (deployment) dtype; the margins row always compares bf16 with fp32
-    timeout "${2:-500}" python3 eval/gate.py $M model.dtype.encoder=$D model.dtype.llm=$D model.dtype.talker=$D \
+    timeout "${2:-500}" python3 eval/gate.py $M model/dtype=$D \
         "eval.rows=${3:-[encoder_parity,margins,consistency]}" eval.clips.dir=outputs/gate_clips \
         eval.out_dir="$OUT/gate" wandb.mode=offline hydra.run.dir=/tmp/gpu_check_gate > "$OUT/gate.log" 2>&1
     echo "gate exit $?"; tr '\r' '\n' < "$OUT/gate.log" | grep -a -E "\[(PASS|FAIL|N/A)\]|^verdict|Error" | tail -n 20
@@ -58,8 +58,8 @@ elif [ "$PART" = load ]; then
     shift $(( $# >= 2 ? 2 : $# ))
     ARGS="[]"
     if [ $# -gt 0 ]; then ARGS=$(printf '"%s",' "$@"); ARGS="[${ARGS%,}]"; fi
-    timeout $((LOAD_S + 60)) python3 scripts/bench.py $M model.dtype.encoder=bf16 model.dtype.llm=bf16 \
-        model.dtype.talker=bf16 "loadtest.n_calls=${N_CALLS:-[1,16,32,64,96,128,160]}" loadtest.duration_s=12 \
+    timeout $((LOAD_S + 60)) python3 scripts/bench.py $M model/dtype=bf16 \
+        "loadtest.n_calls=${N_CALLS:-[1,16,32,64,96,128,160]}" loadtest.duration_s=12 \
         "loadtest.upload_runs=${UPLOAD_RUNS:-[32]}" "loadtest.server_args=$ARGS" loadtest.time_budget_s=$LOAD_S \
         loadtest.out=/tmp/gpu_check_load hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/load.log" 2>&1
     cp /tmp/gpu_check_load/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
@@ -68,5 +68,5 @@ elif [ "$PART" = load ]; then
     tar czf "$OUT/calls.tgz" -C /tmp/gpu_check_load calls 2>/dev/null   # every packet's arrival, per run
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
 else
-    echo "usage: bash scripts/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] | load [seconds] [server overrides...]" >&2; exit 2
+    echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] | load [seconds] [server overrides...]" >&2; exit 2
 fi

@@ -4,14 +4,14 @@
 # file says why). The build runs detached (setsid), so a longer one goes on between calls while
 # the machine stays warm (30 s after a call), and writes under outputs/compile/ (ignored, kept between
 # calls on a warm machine):
-#   bash scripts/gpu_compile.sh start [bench_step overrides...]   # launch, then wait as below
-#   bash scripts/gpu_compile.sh wait                               # wait up to WAIT_S (540) for it, log tail
+#   bash scripts/dev/gpu_compile.sh start [bench_step overrides...]   # launch, then wait as below
+#   bash scripts/dev/gpu_compile.sh wait                               # wait up to WAIT_S (540) for it, log tail
 # Every 60 s the build's process writes its main thread's stack to stacks.log (where the build spends its time).
 # Inductor's caches go to outputs/compile/cache, so a second start of the same build measures a warm start.
 # M replaces the model and device (a CPU smoke run: M='model=nemotron_duplex_tiny device=cpu').
 # Results are copied to $OUT: bench.log, stacks.log, bench_step_*.json.
 set -o pipefail
-source scripts/gpu_env.sh
+source scripts/dev/gpu_env.sh
 D=outputs/compile
 mkdir -p "$D"
 if [ "${1:-wait}" = start ]; then

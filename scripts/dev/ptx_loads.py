@@ -1,6 +1,6 @@
 """Global loads by width in every Triton kernel compiled on this machine (its cache's PTX files).
 
-    python3 scripts/ptx_loads.py [CACHE_DIR]      # default: $TRITON_CACHE_DIR or ~/.triton/cache
+    python3 scripts/dev/ptx_loads.py [CACHE_DIR]      # default: $TRITON_CACHE_DIR or ~/.triton/cache
 
 Why: Triton only knows an integer argument's divisibility when it is a multiple of 16, so a kernel whose
 rows are, say, 72 elements apart loads one element per instruction unless told (tl.multiple_of); a

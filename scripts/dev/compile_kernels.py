@@ -7,7 +7,7 @@ paths use, among them the split-K GEMMs and their sums, the talker's decode atte
 split and the split output of the codec's conv + norm, at the full model's shapes. Run without TRITON_INTERPRET
 (tests/test_compile_kernels.py runs it in a subprocess).
 
-    python scripts/compile_kernels.py
+    python scripts/dev/compile_kernels.py
 """
 import os
 import sys
@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels it compiles")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ops.argmax_top2 import _chunk_kernel, _merge_kernel  # noqa: E402
 from ops.argmin_residual import _argmin_residual_kernel  # noqa: E402
 from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
@@ -36,7 +36,7 @@ from ops.mog_latent import _mog_latent_kernel  # noqa: E402
 from ops.rmsnorm import _rms_norm_rope_kernel  # noqa: E402
 from ops.rnnt_commit import _rnnt_commit_kernel  # noqa: E402
 from ops.top_p_sample import _top_p_gumbel_argmax_kernel  # noqa: E402
-from scripts.ptx_loads import load_widths  # noqa: E402
+from scripts.dev.ptx_loads import load_widths  # noqa: E402
 
 target = GPUTarget("cuda", 90, 32)
 
