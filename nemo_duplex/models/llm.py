@@ -272,6 +272,7 @@ class Block(nn.Module):
 class NemotronH(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
+        self.use_kernels = False   # the step's path, chosen once at load (VoiceChat.cast_for_inference)
         self.cfg = cfg
         self.layers = nn.ModuleList(Block(cfg, kind) for kind in cfg.hybrid_override_pattern)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
@@ -331,10 +332,11 @@ class NemotronH(nn.Module):
              use_kernels: bool | None = None) -> torch.Tensor:
         """x [B, H]: one token per row. Row r's attention pools hold lengths[r] earlier tokens of slot
         slots[r]; the new k/v go to position lengths[r] and the conv/SSM rows are updated in place.
-        use_kernels: Triton ops (default when on CUDA) or the plain torch gather/compute/scatter path.
-        Returns h [B, H] after norm_f. The caller advances lengths."""
+        use_kernels: the Triton ops' path, or the plain torch gather/compute/scatter one; None = the choice
+        made at load (`self.use_kernels`, VoiceChat.cast_for_inference: the kernels where the weights are on
+        CUDA). Returns h [B, H] after norm_f. The caller advances lengths."""
         if use_kernels is None:
-            use_kernels = x.is_cuda
+            use_kernels = self.use_kernels
         h = self.layers[0].norm(x)
         for i, layer in enumerate(self.layers):
             if layer.kind == MAMBA:

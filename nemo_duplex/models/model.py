@@ -145,6 +145,8 @@ class VoiceChat(nn.Module):
         stack_all(self.llm)
         if self.has_rnnt:
             self.stt_model.rnnt_joint.pad_output()
+        # the LLM step's path, chosen here once: the Triton kernels where the weights are on CUDA
+        self.llm.use_kernels = self.stt_model.embed_tokens.weight.is_cuda
         if not self.talker.bos_emb.is_meta:   # (build_empty_model casts on meta, before any weight exists)
             self.talker.build_tables()
             self.codec.presplit_weights()  # after the codec's cast: its GEMM weights split once, where used

@@ -96,31 +96,6 @@ class GatedMLP(StackedProjections):
         return self.down_proj(gelu_tanh_mul(gate, up))
 
 
-def _decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                      lengths: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
-    """One query per row against that row's cached keys (torch reference path).
-
-    q [N, heads, D]; cache_k/cache_v [R, kv_heads, L, D] (a pool); slots [N] rows of the pool; lengths [N]
-    keys written so far (the current position is lengths - 1). Key j is visible iff j < lengths and, with a
-    sliding window, j > current - window (same rule as transformers' sliding_window_overlay). -> [N, heads, D].
-    Same semantics as ops/decode_attention.py, whose Triton kernel serves CUDA tensors.
-    """
-    if q.is_cuda:
-        return decode_attention(q, cache_k, cache_v, slots, lengths, scale, window)
-    k, v = cache_k[slots], cache_v[slots]  # [N, kv_heads, L, D]
-    n, heads, d = q.shape
-    kv_heads, max_len = k.shape[1], k.shape[2]
-    qg = q.view(n, kv_heads, heads // kv_heads, d)
-    scores = torch.einsum("nhgd,nhld->nhgl", qg, k).float() * scale
-    key_pos = torch.arange(max_len, device=q.device)
-    visible = key_pos[None, :] < lengths[:, None]
-    if window is not None:
-        visible = visible & (key_pos[None, :] >= lengths[:, None] - window)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype)
-    return torch.einsum("nhgl,nhld->nhgd", probs, v).reshape(n, heads, d)
-
-
 class Gemma3Attention(StackedProjections):
     """Gemma3 self-attention: q/k RMSNorm over head_dim before RoPE, query scale query_pre_attn_scalar^-0.5
     (spec 4.1, pitfall 9.6), RoPE theta and sliding window by layer type."""
@@ -200,7 +175,7 @@ class Gemma3Attention(StackedProjections):
                                    self.k_norm.weight, self.k_norm.eps, cos, sin, v.view(heads), pool_k, pool_v,
                                    rows, positions)
         lengths = positions + 1 if lengths is None else lengths
-        out = _decode_attention(q[:, 0], pool_k, pool_v, rows, lengths, self.window, self.scale)
+        out = decode_attention(q[:, 0], pool_k, pool_v, rows, lengths, self.scale, self.window)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
