@@ -96,6 +96,17 @@ class GatedMLP(StackedProjections):
         return self.down_proj(gelu_tanh_mul(gate, up))
 
 
+def attention_projections(module: nn.Module, cfg: GemmaConfig | CASConfig) -> None:
+    """The q/k/v/o projections of a Gemma-style attention (no bias) on `module`, and its head counts."""
+    module.num_heads, module.num_kv_heads, module.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                              cfg.head_dim)
+    q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
+    module.q_proj = nn.Linear(cfg.hidden_size, q, bias=False)
+    module.k_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
+    module.v_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
+    module.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+
+
 class Gemma3Attention(StackedProjections):
     """Gemma3 self-attention: q/k RMSNorm over head_dim before RoPE, query scale query_pre_attn_scalar^-0.5
     (spec 4.1, pitfall 9.6), RoPE theta and sliding window by layer type."""
@@ -103,11 +114,7 @@ class Gemma3Attention(StackedProjections):
 
     def __init__(self, cfg: GemmaConfig, layer: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        attention_projections(self, cfg)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         full = cfg.is_full_attention(layer)
@@ -284,11 +291,7 @@ class CharEncoderAttention(nn.Module):
 
     def __init__(self, cfg: CASConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        attention_projections(self, cfg)
         self.rope_theta = cfg.rope_theta
         self.scale = cfg.query_pre_attn_scalar ** -0.5
         self.softcap = cfg.attn_logit_softcapping
