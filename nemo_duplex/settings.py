@@ -107,6 +107,9 @@ class ServeConfig:
     max_tool_call_tokens: int = 512     # function-channel tokens between <SPECIAL_20> and <SPECIAL_21> (spec 8.5)
     max_tool_output_tokens: int = 1024  # tokens of one injected <TOOL_RESPONSE> (spec 8.5)
     tool_on_hold_min_frames: int = 17   # frames between a tool call and its result's injection (spec 8.5)
+    tool_timeout_s: float = 15.0        # a tool call with no output this long gets an error result (the model says so)
+    shutdown_grace_s: float = 10.0      # SIGTERM: calls get this long to end before they are cut (server_shutdown)
+    speech_hangover_ms: float = 800.0   # Realtime speech_stopped: this long after the user transcript's last token
     static_dir: str | None = None       # serve the page from here instead of the package's static/
 
 

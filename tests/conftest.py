@@ -121,3 +121,27 @@ def serving_blas():
     select_blas(library)
     yield library
     torch.backends.cuda.preferred_blas_library(before)
+
+
+# ---- the server tests' fixtures: a tokenizer, and servers on a scripted frame step (tests/server_support.py)
+@pytest.fixture
+def tok():
+    from tests.server_support import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def server(monkeypatch, tok):
+    made = []
+
+    def factory(**kw):
+        from tests.server_support import make
+
+        srv, model = make(monkeypatch, tok, **kw)
+        made.append(srv)
+        return srv, model
+
+    yield factory
+    for s in made:
+        s.close()

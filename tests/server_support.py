@@ -23,7 +23,7 @@ from nemo_duplex.serving import engine as engine_mod
 from nemo_duplex.serving.engine import Engine
 from nemo_duplex.serving.frame_step import StepOutput
 from nemo_duplex.serving.runner import HOST_FIELDS
-from nemo_duplex.settings import EngineConfig
+from nemo_duplex.settings import EngineConfig, ServeConfig
 
 
 # ---- a scripted model --------------------------------------------------------------------------------
@@ -47,7 +47,9 @@ class ScriptedModel:
     step_s: float = 0.0
     slots: dict = field(default_factory=dict)
     forced: list = field(default_factory=list)   # (seed, frame, token) of every forced function token
+    forced_text: list = field(default_factory=list)   # (seed, frame, token) of every forced text token
     prompts: list = field(default_factory=list)
+    heard: dict = field(default_factory=dict)   # seed -> the 1280-sample frames the step heard, in order
 
     def __post_init__(self):
         self.stt_model = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.zeros(1)))
@@ -86,11 +88,15 @@ class ScriptedModel:
             if forced[i] >= 0:   # as frame_step: the tool result overrides the head, text is PAD (spec 3.9)
                 func[i], text[i] = forced[i], pad
                 self.forced.append((sc.seed, k, int(forced[i])))
+            elif forced[i] <= -2:   # as frame_step: a forced text token (an on-hold message)
+                text[i] = -2 - forced[i]
+                self.forced_text.append((sc.seed, k, int(text[i])))
             u = self.user.get(sc.seed, {}).get(k, [])
             user[i, :len(u)] = torch.tensor(u, dtype=torch.int64)
             pcm[i, 0] = k / 32767.0
             pcm[i, 1] = sc.seed / 32767.0
             pcm[i, 2] = float(audio[i].abs().max())   # the input reached the step
+            self.heard.setdefault(sc.seed, []).append(audio[i].numpy().copy())
             sc.frame += 1
         Q = self.cfg.talker.num_quantizers
         return StepOutput(text=text, func=func, top2=torch.zeros(B, 2), codes=torch.zeros(B, Q, dtype=torch.int64),
@@ -135,17 +141,15 @@ def free_port() -> int:
 
 
 class RunningServer:
-    """`Server(...)` served by uvicorn on 127.0.0.1 (as scripts/serve.py serves it: server.app.uvicorn_config)
+    """`Server(...)` served by uvicorn on 127.0.0.1 (as scripts/serve.py serves it: server.app.uvicorn_server)
     from a background thread with its own event loop."""
 
     def __init__(self, server: Server, wait_ready: bool = True):
-        import uvicorn
-
-        from nemo_duplex.server.app import uvicorn_config
+        from nemo_duplex.server.app import uvicorn_server
 
         self.server = server
         self.port = free_port()
-        self.uvicorn = uvicorn.Server(uvicorn_config(server, host="127.0.0.1", port=self.port))
+        self.uvicorn = uvicorn_server(server, host="127.0.0.1", port=self.port)
         self.uvicorn.config.setup_event_loop = lambda: None   # this thread's own loop (below)
         self.loop = asyncio.new_event_loop()
 
@@ -206,3 +210,12 @@ def tone(seconds: float, rate: int = 16000, freq: float = 220.0, amp: float = 0.
     t = np.arange(int(seconds * rate)) / rate
     rng = np.random.default_rng(seed)
     return (amp * np.sin(2 * np.pi * freq * t) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def make(monkeypatch, tok, model=None, engine_kwargs=None, wait_ready=True, **serve):
+    model = model or ScriptedModel()
+    limits = {k: serve.pop(k) for k in ("max_calls", "max_call_s", "max_pending_s") if k in serve}   # the engine's
+    cfg = ServeConfig(**{"warmup_frames": 1, **serve})
+    eng = scripted_engine(monkeypatch, model, tok, **{"max_calls": 4, **limits, **(engine_kwargs or {})})
+    srv = RunningServer(Server(eng, tok, tiny_rnnt(), cfg), wait_ready=wait_ready)
+    return srv, model

@@ -16,8 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.server_support import tone, wav_bytes
-from tests.test_server import make
+from tests.server_support import make, tone, wav_bytes
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")

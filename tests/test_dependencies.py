@@ -67,9 +67,13 @@ def test_the_server_serves_without_the_extras(tmp_path):
         frames = [x for x in lines if x["type"] == "audio"]
         assert len(frames) == 10 and len(base64.b64decode(frames[0]["pcm16"])) == 2 * 1764
         assert lines[-1] == {"type": "ended", "reason": "completed"}
+        proc.terminate()                        # SIGTERM: the server drains and exits 0
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out[-3000:]
     finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
 
 
 def _wav(pcm16: bytes, rate: int = 16000) -> bytes:

@@ -163,6 +163,37 @@ def test_tool_result_injection_forces_function_channel(tiny, example_clip, pipel
     assert isinstance(events[-2], DrainedEvent) and events[-1].reason == "completed"
 
 
+@pytest.mark.parametrize("pipeline", [0, 2])
+def test_forced_text_reaches_the_talker(tiny, example_clip, pipeline, monkeypatch):
+    """An on-hold message's tokens forced onto the text channel (Call.inject_text_tokens) are the frames'
+    text tokens and the talker's text input for those frames (it voices them). Also two deep, where the speech half runs a
+    step later."""
+    model, *_ = tiny
+    eng = _engine(tiny, pipeline=pipeline)
+    talker_text = []
+    step = model.talker.step
+
+    def recording_step(text, prev_codes, cache, slots, *args, **kwargs):
+        talker_text.extend(int(t) for t, s in zip(text.tolist(), slots.tolist()) if s != eng.state.sink)
+        return step(text, prev_codes, cache, slots, *args, **kwargs)
+
+    monkeypatch.setattr(model.talker, "step", recording_step)
+    events = []
+    call = eng.open_call(CallOptions(seed=1), on_event=events.append)
+    t = model.cfg.tokens
+    message = [t.bos_id, 300, 301, 302, t.eos_id]
+    eng.tick()                                      # admission
+    call.inject_text_tokens(message)
+    call.append(example_clip[: 1280 * 8].numpy())
+    call.end_input()
+    while not call.closed:
+        eng.tick()
+    frames = [e for e in events if isinstance(e, FrameEvent)]
+    assert [f.text for f in frames[:5]] == message
+    assert talker_text[:5] == message and len(talker_text) == len(frames) == 8
+    assert talker_text[5:] == [f.text for f in frames[5:]]     # then the model's own tokens
+
+
 @pytest.mark.parametrize("pipeline", [0, 1, 2])
 def test_limits_busy_budget_and_call_length(tiny, example_clip, pipeline):
     """Also pipelined (engine.pipeline): the limit still hands out every stepped frame, the last ones' halves

@@ -14,15 +14,11 @@ import aiohttp
 import numpy as np
 import pytest
 
-from nemo_duplex.server.app import Server
 from nemo_duplex.server.tools import parse_tool_calls, render_tool_prompt, tool_response_ids
-from nemo_duplex.settings import ServeConfig
 from tests.server_support import (
-    RunningServer,
     ScriptedModel,
-    scripted_engine,
+    make,
     tiny_rnnt,
-    tiny_tokenizer,
     tone,
     wav_bytes,
 )
@@ -31,38 +27,10 @@ FRAME_IN, FRAME_OUT = 1280, 1764
 TOOLCALL = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
 
 
-@pytest.fixture
-def tok():
-    return tiny_tokenizer()
-
-
 def scripted(tok, **text):
     """text tokens of a turn: BOS at frame 1, the words, EOS, then PAD."""
     t = ScriptedModel().cfg.tokens
     return [t.pad_id, t.bos_id] + tok.encode(text.get("say", "hello there")) + [t.eos_id]
-
-
-def make(monkeypatch, tok, model=None, engine_kwargs=None, wait_ready=True, **serve):
-    model = model or ScriptedModel()
-    limits = {k: serve.pop(k) for k in ("max_calls", "max_call_s", "max_pending_s") if k in serve}   # the engine's
-    cfg = ServeConfig(**{"warmup_frames": 1, **serve})
-    eng = scripted_engine(monkeypatch, model, tok, **{"max_calls": 4, **limits, **(engine_kwargs or {})})
-    srv = RunningServer(Server(eng, tok, tiny_rnnt(), cfg), wait_ready=wait_ready)
-    return srv, model
-
-
-@pytest.fixture
-def server(monkeypatch, tok):
-    made = []
-
-    def factory(**kw):
-        srv, model = make(monkeypatch, tok, **kw)
-        made.append(srv)
-        return srv, model
-
-    yield factory
-    for s in made:
-        s.close()
 
 
 def b64(x: np.ndarray) -> str:
@@ -74,15 +42,21 @@ def frames_of(events) -> list[np.ndarray]:
             if e["type"] == "response.output_audio.delta"]
 
 
+# the model's own rates both ways, so the scripted model's markers in each packet come through unresampled
+NATIVE = {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
+                    "output": {"format": {"type": "audio/pcm", "rate": 22050}}}}
+
+
 async def realtime(url, audio=None, chunk=1000, pace=0.0, session=None, final=True, extra=(), query="",
-                   on_event=None):
-    """One Realtime call: optional session.update, appends of `chunk` samples, commit{final}; returns
-    (events, close code). `on_event(ev, ws)` may send more (runs on every event)."""
+                   on_event=None, native=True):
+    """One Realtime call: a session.update (with the model's own audio formats unless `native` is False, then
+    then `session`'s settings), appends of `chunk` samples, commit{final}; returns (events, close code).
+    `on_event(ev, ws)` may send more (runs on every event)."""
     events = []
     async with aiohttp.ClientSession() as http:
         async with http.ws_connect(f"{url}/v1/realtime{query}") as ws:
-            if session is not None:
-                await ws.send_json({"type": "session.update", "session": session})
+            for update in ([NATIVE] if native else []) + ([session] if session is not None else []):
+                await ws.send_json({"type": "session.update", "session": update})
             for e in extra:
                 await (ws.send_str(e) if isinstance(e, str) else ws.send_json(e))
 
@@ -144,7 +118,7 @@ def test_realtime_call_in_order(server, tok):
     session = {"instructions": "You are Aria.", "seed": 3, "temperature": 0.0,
                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
                          "output": {"format": {"type": "audio/pcm", "rate": 22050}, "voice": "Aria"}}}
-    events, code = asyncio.run(realtime(srv.ws_url, audio, chunk=1000, session=session))
+    events, code = asyncio.run(realtime(srv.ws_url, audio, chunk=1000, session=session, native=False))
     kinds = [e["type"] for e in events]
     assert kinds[0] == "session.created" and kinds[1] == "session.updated", kinds[:3]
     caps = events[0]["session"]["capabilities"]
@@ -308,6 +282,7 @@ def test_append_after_end_and_bad_events(server, tok):
     async def go():
         async with aiohttp.ClientSession() as http:
             async with http.ws_connect(f"{srv.ws_url}/v1/realtime") as ws:
+                await ws.send_json({"type": "session.update", "session": NATIVE})
                 await ws.send_json({"type": "session.update", "event_id": "c1", "bogus": None,
                                     "session": {"instructions": None, "unknown_field": 1, "seed": 1}})
                 await ws.send_str("not json")
@@ -335,42 +310,44 @@ def test_append_after_end_and_bad_events(server, tok):
                               "append_after_end", "append_after_end"]
     unknown = [e for e in events if e["type"] == "error" and e["error"]["code"] == "unknown_event"][0]
     assert unknown["error"]["event_id"] == "c2"
-    assert [e["type"] for e in events].count("session.updated") == 1
+    assert [e["type"] for e in events].count("session.updated") == 2   # NATIVE, then c1
     assert events[-1]["type"] == "session.closed"              # the call still completed
     assert len(frames_of(events)) == 2
     srv.wait_idle()
 
 
 def test_audio_format_refusals(server, tok):
+    """Formats outside what the server converts are refused with invalid_audio_format naming the field; the
+    session goes on (formats it takes: tests/test_audio.py, test_realtime_formats.py)."""
     srv, _ = server()
     bad_sessions = [
-        {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}},
-        {"audio": {"input": {"format": {"type": "audio/pcmu"}}}},
-        {"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}},
-        {"input_audio_format": "g711_ulaw"},
-        {"input_sample_rate": 8000},
+        {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 12345}}}},
+        {"audio": {"input": {"format": {"type": "audio/pcmu", "rate": 16000}}}},
+        {"audio": {"output": {"format": {"type": "audio/opus"}}}},
+        {"input_audio_format": "g729"},
     ]
-    events, _ = asyncio.run(realtime(srv.ws_url, None, final=False,
+    events, _ = asyncio.run(realtime(srv.ws_url, None, final=False, native=False,
                                      extra=[{"type": "session.update", "session": s} for s in bad_sessions]
                                      + [{"type": "input_audio_buffer.append", "audio": b64(tone(0.1)),
-                                         "sample_rate": 24000},
+                                         "sample_rate": 16000},   # the session's input is 24 kHz
                                         {"type": "session.close"}]))
-    assert errors(events) == ["invalid_audio_format"] * 6
-    assert "never resampled" in [e for e in events if e["type"] == "error"][0]["error"]["message"]
+    refused = [e["error"] for e in events if e["type"] == "error"]
+    assert [e["code"] for e in refused] == ["invalid_audio_format"] * 5
+    assert "12345 Hz" in refused[0]["message"] and "8000" in refused[1]["message"]
+    assert refused[2]["param"] == "session.audio.output.format.type" and "24000 Hz" in refused[4]["message"]
     assert events[-1]["type"] == "session.closed"
 
     async def uploads():
         out = []
         async with aiohttp.ClientSession() as http:
-            for body in (wav_bytes(tone(0.3), rate=8000), wav_bytes(tone(0.3), channels=2),
-                         wav_bytes(tone(0.3), width=1), b"RIFF-not-a-wav"):
+            for body in (wav_bytes(tone(0.3), rate=12345), b"RIFF-not-a-wav"):
                 async with http.post(f"{srv.url}/generate", data=body) as r:
                     out.append((r.status, (await r.json())["code"], (await r.json())["message"]))
         return out
 
     res = asyncio.run(uploads())
-    assert [(s, c) for s, c, _ in res] == [(400, "invalid_audio_format")] * 4
-    assert "8000 Hz" in res[0][2] and "channels" in res[1][2] and "8-bit" in res[2][2]
+    assert [(s, c) for s, c, _ in res] == [(400, "invalid_audio_format")] * 2
+    assert "12345 Hz" in res[0][2] and "not a PCM WAV" in res[1][2]
     srv.wait_idle()
 
 

@@ -17,8 +17,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from tests.server_support import wav_bytes
-from tests.test_server import frames_of, make, realtime, tok, tone  # noqa: F401  (tok: a fixture)
+from tests.server_support import make, tone, wav_bytes
+from tests.test_server import frames_of, realtime
 
 TYPES = ["input_audio_buffer.append", "session.update", "input_audio_buffer.commit", "conversation.item.create",
          "response.cancel", "session.close", "session.ping", "response.create", "input_audio_buffer.clear",

@@ -21,6 +21,8 @@ import contextlib
 import gc
 import json
 import logging
+import re
+import signal
 import uuid
 from pathlib import Path
 
@@ -46,7 +48,8 @@ from nemo_duplex.settings import ServeConfig
 
 STATIC = Path(__file__).resolve().parent / "static"
 log = logging.getLogger("nemo_duplex.server")
-COUNTED_BY_RESERVE = ("busy", "call_id_in_use", "not_ready")
+CALL_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")   # a client's own call id: it is echoed in headers and events
+COUNTED_BY_RESERVE = ("busy", "call_id_in_use", "not_ready", "invalid_call_id", "server_shutdown")
 
 
 class Server:
@@ -64,6 +67,7 @@ class Server:
                                  session_defaults or SessionSettings(), forget=self.forget)
         self.sessions: dict[str, CallBridge] = {}
         self.ready = False
+        self.stopping = False   # SIGTERM received: no new call (drain)
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -80,10 +84,17 @@ class Server:
 
     # -- places
     def reserve(self, call_id: str | None) -> CallBridge:
+        if call_id and not CALL_ID.fullmatch(call_id):   # (an empty one is none: the server makes one)
+            self.metrics.refusal("invalid_call_id")
+            raise Refusal("invalid_call_id", f"call_id of {len(call_id)} characters: 1 to 64 of A-Z a-z 0-9 . _ : -",
+                          400)
         call_id = call_id or uuid.uuid4().hex[:16]
         if call_id in self.sessions:
             self.metrics.refusal("call_id_in_use")
             raise Refusal("call_id_in_use", f"call id {call_id!r} belongs to a live call", 409)
+        if self.stopping:
+            self.metrics.refusal("server_shutdown")
+            raise Refusal("server_shutdown", "the server is shutting down", 503)
         if not self.ready:
             self.metrics.refusal("not_ready")
             raise Refusal("not_ready", "the server is still warming up; see GET /health", 503)
@@ -111,6 +122,26 @@ class Server:
                 task.cancel()
             self.ready = False
             await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+
+    async def drain(self) -> None:
+        """Stopping (SIGTERM): no new call; the live ones get serve.shutdown_grace_s to end on their own (an
+        upload or an ended input drains), then each still live is ended with `server_shutdown` and its socket
+        closed; returns once every place is free (or 5 s after the cut)."""
+        self.stopping, self.ready = True, False
+        self.metrics.ready.set(0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.shutdown_grace_s
+        while self.sessions and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.sessions:
+            log.warning("shutting down: %d calls still live after serve.shutdown_grace_s = %g s are cut",
+                        len(self.sessions), self.cfg.shutdown_grace_s)
+        for bridge in list(self.sessions.values()):
+            bridge.fail("server_shutdown", f"the server is shutting down (serve.shutdown_grace_s = "
+                        f"{self.cfg.shutdown_grace_s:g} s passed)")
+        deadline = loop.time() + 5.0
+        while self.sessions and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _start_engine(self) -> None:
         try:
@@ -248,7 +279,7 @@ class Server:
         except Refusal as r:
             return await self._refuse_ws(socket, r, False)
         try:
-            bridge.open(call_options(settings, voice))
+            bridge.open(call_options(settings, voice), settings.input_format)
         except Refusal as r:
             bridge.hang_up()
             return await self._refuse_ws(socket, r, False)
@@ -261,13 +292,17 @@ class Server:
     async def generate_post(self, request: Request) -> Response:
         try:
             fields, wav = await read_upload(request, self.cfg.max_upload_mb)
+            given = [k for k in ("sample_rate", "channels", "format", "sample_width") if k in fields]
+            if given:
+                raise ProtocolError("invalid_event", f"{', '.join(given)}: an upload's audio format is its WAV "
+                                    "header's (any rate, channel count and integer width is taken)", given[0])
             opening = {"type": "start", **fields}
             settings, voice, call_id = native_opening(self.ctx, opening, request.query_params.get("call_id"))
             info = wav_info(wav)
-            if info.sample_rate == self.ctx.in_rate and info.seconds > self.cfg.max_upload_s:
+            if info.seconds > self.cfg.max_upload_s:
                 raise Refusal("upload_too_long", f"{info.seconds:.1f} s of audio; the limit is "
                               f"serve.max_upload_s = {self.cfg.max_upload_s:g} s", 413)
-            if info.sample_rate == self.ctx.in_rate and info.seconds > self.max_call_s:
+            if info.seconds > self.max_call_s:
                 raise Refusal("call_too_long", f"{info.seconds:.1f} s of audio; the limit is "
                               f"engine.max_call_s = {self.max_call_s:g} s", 413)
             pcm = decode_wav(wav, self.ctx.in_rate)
@@ -323,8 +358,25 @@ def uvicorn_config(server: Server, **overrides):
                                            **overrides})
 
 
-def serve(server: Server) -> None:
-    """Serve until interrupted (SIGINT / SIGTERM)."""
+def uvicorn_server(server: Server, **overrides):
+    """The uvicorn server for `server`, which on SIGINT / SIGTERM first drains the calls (Server.drain), then
+    closes what is left and stops the engine."""
     import uvicorn
 
-    uvicorn.Server(uvicorn_config(server)).run()
+    class Draining(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            await server.drain()
+            await super().shutdown(sockets)
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                # a requested stop, drained: exit status 0 (uvicorn would raise the signal again at the end)
+                self._captured_signals.remove(sig)
+
+    return Draining(uvicorn_config(server, **overrides))
+
+
+def serve(server: Server) -> None:
+    """Serve until SIGINT / SIGTERM, then drain (exit status 0)."""
+    uvicorn_server(server).run()

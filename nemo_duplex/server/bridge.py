@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from nemo_duplex.audio import from_pcm16
+from nemo_duplex.audio import AudioFormat, AudioFormatError, InputStream
 from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.server.context import ServerContext
 from nemo_duplex.server.errors import Fatal, Refusal
@@ -43,11 +43,18 @@ class CallBridge:
         self.tool_calls: dict[str, ToolCall] = {}
         self.tools_answered: set[str] = set()
         self._due: list[tuple[int, list[int]]] = []   # (frame at which to inject, tokens)
+        self._holds: list[tuple[str, list[int]]] = []  # (call_id, on-hold message tokens) to speak once silent
+        self._timeouts: dict[str, asyncio.TimerHandle] = {}
+        self.notify = lambda code, message: None   # the session's way to tell its client (a non-fatal error)
         self._cut: asyncio.TimerHandle | None = None
         self.cut = None   # the session's way to drop its connection (cancels its tasks); None before it runs
 
     # -- engine side
-    def open(self, options: CallOptions) -> None:
+    def open(self, options: CallOptions, input_format: AudioFormat | None = None) -> None:
+        """Open the engine call; `input_format`: what the caller's audio messages hold (None: the model's
+        own rate in PCM16: uploads, decoded whole)."""
+        self.input_format = input_format or AudioFormat("pcm16", self.ctx.in_rate)
+        self.input = InputStream(self.input_format, self.ctx.in_rate)
         try:
             self.call = self.ctx.engine.open_call(options, self._from_engine, self.id)
         except EngineBusy as e:
@@ -74,6 +81,7 @@ class CallBridge:
         if isinstance(ev, FrameEvent):
             self.frames_seen = ev.frame + 1
             self._inject_due()
+            self._speak_holds(ev)
             if self.frames_waiting >= self.ctx.cfg.max_outbound_frames:
                 self.fail("slow_consumer", f"the client fell {self.frames_waiting} frames behind; the limit is "
                           f"serve.max_outbound_frames = {self.ctx.cfg.max_outbound_frames}")
@@ -127,6 +135,9 @@ class CallBridge:
     def hang_up(self) -> None:
         """The connection is gone: end the call (if any) and release the place once the engine agrees."""
         self.socket_done = True
+        for timer in self._timeouts.values():
+            timer.cancel()
+        self._timeouts.clear()
         if self._cut is not None:
             self._cut.cancel()
         if self.call is not None and not self.engine_ended:
@@ -135,10 +146,26 @@ class CallBridge:
             self.ctx.forget(self)
 
     # -- input
-    def append_pcm16(self, data: bytes) -> None:
-        if len(data) % 2:
-            raise Refusal("invalid_audio", f"{len(data)} bytes of audio; PCM16 needs an even count")
-        self.append(from_pcm16(data))
+    def append_audio(self, data: bytes) -> None:
+        """A message of the caller's audio, in its format (converted to the model's rate, streaming)."""
+        try:
+            pcm = self.input(data)
+        except AudioFormatError as e:
+            raise Refusal("invalid_audio", str(e)) from None
+        self.append(pcm)
+
+    def end_input(self) -> None:
+        """No more audio: what the resampler still holds goes in, then the call's end of input."""
+        if not self.call.input_ended:
+            tail = self.input.flush()
+            if tail.size:
+                self.append(tail)
+        self.call.end_input()
+
+    def clear_input(self) -> None:
+        """Drop the audio received but not yet stepped (input_audio_buffer.clear), and the resampler's."""
+        self.call.clear_pending()
+        self.input = InputStream(self.input_format, self.ctx.in_rate)
 
     def append(self, pcm: np.ndarray) -> None:
         try:
@@ -151,6 +178,37 @@ class CallBridge:
             raise Refusal("call_ended", "the call has ended; no more audio is taken") from None
 
     # -- tools (spec 3.9)
+    def tool_called(self, call: ToolCall, on_hold_message: str | None) -> None:
+        """The model called a tool: its result is awaited for serve.tool_timeout_s, and its on-hold message
+        (if the tool has one) is spoken as soon as the agent is silent, until the result comes."""
+        self.tool_calls[call.call_id] = call
+        self._timeouts[call.call_id] = self.loop.call_later(self.ctx.cfg.tool_timeout_s, self._tool_timed_out,
+                                                            call.call_id)
+        if on_hold_message:
+            t = self.ctx.tokens
+            ids = [t.bos_id] + self.ctx.tokenizer.encode(on_hold_message) + [t.eos_id]
+            self._holds.append((call.call_id, ids))
+
+    def _tool_timed_out(self, call_id: str) -> None:
+        self._timeouts.pop(call_id, None)
+        if call_id in self.tools_answered or self.failed is not None or self.engine_ended:
+            return
+        t = self.ctx.cfg.tool_timeout_s
+        self.tool_output(call_id, json.dumps({"error": f"the tool did not answer within {t:g} s"}))
+        self.ctx.metrics.refusal("tool_timeout")
+        self.notify("tool_timeout", f"function call {call_id} got no output within serve.tool_timeout_s = {t:g} s; "
+                    "the model was given an error result")
+
+    def _speak_holds(self, ev: FrameEvent) -> None:
+        """An agent silent on this frame (PAD on its text channel) speaks the on-hold messages of the tools
+        still running."""
+        if not self._holds or ev.text != self.ctx.tokens.pad_id:
+            return
+        for call_id, ids in self._holds:
+            if call_id not in self.tools_answered:
+                self.call.inject_text_tokens(ids)
+        self._holds = []
+
     def tool_output(self, call_id: object, output: object) -> None:
         if not isinstance(call_id, str) or call_id not in self.tool_calls:
             raise Refusal("unknown_function_call", f"no function call with call_id {call_id!r} in this call")
@@ -160,6 +218,8 @@ class CallBridge:
             output = json.dumps(output)
         ids = tool_response_ids(self.ctx.tokenizer, output, self.ctx.cfg.max_tool_output_tokens)
         self.tools_answered.add(call_id)
+        if (timer := self._timeouts.pop(call_id, None)) is not None:
+            timer.cancel()
         due = self.tool_calls[call_id].frame + 1 + self.ctx.cfg.tool_on_hold_min_frames
         self._due.append((due, ids))
         self._inject_due()

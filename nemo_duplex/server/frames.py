@@ -22,7 +22,7 @@ class ToolCall:
 @dataclass
 class FrameOutputs:
     frame: int
-    pcm16: bytes                 # 1764 little-endian int16 samples at 22.05 kHz
+    pcm16: bytes                 # the frame's audio in the caller's format (the model's: 1764 PCM16 samples at 22.05 kHz)
     text_delta: str              # new agent text (display decoding drops specials, spec 3.8)
     turn_start: bool             # BOS on the text channel
     turn_end: bool               # EOS on the text channel
@@ -30,6 +30,8 @@ class FrameOutputs:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_errors: list[str] = field(default_factory=list)
     lag_s: float = 0.0           # engine: last input sample of the frame -> frame handed out
+    user_active: bool = False    # the RNN-T gave tokens this frame (the user is speaking)
+    text_token: int = 0          # 1 when the agent's text channel carried a token other than PAD/BOS/EOS
 
 
 class IncrementalText:
@@ -77,13 +79,16 @@ class FrameDecoder:
         self.tokenizer, self.ids, self.max_tool = tokenizer, ids, max_tool_call_tokens
         self.collecting: list[int] | None = None
 
-    def __call__(self, ev: FrameEvent) -> FrameOutputs:
+    def __call__(self, ev: FrameEvent, audio=None) -> FrameOutputs:
+        """`audio`: the call's audio.OutputStream (None: the model's own PCM16)."""
         t = self.tokens
-        out = FrameOutputs(ev.frame, ev.pcm16, "", ev.text == t.bos_id, ev.text == t.eos_id, "",
-                           lag_s=max(0.0, ev.sent_at - ev.ready_at))
+        pcm = ev.pcm16 if audio is None or audio.native else audio(ev.pcm)
+        out = FrameOutputs(ev.frame, pcm, "", ev.text == t.bos_id, ev.text == t.eos_id, "",
+                           lag_s=max(0.0, ev.sent_at - ev.ready_at), user_active=bool(ev.user))
         if out.turn_start or out.turn_end:   # a turn's text is decoded on its own (LANDSCAPE 2.2/2.3)
             self.text.reset()
         elif ev.text not in self.skip:
+            out.text_token = 1
             out.text_delta = self.text.add([ev.text])
         if self.user is not None and ev.user:
             out.user_delta = self.user.add(list(ev.user))

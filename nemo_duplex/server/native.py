@@ -14,6 +14,7 @@ import numpy as np
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
+from nemo_duplex.audio import AudioFormat, AudioFormatError, OutputStream
 from nemo_duplex.server.bridge import CallBridge
 from nemo_duplex.server.context import ServerContext
 from nemo_duplex.server.errors import FATAL_CODES, Fatal, Refusal
@@ -25,6 +26,7 @@ from nemo_duplex.server.realtime_protocol import (
     parse_client_event,
     parse_session,
 )
+from nemo_duplex.server.tools import on_hold_message
 from nemo_duplex.server.ws import DuplexSocket, Socket
 from nemo_duplex.serving.calls import DrainedEvent, EndedEvent, FrameEvent
 
@@ -36,28 +38,46 @@ def native_opening(ctx: ServerContext, ev: dict, call_id: str | None) -> tuple[S
     """-> (settings, voice, call id), or ProtocolError naming the field."""
     if ev.get("type", "start") != "start":
         raise ProtocolError("invalid_event", f"the opening message must have type 'start', got {ev['type']!r}", "type")
-    for name, want in (("sample_rate", ctx.in_rate), ("channels", 1), ("sample_width", 2)):
-        if name in ev and ev[name] != want:
-            raise ProtocolError("invalid_audio_format", f"{name} {ev[name]}: this model takes {want} "
-                                f"(16 kHz mono 16-bit PCM; audio is never resampled)", name)
-    if "format" in ev and ev["format"] not in ("pcm16", "pcm_s16le"):
-        raise ProtocolError("invalid_audio_format", f"format {ev['format']!r}: only 'pcm16'", "format")
+    if ev.get("sample_width", 2) != 2:
+        raise ProtocolError("invalid_audio_format", f"sample_width {ev['sample_width']}: PCM is 16-bit (2) here; "
+                            "8-bit audio is G.711 (format pcmu or pcma)", "sample_width")
     session = {k: ev[k] for k in ("instructions", "tools", "seed", "temperature", "top_p",
                                   "repetition_penalty", "voice") if k in ev}
     if "prompt" in ev:
         session["instructions"] = ev["prompt"]
-    settings = parse_session(session, ctx.session_defaults, ctx.in_rate, ctx.out_rate, ctx.cfg.max_tools)
+    settings = parse_session(session, ctx.session_defaults, ctx.cfg.max_tools)
+    settings.input_format = wire_format(ev, "", ctx.in_rate, channels=True)
+    settings.output_format = wire_format(ev, "output_", ctx.out_rate)
     ctx.check_voice(settings.voice)
     ctx.check_prompt(settings)
     cid = field_of(ev, "call_id", str, "start") or call_id
     return settings, settings.voice, cid
 
 
+FORMAT_NAMES = {"pcm16": "pcm16", "pcm_s16le": "pcm16", "pcmu": "pcmu", "g711_ulaw": "pcmu", "pcma": "pcma",
+                "g711_alaw": "pcma"}
+
+
+def wire_format(ev: dict, prefix: str, model_rate: int, channels: bool = False) -> AudioFormat:
+    """`<prefix>format` (pcm16 | pcmu | pcma) at `<prefix>sample_rate` (the model's own rate by default, 8000
+    for G.711), with `channels` on input: the opening's (or an upload's fields') audio format."""
+    name = ev.get(prefix + "format", "pcm16")
+    if name not in FORMAT_NAMES:
+        raise ProtocolError("invalid_audio_format", f"{prefix}format {name!r}: one of {sorted(FORMAT_NAMES)}",
+                            prefix + "format")
+    encoding = FORMAT_NAMES[name]
+    rate = ev.get(prefix + "sample_rate", model_rate if encoding == "pcm16" else 8000)
+    try:
+        return AudioFormat(encoding, rate, ev.get("channels", 1) if channels else 1)
+    except (AudioFormatError, TypeError) as e:
+        raise ProtocolError("invalid_audio_format", f"{prefix}format: {e}", prefix + "sample_rate") from None
+
+
 def typed_fields(fields: dict) -> dict:
     """Form/query strings -> the JSON types the opening message uses."""
     out = {}
     for k, v in fields.items():
-        if k in ("seed", "sample_rate", "channels", "sample_width"):
+        if k in ("seed", "sample_rate", "output_sample_rate", "channels", "sample_width"):
             try:
                 v = int(v)
             except ValueError:
@@ -147,14 +167,19 @@ class NativeSession:
     def __init__(self, ctx: ServerContext, bridge: CallBridge, settings: SessionSettings, tokens: bool = False):
         self.ctx, self.bridge = ctx, bridge
         self.tokens = tokens   # opening {"tokens": true}: also send each frame's raw token ids
+        self.settings = settings
         self.decoder = FrameDecoder(ctx.tokenizer, ctx.rnnt_vocab, ctx.tokens, bridge.ids, ctx.cfg.max_tool_call_tokens)
+        self.audio_out = OutputStream(settings.output_format, ctx.out_rate)
+        bridge.notify = lambda code, message: bridge.push({"type": "error", "code": code, "message": message})
 
     def started(self) -> dict:
-        c = self.ctx
+        c, fin, fout = self.ctx, self.settings.input_format, self.settings.output_format
         return {"type": "started", "call_id": self.bridge.id,
-                "input": {"format": "pcm16", "sample_rate": c.in_rate, "channels": 1, "frame_samples": c.frame_in},
-                "output": {"format": "pcm16", "sample_rate": c.out_rate, "channels": 1,
-                           "frame_samples": c.frame_out, "header": "<If: frame, lag_ms"},
+                "input": {"format": fin.encoding, "sample_rate": fin.rate, "channels": fin.channels,
+                          "model_sample_rate": c.in_rate, "frame_samples": c.frame_in},
+                "output": {"format": fout.encoding, "sample_rate": fout.rate, "channels": 1,
+                           "model_sample_rate": c.out_rate, "frame_samples": c.frame_out,
+                           "header": "<If: frame, lag_ms"},
                 "limits": {"max_call_s": c.max_call_s, "max_pending_s": c.max_pending_s,
                            "max_outbound_frames": c.cfg.max_outbound_frames}}
 
@@ -166,7 +191,7 @@ class NativeSession:
         if isinstance(item, dict):
             return None, [item], None, False
         if isinstance(item, FrameEvent):
-            out = self.decoder(item)
+            out = self.decoder(item, self.audio_out)
             k = out.frame
             evs = [{"type": "tokens", "frame": k, "text": item.text, "func": item.func, "user": item.user}
                    ] if self.tokens else []
@@ -179,7 +204,7 @@ class NativeSession:
             if out.user_delta:
                 evs.append({"type": "transcript", "frame": k, "delta": out.user_delta})
             for t in out.tool_calls:
-                b.tool_calls[t.call_id] = t
+                b.tool_called(t, on_hold_message(self.settings, t.name))
                 evs.append({"type": "function_call", "frame": k, "call_id": t.call_id, "name": t.name,
                             "arguments": t.arguments})
             for m in out.tool_errors:
@@ -190,7 +215,11 @@ class NativeSession:
             c.metrics.frame_sent(out.lag_s)
             return out, evs, None, False
         if isinstance(item, DrainedEvent):
-            return None, [{"type": "drained", "frames": item.frames}], None, False
+            # at an output rate of the caller's own, the resampler's tail (tens of ms) as one more packet,
+            # numbered one past the last frame
+            tail = self.audio_out.flush()
+            out = FrameOutputs(item.frames, tail, "", False, False, "") if tail else None
+            return out, [{"type": "drained", "frames": item.frames}], None, False
         if isinstance(item, EndedEvent):
             fatal = c.limit_message(item)
             if fatal is not None:
@@ -220,12 +249,12 @@ class NativeSession:
                 continue
             try:
                 if msg.kind == "bytes":
-                    b.append_pcm16(msg.data)
+                    b.append_audio(msg.data)
                     continue
                 ev = parse_client_event(msg.data)
                 kind = ev["type"]
                 if kind == "end_input":
-                    b.call.end_input()
+                    b.end_input()
                 elif kind == "tool_output":
                     b.tool_output(ev.get("call_id"), ev.get("output", ""))
                 elif kind == "abort":   # -> EndedEvent(aborted) -> {"type": "ended", "reason": "aborted"}

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import time
 
+from nemo_duplex.audio import AudioFormatError, OutputStream
 from nemo_duplex.server.bridge import CallBridge, call_options
 from nemo_duplex.server.context import ServerContext
 from nemo_duplex.server.errors import FATAL_CODES, Fatal, Refusal
@@ -14,6 +16,7 @@ from nemo_duplex.server.frames import FrameDecoder
 from nemo_duplex.server.realtime_protocol import (
     NO_OP_EVENTS,
     NOT_SUPPORTED_EVENTS,
+    OPENAI_VOICES,
     ProtocolError,
     RealtimeOutput,
     decode_audio,
@@ -22,6 +25,7 @@ from nemo_duplex.server.realtime_protocol import (
     parse_session,
     session_object,
 )
+from nemo_duplex.server.tools import on_hold_message
 from nemo_duplex.server.ws import DuplexSocket, Socket
 from nemo_duplex.serving.calls import DrainedEvent, EndedEvent, FrameEvent
 
@@ -33,14 +37,18 @@ class RealtimeSession:
         self.ctx, self.socket, self.bridge = ctx, socket, bridge
         self.duplex = DuplexSocket(socket)
         bridge.cut = self.duplex.cut
+        bridge.notify = lambda code, message: bridge.push(error_event(bridge.ids.next("event"), code, message))
         self.settings = copy.deepcopy(ctx.session_defaults)
-        self.out = RealtimeOutput(bridge.ids)
+        self.out = RealtimeOutput(bridge.ids, self.settings.output_modalities,
+                                  hangover=max(1, math.ceil(ctx.cfg.speech_hangover_ms / 1000 / ctx.frame_s)),
+                                  frame_ms=ctx.frame_s * 1000)
         self.decoder: FrameDecoder | None = None
+        self.audio_out: OutputStream | None = None
 
     def session_body(self) -> dict:
         s = self.ctx
         return session_object(self.bridge.id, s.model_name, self.settings, self.settings.voice or s.default_voice,
-                              s.capabilities(), s.in_rate, s.out_rate)
+                              s.capabilities())
 
     async def run(self) -> None:
         self.bridge.push(self.out.ev("session.created", session=self.session_body()))
@@ -86,32 +94,45 @@ class RealtimeSession:
     def _handle(self, ev: dict) -> None:
         s, b, kind = self.ctx, self.bridge, ev["type"]
         if kind == "input_audio_buffer.append":
+            rate = self.settings.input_format.rate
             for name in ("sample_rate", "sample_rate_hz"):
-                if name in ev and ev[name] != s.in_rate:
-                    raise ProtocolError("invalid_audio_format", f"{name} {ev[name]} Hz: this model takes "
-                                        f"{s.in_rate} Hz (audio is never resampled)", name)
+                if name in ev and ev[name] != rate:
+                    raise ProtocolError("invalid_audio_format", f"{name} {ev[name]} Hz: this session's input is "
+                                        f"{self.settings.input_format.describe()} (session.audio.input.format)", name)
             data = decode_audio(ev.get("audio"), "audio")
+            try:   # before the call opens on it: a bad first message must leave the session unlocked
+                self.settings.input_format.check(data)
+            except AudioFormatError as e:
+                raise ProtocolError("invalid_audio", str(e), "audio") from None
             self._ensure_call()
-            b.append_pcm16(data)
+            b.append_audio(data)
         elif kind == "session.update":
             if b.call is not None:
                 raise ProtocolError("session_locked", "session settings are fixed once audio has started "
                                     "(the system prompt is already in the model)", "session")
-            new = parse_session(ev.get("session"), self.settings, s.in_rate, s.out_rate, s.cfg.max_tools)
+            new = parse_session(ev.get("session"), self.settings, s.cfg.max_tools)
+            if new.voice in OPENAI_VOICES and new.voice not in s.voices:
+                new.voice = None   # a client's stock default: the checkpoint's voice (session.updated names it)
             s.check_voice(new.voice)
             s.check_prompt(new)
             call_options(new, new.voice)   # validates the sampling values
             self.settings = new
+            self.out.set_modalities(new.output_modalities)
             b.push(self.out.ev("session.updated", session=self.session_body()))
         elif kind == "input_audio_buffer.commit":
             final = any(ev.get(k) is True for k in ("final", "end_of_input", "pad_partial"))
             if final and b.call is not None and b.call.input_ended:
                 raise Refusal("append_after_end", "input already ended")
-            for e in self.out.commit():
-                b.push(e)
-            if final:
+            if final:   # committed once every frame is heard (at the drain), with the whole transcript
                 self._ensure_call()
-                b.call.end_input()
+                b.end_input()
+            else:
+                for e in self.out.commit():
+                    b.push(e)
+        elif kind == "input_audio_buffer.clear":
+            if b.call is not None:
+                b.clear_input()
+            b.push(self.out.ev("input_audio_buffer.cleared"))
         elif kind == "conversation.item.create":
             item = ev.get("item")
             if not isinstance(item, dict):
@@ -147,8 +168,9 @@ class RealtimeSession:
     def _ensure_call(self) -> None:
         b, s = self.bridge, self.ctx
         if b.call is None:
-            b.open(call_options(self.settings, self.settings.voice))
+            b.open(call_options(self.settings, self.settings.voice), self.settings.input_format)
             self.decoder = FrameDecoder(s.tokenizer, s.rnnt_vocab, s.tokens, b.ids, s.cfg.max_tool_call_tokens)
+            self.audio_out = OutputStream(self.settings.output_format, s.out_rate)
 
     async def _write(self) -> None:
         s, b, ws = self.ctx, self.bridge, self.socket
@@ -164,13 +186,17 @@ class RealtimeSession:
             if isinstance(item, dict):
                 await ws.send_text(json.dumps(item))
             elif isinstance(item, FrameEvent):
-                out = self.decoder(item)
+                out = self.decoder(item, self.audio_out if self.out.audio else None)
                 for t in out.tool_calls:
-                    b.tool_calls[t.call_id] = t
+                    b.tool_called(t, on_hold_message(self.settings, t.name))
                 for e in self.out.frame(out):
                     await ws.send_text(json.dumps(e))
                 s.metrics.frame_sent(time.monotonic() - item.ready_at)
             elif isinstance(item, DrainedEvent):
+                tail = self.out.audio_tail(self.audio_out.flush(), item.frames - 1) if self.audio_out else []
+                # the input ended: so did the user's speech, and its final commit takes effect
+                for e in tail + (self.out.speech_stopped() or self.out.commit()):
+                    await ws.send_text(json.dumps(e))
                 await ws.send_text(json.dumps(self.out.ev("input_audio_buffer.drained", frames=item.frames)))
             elif isinstance(item, EndedEvent):
                 fatal = s.limit_message(item)

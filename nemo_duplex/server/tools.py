@@ -76,3 +76,11 @@ def tool_response_ids(tokenizer, output: str, limit: int) -> list[int]:
         raise Refusal("tool_output_too_long", f"the tool output is {len(ids)} tokens; the limit is "
                       f"serve.max_tool_output_tokens = {limit}")
     return ids
+
+
+def on_hold_message(settings, name: str) -> str | None:
+    """The on-hold message the session's tool `name` declares (None: none)."""
+    for t in settings.tools:
+        if t.get("name") == name and isinstance(t.get("on_hold_message"), str) and t["on_hold_message"].strip():
+            return t["on_hold_message"]
+    return None

@@ -49,6 +49,11 @@ def device_lost(e: BaseException) -> bool:
     return isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e)
 
 
+def forced_text(token: int) -> int:
+    """A text token as a step's `forced` entry (frame_step: -1 none, >= 0 a function token, <= -2 text)."""
+    return -2 - token
+
+
 # ---- events -------------------------------------------------------------------------------------------
 @dataclass
 class CallOptions:
@@ -166,6 +171,12 @@ class Call:
             self.input_ended = True
         self.engine._wake()
 
+    def clear_pending(self) -> None:
+        """Drop the input received but not yet stepped (whole frames and the partial one)."""
+        with self._lock:
+            self._frames.clear()
+            self._buf = np.zeros(0, dtype=np.float32)
+
     def abort(self, reason: str = "aborted", message: str = "") -> None:
         """End the call now; its slot is freed before the next tick."""
         self.engine._request_end(self, reason, message)
@@ -174,6 +185,12 @@ class Call:
         """Force these tokens onto the function channel, one per frame (tool results, spec 3.9)."""
         with self._lock:
             self._forced.extend(int(i) for i in ids)
+
+    def inject_text_tokens(self, ids: list[int]) -> None:
+        """Force these tokens onto the agent's text channel, one per frame: the talker speaks them, and the
+        LLM hears them as what the agent said (an on-hold message while a tool runs)."""
+        with self._lock:
+            self._forced.extend(forced_text(int(i)) for i in ids)
 
     @property
     def pending_frames(self) -> int:

@@ -249,7 +249,8 @@ class Engine:
             if not call.admitted or call.closed:
                 continue
             last = call._text_due or call._speech_due   # the frame in flight that stepped last
-            if call.frames_stepped >= self.max_frames and last is None:
+            if (call.frames_stepped >= self.max_frames and last is None
+                    and not (call.input_ended and call.pending_frames == 0)):   # exactly max_call_s completes
                 self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
                 continue
             item = call._take_frame() if call.frames_stepped < self.max_frames else None

@@ -82,8 +82,9 @@ def frame_step(model, st: CallState, slots: torch.Tensor, audio: torch.Tensor, f
                speech_stream: torch.cuda.Stream | None = None, text_slots: torch.Tensor | None = None,
                encoder_stream: torch.cuda.Stream | None = None, llm_sm_carveout: int = 0) -> StepOutput:
     """slots [B] int64: each row's call, whose next 80 ms audio [B, 1280] float32 this step hears.
-    forced_func [B] int64 (-1 = use the head; else the tool-result token to force, with the text channel
-    forced to PAD, spec 3.9). `sampling=False` when the caller knows every row is greedy: the text token is
+    forced_func [B] int64: -1 = the model's own tokens; >= 0 the tool-result token to force on the function
+    channel, the text channel PAD (spec 3.9); <= -2 the text token -2 - forced_func to force on the text
+    channel (an on-hold message, serving.calls.forced_text). `sampling=False` when the caller knows every row is greedy: the text token is
     then the argmax, which is what `sample_text` returns for greedy rows, without its sort and cumulative
     sums over the vocabulary. `side_stream` (CUDA): the work off the step's critical path (the RNN-T; the
     text's bookkeeping) runs there, beside the rest (`branch`); the results are the same bit for bit, only
@@ -178,9 +179,11 @@ def text_step(model, st: CallState, slots: torch.Tensor, a: torch.Tensor, forced
     else:
         text = greedy_text
     func = func_logits.argmax(-1) if func_logits is not None else torch.full_like(text, pad)
+    # forced >= 0: a tool result's token on the function channel, the text channel PAD (spec 3.9);
+    # forced <= -2: the text token -2 - forced (an on-hold message the talker speaks); -1: the model's own
     forcing = forced_func >= 0
     func = torch.where(forcing, forced_func, func)
-    text = torch.where(forcing, torch.full_like(text, pad), text)
+    text = torch.where(forcing, torch.full_like(text, pad), torch.where(forced_func <= -2, -2 - forced_func, text))
     with branch(side_stream):  # the text's bookkeeping: nothing below reads it
         st.prev_text.index_copy_(0, slots, text)
         st.prev_func.index_copy_(0, slots, func)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import sys
 from pathlib import Path
 
@@ -25,12 +24,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nemo_duplex.checkpoint.random_weights import random_model  # noqa: E402
-from nemo_duplex.models import talker as talker_module  # noqa: E402
 from nemo_duplex.models.config import ModelConfig, tiny_config  # noqa: E402
 from nemo_duplex.serving import frame_step as step_module  # noqa: E402
 from nemo_duplex.serving.state import allocate_call_state  # noqa: E402
 from ops import torch_references  # noqa: E402
-from ops.decode_attention import decode_attention  # noqa: E402
 
 VIEWS = {"empty", "empty_like", "empty_strided", "as_strided", "as_strided_", "set_", "view", "_unsafe_view",
          "reshape", "_reshape_alias", "resize_", "resolve_conj", "expand", "unsqueeze", "squeeze", "t",
@@ -61,16 +58,10 @@ def census(calls: int = 2, full_layers: bool = False) -> dict[str, collections.C
     with torch_references():
         model = random_model(cfg, seed=0)[0].cast_for_inference().eval()   # as runtime.load serves it
     model.codec.presplit_weights()
-    # the GPU's code paths where the CPU would take the torch ones: the LLM's Mamba and attention
-    # kernels, the talker's decode attention (both choose by device; the kernels run under the interpreter)
-    model.llm.step = functools.partial(model.llm.step, use_kernels=True)
-    cpu_attention = talker_module._decode_attention
-    talker_module._decode_attention = lambda q, k, v, slots, lengths, window, scale: decode_attention(
-        q, k, v, slots, lengths, scale, window)
-    try:
-        return _count(model, cfg, calls)
-    finally:  # the module is shared with whatever else runs in this process
-        talker_module._decode_attention = cpu_attention
+    # the GPU's code paths where the CPU would take the torch ones: the LLM's Mamba and attention kernels
+    # (chosen once at load by device); the talker's decode attention takes its kernel under the interpreter
+    model.llm.use_kernels = True
+    return _count(model, cfg, calls)
 
 
 def _count(model, cfg, calls: int) -> dict[str, collections.Counter]:

@@ -147,7 +147,10 @@ async function start() {
     const session = { seed: parseInt($("seed").value || "0", 10), temperature: parseFloat($("temperature").value || "0") };
     const instructions = $("instructions").value.trim();
     if (instructions) session.instructions = instructions;
-    if ($("voice").value) session.audio = { output: { voice: $("voice").value } };
+    // the page captures and plays at the model's own rates (16 kHz in, 22.05 kHz out): nothing is resampled
+    session.audio = { input: { format: { type: "audio/pcm", rate: IN_RATE } },
+                      output: { format: { type: "audio/pcm", rate: OUT_RATE } } };
+    if ($("voice").value) session.audio.output.voice = $("voice").value;
     ws.send(JSON.stringify({ type: "session.update", session }));
     setStatus("in call");
     const seconds = parseFloat(new URLSearchParams(location.search).get("seconds") || "0");

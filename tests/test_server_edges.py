@@ -1,0 +1,196 @@
+"""Hostile and edge input at the server's edge (scripted frame step, tests/server_support.py): every field
+is checked for its type and range where it enters, with an error naming the field and its limit, and the
+call (or the next one) goes on; ids are validated; limits hold at exactly their value."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import aiohttp
+import pytest
+
+from tests.server_support import tone, wav_bytes
+from tests.test_server import FRAME_IN, errors, frames_of, realtime
+
+
+def refusal(events) -> dict:
+    return next(e for e in events if e["type"] == "error")["error"]
+
+
+@pytest.mark.parametrize("session,code,param", [
+    ({"seed": 2 ** 63}, "invalid_event", "session.seed"),
+    ({"seed": -1}, "invalid_event", "session.seed"),
+    ({"temperature": 1e308}, "invalid_sampling", "session.temperature"),
+    ({"repetition_penalty": 1e6}, "invalid_sampling", "session.repetition_penalty"),
+    ({"voice": ["Aria"]}, "invalid_event", "session.voice"),
+    ({"voice": 3}, "invalid_event", "session.voice"),
+    ({"audio": {"output": {"voice": True}}}, "invalid_event", "session.audio.output.voice"),
+    ({"audio": {"output": {"voice": [1]}}}, "invalid_event", "session.audio.output.voice"),
+])
+def test_session_fields_out_of_type_or_range_are_refused_and_the_call_goes_on(server, session, code, param):
+    """Before, seed 2^63 and temperature 1e308 were accepted and failed in the engine (engine_error), and a
+    voice of the wrong type raised a traceback and dropped the socket. Now: the error names the field; the
+    session keeps its settings; the call then runs and completes."""
+    srv, _ = server()
+    events, close = asyncio.run(realtime(srv.ws_url, tone(0.24), chunk=FRAME_IN, session=session))
+    err = refusal(events)
+    assert (err["code"], err["param"]) == (code, param), err
+    assert errors(events) == [code] and close == 1000 and events[-1]["type"] == "session.closed"
+    assert len(frames_of(events)) == 3
+    srv.wait_idle()
+
+
+@pytest.mark.parametrize("raw", [
+    '{"type": "session.update", "session": {"temperature": Infinity}}',
+    '{"type": "session.update", "session": {"top_p": NaN}}',
+])
+def test_infinity_and_nan_are_not_numbers_here(server, raw):
+    srv, _ = server()
+    events, close = asyncio.run(realtime(srv.ws_url, tone(0.16), chunk=FRAME_IN, extra=[raw]))
+    err = refusal(events)
+    assert err["code"] == "invalid_event" and "finite" in err["message"] and close == 1000
+    srv.wait_idle()
+
+
+@pytest.mark.parametrize("raw,param", [
+    ('{"type": "session.update", "session": {"instructions": "hi \\ud800 there"}}', "session.instructions"),
+    ('{"type": "session.update", "session": {"tools": [{"type": "function", "name": "a\\udfff"}]}}',
+     "session.tools[0].name"),
+])
+def test_lone_surrogates_are_refused_naming_the_field(server, raw, param):
+    """A lone UTF-16 surrogate (valid JSON, not text) in the instructions or a tool name raised a traceback in
+    the tokenizer and dropped the socket; now an error names where it is. A surrogate pair is text."""
+    srv, model = server()
+    pair = '{"type": "session.update", "session": {"instructions": "ok \\ud83d\\ude00"}}'
+    events, close = asyncio.run(realtime(srv.ws_url, tone(0.16), chunk=FRAME_IN, extra=[raw, pair]))
+    err = refusal(events)
+    assert (err["code"], err["param"]) == ("invalid_event", param) and close == 1000
+    assert errors(events) == ["invalid_event"]
+    assert model.prompts[-1] is not None   # the pair's instructions became the prompt
+    srv.wait_idle()
+
+
+def test_native_opening_with_a_lone_surrogate_is_refused(server):
+    srv, _ = server()
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{srv.ws_url}/generate/ws") as ws:
+                await ws.send_str('{"type": "start", "prompt": "x\\udc00"}')
+                msgs = [json.loads(m.data) async for m in ws if m.type == aiohttp.WSMsgType.TEXT]
+                return msgs, ws.close_code
+
+    msgs, close = asyncio.run(go())
+    assert msgs[-1]["code"] == "invalid_event" and "prompt" in msgs[-1]["message"] and close == 1008
+    srv.wait_idle()
+
+
+@pytest.mark.parametrize("call_id", ["a\r\nSet-Cookie: x=1", "x" * 7900, "", "spaces are not ids"])
+def test_call_ids_are_validated(server, call_id):
+    """A call_id with CR/LF gave a 500 (it goes into the X-Call-Id header) and a 7.9 KB one was repeated in
+    every event: 1 to 64 of A-Z a-z 0-9 . _ : - now, else 400 invalid_call_id, on every route."""
+    srv, _ = server()
+    body = wav_bytes(tone(0.2))
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{srv.url}/generate", params={"call_id": call_id}, data=body) as r:
+                upload = r.status, (await r.json() if r.status != 200 else await r.read())
+            async with http.ws_connect(f"{srv.ws_url}/generate/ws") as ws:
+                await ws.send_json({"type": "start", "call_id": call_id})
+                native = [json.loads(m.data) async for m in ws if m.type == aiohttp.WSMsgType.TEXT]
+            return upload, native
+
+    (status, body_json), native = asyncio.run(go())
+    if call_id == "":   # an empty id is no id: the server makes one
+        assert status == 200
+        return
+    assert status == 400 and body_json["code"] == "invalid_call_id" and "1 to 64" in body_json["message"]
+    assert native[-1]["code"] == "invalid_call_id"
+    srv.wait_idle()
+
+
+def test_input_of_exactly_max_call_s_completes(server):
+    """Before, input of exactly engine.max_call_s ended with call_too_long instead of completing."""
+    srv, _ = server(max_call_s=0.4)
+    events, close = asyncio.run(realtime(srv.ws_url, tone(0.4), chunk=FRAME_IN))
+    assert errors(events) == [] and close == 1000 and events[-1] == {**events[-1], "reason": "completed"}
+    assert len(frames_of(events)) == 5
+    srv.wait_idle()
+
+
+def test_a_message_of_exactly_max_message_kb_is_taken(server):
+    """serve.max_message_kb is the largest message taken: exactly that many bytes is heard, one more closes
+    the socket with 1009 (message too big)."""
+    srv, model = server(max_message_kb=4)
+
+    async def go(n_bytes):
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{srv.ws_url}/generate/ws") as ws:
+                await ws.send_json({"type": "start", "seed": n_bytes})
+                await ws.send_bytes(b"\x00\x01" * (n_bytes // 2))
+                await ws.send_json({"type": "end_input"})
+                msgs = [m async for m in ws]
+                return [json.loads(m.data) for m in msgs if m.type == aiohttp.WSMsgType.TEXT], ws.close_code
+
+    msgs, close = asyncio.run(go(4096))
+    assert close == 1000 and msgs[-1] == {"type": "ended", "reason": "completed"}
+    assert len(model.heard[4096]) == 2           # 2048 samples: one whole frame and a padded one
+    msgs, close = asyncio.run(go(4098))
+    assert close == 1009
+    srv.wait_idle()
+
+
+def test_a_realtime_append_at_the_message_limit(server):
+    """The same limit for a Realtime append: the JSON text frame's size counts."""
+    srv, model = server(max_message_kb=8)
+    pcm = b"\x00\x00" * 2900
+    msg = json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+    assert len(msg) < 8192
+    events, close = asyncio.run(realtime(srv.ws_url, None, extra=[msg], session={"seed": 12}))
+    assert errors(events) == [] and close == 1000 and len(model.heard[12]) == 3
+    srv.wait_idle()
+
+
+def test_shutdown_drains_then_cuts_with_server_shutdown(server):
+    """SIGTERM (uvicorn's should_exit, what its signal handler sets) mid-call: the live call froze until its
+    idle timeout before. Now new calls are refused with server_shutdown, the live call gets
+    serve.shutdown_grace_s to end, then an error `server_shutdown` naming the setting and a close; the
+    server stops."""
+    srv, _ = server(shutdown_grace_s=1.0)
+
+    async def go():
+        live = asyncio.create_task(realtime(srv.ws_url, tone(6.0), chunk=FRAME_IN, pace=0.08))
+        await asyncio.sleep(0.8)
+        t0 = time.monotonic()
+        srv.uvicorn.should_exit = True
+        await asyncio.sleep(0.3)
+        late = await realtime(srv.ws_url, tone(0.2), chunk=FRAME_IN)
+        events, close = await live
+        return events, close, time.monotonic() - t0, late
+
+    events, close, took, (late_events, _) = asyncio.run(go())
+    assert errors(late_events) == ["server_shutdown"]
+    err = refusal(events)
+    assert err["code"] == "server_shutdown" and "serve.shutdown_grace_s = 1 s" in err["message"]
+    assert close == 1008 and 1.0 <= took < 3.0
+    assert 5 <= len(frames_of(events)) < 75        # it ran until the cut, not to its end
+    srv.thread.join(15)
+    assert not srv.thread.is_alive()
+
+
+def test_shutdown_lets_a_call_that_ends_within_the_grace_finish(server):
+    srv, _ = server(shutdown_grace_s=5.0)
+
+    async def go():
+        live = asyncio.create_task(realtime(srv.ws_url, tone(1.6), chunk=FRAME_IN, pace=0.08))
+        await asyncio.sleep(0.5)
+        srv.uvicorn.should_exit = True
+        return await live
+
+    events, close = asyncio.run(go())
+    assert errors(events) == [] and close == 1000 and len(frames_of(events)) == 20
+    srv.thread.join(15)
+    assert not srv.thread.is_alive()
