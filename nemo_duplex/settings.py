@@ -92,14 +92,19 @@ class EngineConfig:
 class ServeConfig:
     """The `serve:` block (scripts/serve.py). The call places, the longest call and the input budget are the
     engine's (`engine.max_calls`, `engine.max_call_s`, `engine.max_pending_s`): one setting each."""
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"             # loopback only; another bind without api_keys logs a warning
     port: int = 8000
+    api_keys: list[str] = field(default_factory=list)   # none: no key asked (server/access.py)
+    api_keys_file: Optional[str] = None  # one key a line ('#' comments), added to api_keys
+    allowed_origins: list[str] = field(default_factory=list)   # browser origins besides the server's own ("*": any)
+    cors_origins: list[str] = field(default_factory=list)      # CORS for POST /generate from these origins (off)
     gil_switch_interval_ms: float = 0.1  # scripts/serve.py: how soon the engine thread gets the GIL back
     max_upload_mb: float = 16.0         # POST /generate body size
     max_upload_s: float = 160.0         # POST /generate clip duration
     max_message_kb: int = 1024          # largest WebSocket message accepted
     max_outbound_frames: int = 64       # frames waiting for a slow client before its call ends (5.1 s)
     slow_consumer_grace_s: float = 2.0  # then the socket is cut even if the error could not be delivered
+    max_connections: Optional[int] = None   # open call connections (WebSockets, uploads); None: engine.max_calls + 16
     idle_timeout_s: float = 30.0        # a session that sends nothing this long (before end of input) ends
     deadline_ms: float = 80.0           # a frame later than this after its input arrived is a deadline miss
     warmup_frames: int = 2              # silent frames through a throwaway call before /health says ready

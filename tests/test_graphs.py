@@ -116,10 +116,13 @@ def test_graphs_match_eager_teacher_forced(tiny, example_clip, compiler):
         return type(out)(**{k: v[:2] for k, v in out.__dict__.items()})
     n = 1280
     audio = torch.cat([example_clip, example_clip.flip(0), example_clip])  # 222 frames
-    chunks = (torch.stack([audio[t * n: (t + 1) * n], audio[(t + 7) * n: (t + 8) * n]]) for t in range(FRAMES))
+    # Inductor's C++ step is built once (~2 min), then each frame costs about what aot_eager's does: 80 frames
+    # (past the encoder's 70-frame left context and the talker's 48-position window) where aot_eager runs 200
+    frames = FRAMES if compiler == "aot_eager" else 80
+    chunks = (torch.stack([audio[t * n: (t + 1) * n], audio[(t + 7) * n: (t + 8) * n]]) for t in range(frames))
     worst, flips = _teacher_forced(st, lambda chunk: eager(slots, chunk, forced),
                                    lambda chunk: graphs(slots, chunk, forced), chunks, check_int_state=True)
-    print(f"graphs vs eager over {FRAMES} frames: worst relative error {worst}; {flips} near-tie flips")
+    print(f"graphs vs eager over {frames} frames: worst relative error {worst}; {flips} near-tie flips")
     assert all(v <= 1e-4 for v in worst.values()), worst
 
 

@@ -194,3 +194,107 @@ def test_shutdown_lets_a_call_that_ends_within_the_grace_finish(server):
     assert errors(events) == [] and close == 1000 and len(frames_of(events)) == 20
     srv.thread.join(15)
     assert not srv.thread.is_alive()
+
+
+def test_every_open_connection_counts_against_the_connection_limit(server):
+    """Native sockets that never send their opening message held no place and were not counted: enough of
+    them would exhaust the server's descriptors. Now each open call connection counts; one more than
+    serve.max_connections is refused with 503 too_many_connections, and closing one frees its count."""
+    srv, _ = server(max_connections=2, idle_timeout_s=30)
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            a = await http.ws_connect(f"{srv.ws_url}/generate/ws")
+            b = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(f"{srv.ws_url}/generate/ws")
+            async with http.post(f"{srv.url}/generate", data=wav_bytes(tone(0.2))) as r:
+                upload = r.status, (await r.json())["code"]
+            async with http.get(f"{srv.url}/metrics") as r:
+                metrics = await r.text()
+            await a.close()
+            await asyncio.sleep(0.2)
+            c = await http.ws_connect(f"{srv.ws_url}/generate/ws")   # a's count is back
+            await c.close()
+            await b.close()
+            return refused.value.status, upload, metrics
+
+    status, upload, metrics = asyncio.run(go())
+    assert status == 503 and upload == (503, "too_many_connections")
+    assert "duplex_connections 2.0" in metrics and 'duplex_refusals_total{reason="too_many_connections"} 2.0' in metrics
+    srv.wait_idle()
+
+
+def test_websocket_pings_do_not_keep_an_idle_call(server):
+    """A client that only sends WebSocket pings (control frames, answered by the protocol layer) sends no audio
+    and no event: it is idle, and its call ends at serve.idle_timeout_s."""
+    srv, _ = server(idle_timeout_s=0.6)
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{srv.ws_url}/v1/realtime", autoping=False) as ws:
+                async def ping():
+                    while not ws.closed:
+                        await ws.ping()
+                        await asyncio.sleep(0.1)
+                pinger = asyncio.create_task(ping())
+                t0 = time.monotonic()
+                msgs = [json.loads(m.data) async for m in ws if m.type == aiohttp.WSMsgType.TEXT]
+                pinger.cancel()
+                return msgs, time.monotonic() - t0
+
+    msgs, took = asyncio.run(go())
+    assert msgs[-1]["type"] == "error" and msgs[-1]["error"]["code"] == "idle_timeout" and took < 3.0
+    srv.wait_idle()
+
+
+def test_resets_during_the_upgrade_write_no_tracebacks(server, capfd):
+    """Connections reset in the middle of the upgrade request, right after it, and just after the server
+    accepted it: the old server wrote a 1.6 KB traceback for each (a log flood). Under uvicorn nothing reaches
+    the log, no place is held, and the server goes on serving."""
+    import base64 as b64mod
+    import os
+    import socket
+    import struct
+
+    srv, _ = server()
+    capfd.readouterr()
+    for path in ("/v1/realtime", "/generate/ws"):
+        for cut in ("inside", "after", "accepted"):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            key = b64mod.b64encode(os.urandom(16)).decode()
+            req = (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+            s.sendall(req[: len(req) // 2] if cut == "inside" else req)
+            if cut == "accepted":
+                s.recv(1024)   # the 101
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # RST on close
+            s.close()
+    time.sleep(0.5)
+    events, close = asyncio.run(realtime(srv.ws_url, tone(0.16), chunk=FRAME_IN))
+    assert close == 1000 and len(frames_of(events)) == 2
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and len((out + err).strip().splitlines()) <= 6, (out + err)[-2000:]
+    srv.wait_idle()
+
+
+def test_the_same_session_again_after_audio_is_acknowledged(server):
+    """Clients such as the Agents SDK send their session configuration again once the call runs: the same
+    settings are answered with session.updated; a changed one is session_locked naming it."""
+    srv, _ = server()
+    first = {"instructions": "Be brief.", "seed": 4, "voice": "alloy"}
+    sent = []
+
+    async def on_event(ev, ws):
+        if ev["type"] == "response.output_audio.delta" and not sent:
+            sent.append(1)
+            await ws.send_json({"type": "session.update", "session": first})
+            await ws.send_json({"type": "session.update", "session": {**first, "instructions": "Be long."}})
+            await ws.send_json({"type": "input_audio_buffer.commit", "final": True})
+
+    events, close = asyncio.run(realtime(srv.ws_url, tone(0.4), chunk=FRAME_IN, session=first, final=False,
+                                         on_event=on_event))
+    assert [e["type"] for e in events].count("session.updated") == 3      # NATIVE formats, first, first again
+    err = refusal(events)
+    assert err["code"] == "session_locked" and err["param"] == "session.instructions" and close == 1000
+    srv.wait_idle()

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -35,6 +37,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from nemo_duplex.audio import AudioFormatError, decode_wav, wav_info
+from nemo_duplex.server.access import Access
 from nemo_duplex.server.bridge import CallBridge, call_options
 from nemo_duplex.server.context import ServerContext
 from nemo_duplex.server.errors import Refusal
@@ -65,6 +68,10 @@ class Server:
         self.ctx = ServerContext(engine, tokenizer, rnnt_vocab, self.cfg, self.metrics, model_name or mc.name,
                                  voices or [mc.talker.speaker], default_voice or mc.talker.speaker,
                                  session_defaults or SessionSettings(), forget=self.forget)
+        self.access = Access.from_config(self.cfg)
+        self.connections = 0   # open call connections, with or without a place (serve.max_connections)
+        self.max_connections = (self.cfg.max_connections if self.cfg.max_connections is not None
+                                else engine.cfg.max_calls + 16)
         self.sessions: dict[str, CallBridge] = {}
         self.ready = False
         self.stopping = False   # SIGTERM received: no new call (drain)
@@ -202,7 +209,11 @@ class Server:
             Route("/metrics", self.prometheus),
             Route("/", index),
             Mount("/static", StaticFiles(directory=static)),
-        ], lifespan=self.lifespan)
+        ], lifespan=self.lifespan, middleware=[Middleware(ConnectionLimit, server=self)] + ([
+            # CORS only for the origins named (off by default: a browser page elsewhere cannot read replies)
+            Middleware(CORSMiddleware, allow_origins=list(self.cfg.cors_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Call-Id"]),
+        ] if self.cfg.cors_origins else []))
 
     async def health(self, request: Request) -> JSONResponse:
         ok = self.healthy()
@@ -212,6 +223,8 @@ class Server:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(self, request: Request) -> Response:
+        if (refused := self._refused(request.headers, "http")) is not None:
+            return refused
         self.metrics.sample_engine(self.engine, len(self.sessions))
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -226,6 +239,24 @@ class Server:
             pass
         await socket.close(1013 if refusal.code == "busy" else 1008, refusal.code)
 
+    def _refused(self, headers, scheme: str) -> JSONResponse | None:
+        """A request without a valid key or from a foreign origin (server/access.py): its plain JSON refusal."""
+        r = self.access.refusal(headers, scheme)
+        if r is None:
+            return None
+        self.metrics.refusal(r.code)
+        return JSONResponse({"type": "error", "code": r.code, "message": r.message}, status_code=r.status)
+
+    async def _open(self, websocket: WebSocket, call_id: str | None, in_use_body: dict) -> bool:
+        """Accept the upgrade, or refuse it with a plain HTTP response (401 / 403 / 409) and return False."""
+        if (refused := self._refused(websocket.headers, "ws")) is not None:
+            await websocket.send_denial_response(refused)
+            return False
+        if await self._call_id_in_use(websocket, call_id, in_use_body):
+            return False
+        await websocket.accept(subprotocol=Access.subprotocol(websocket.headers))
+        return True
+
     async def _call_id_in_use(self, websocket: WebSocket, call_id: str | None, body: dict) -> bool:
         """A `?call_id=` that belongs to a live call: refused before the upgrade, with a plain 409."""
         if not call_id or call_id not in self.sessions:
@@ -237,11 +268,10 @@ class Server:
     # -- WS /v1/realtime
     async def realtime(self, websocket: WebSocket) -> None:
         call_id = websocket.query_params.get("call_id")
-        if await self._call_id_in_use(websocket, call_id, {"error": {
+        if not await self._open(websocket, call_id, {"error": {
                 "type": "invalid_request_error", "code": "call_id_in_use",
                 "message": f"call id {call_id!r} belongs to a live call"}}):
             return
-        await websocket.accept()
         socket = Socket(websocket)
         try:
             bridge = self.reserve(call_id)
@@ -255,10 +285,9 @@ class Server:
     # -- WS /generate/ws (native)
     async def generate_ws(self, websocket: WebSocket) -> None:
         call_id = websocket.query_params.get("call_id")
-        if await self._call_id_in_use(websocket, call_id, {"type": "error", "code": "call_id_in_use",
-                                                           "message": f"call id {call_id!r} belongs to a live call"}):
+        if not await self._open(websocket, call_id, {"type": "error", "code": "call_id_in_use",
+                                                     "message": f"call id {call_id!r} belongs to a live call"}):
             return
-        await websocket.accept()
         socket = Socket(websocket)
         try:
             first = await socket.receive(timeout=self.cfg.idle_timeout_s)
@@ -290,6 +319,8 @@ class Server:
 
     # -- POST /generate
     async def generate_post(self, request: Request) -> Response:
+        if (refused := self._refused(request.headers, "http")) is not None:
+            return refused
         try:
             fields, wav = await read_upload(request, self.cfg.max_upload_mb)
             given = [k for k in ("sample_rate", "channels", "format", "sample_width") if k in fields]
@@ -326,6 +357,38 @@ class Server:
         session = NativeSession(self.ctx, bridge, settings, tokens=opening.get("tokens") in (True, "1", "true"))
         return CallStream(session.upload_lines(pcm), bridge.hang_up,
                           headers={"Cache-Control": "no-cache", "X-Call-Id": bridge.id})
+
+
+CALL_PATHS = ("/v1/realtime", "/generate/ws", "/generate")
+
+
+class ConnectionLimit:
+    """Every open call connection counts against serve.max_connections, whether or not it holds a place yet
+    (a native socket before its opening message, an upload being read): one more is refused with 503
+    `too_many_connections` (before the upgrade), so idle sockets cannot exhaust the server's file descriptors."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        srv = self.server
+        if scope["type"] not in ("http", "websocket") or scope["path"] not in CALL_PATHS:
+            return await self.app(scope, receive, send)
+        if srv.connections >= srv.max_connections:
+            srv.metrics.refusal("too_many_connections")
+            refusal = JSONResponse({"type": "error", "code": "too_many_connections", "message": (
+                f"{srv.connections} call connections are open; the limit is serve.max_connections = "
+                f"{srv.max_connections}")}, status_code=503)
+            if scope["type"] == "websocket":
+                return await WebSocket(scope, receive, send).send_denial_response(refusal)
+            return await refusal(scope, receive, send)
+        srv.connections += 1
+        srv.metrics.connections.set(srv.connections)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            srv.connections -= 1
+            srv.metrics.connections.set(srv.connections)
 
 
 class CallStream(StreamingResponse):

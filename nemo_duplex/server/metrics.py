@@ -22,6 +22,7 @@ class ServerMetrics:
         self.deadline_s = deadline_s
         self.active_calls = Gauge("duplex_active_calls", "calls holding an engine slot", registry=r)
         self.sessions = Gauge("duplex_sessions", "connected sessions (with or without audio yet)", registry=r)
+        self.connections = Gauge("duplex_connections", "open call connections (serve.max_connections)", registry=r)
         self.frames_per_second = Gauge("duplex_frames_per_second", "frames stepped per second, all calls",
                                        registry=r)
         self.frames = Counter("duplex_frames", "frames stepped by the engine", registry=r)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import math
 import time
@@ -107,12 +108,20 @@ class RealtimeSession:
             self._ensure_call()
             b.append_audio(data)
         elif kind == "session.update":
-            if b.call is not None:
-                raise ProtocolError("session_locked", "session settings are fixed once audio has started "
-                                    "(the system prompt is already in the model)", "session")
             new = parse_session(ev.get("session"), self.settings, s.cfg.max_tools)
             if new.voice in OPENAI_VOICES and new.voice not in s.voices:
                 new.voice = None   # a client's stock default: the checkpoint's voice (session.updated names it)
+            if b.call is not None:
+                # once audio has started the prompt is in the model: an update that changes nothing is
+                # acknowledged (clients such as the Agents SDK send their configuration again), others refused
+                changed = [f.name for f in dataclasses.fields(new) if getattr(new, f.name) != getattr(self.settings,
+                                                                                                  f.name)]
+                if changed:
+                    raise ProtocolError("session_locked", f"{', '.join(changed)}: session settings are fixed once "
+                                        "audio has started (the system prompt is already in the model)",
+                                        f"session.{changed[0]}")
+                b.push(self.out.ev("session.updated", session=self.session_body()))
+                return
             s.check_voice(new.voice)
             s.check_prompt(new)
             call_options(new, new.voice)   # validates the sampling values

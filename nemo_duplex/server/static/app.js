@@ -142,7 +142,11 @@ async function start() {
   micCtx.createMediaStreamSource(micStream).connect(micNode);
   // (not connected to the destination: we do not want to hear ourselves)
 
-  ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime`);
+  // with serve.api_keys, open the page as /?api_key=<key>: a browser passes it as a subprotocol (it cannot set
+  // headers on a WebSocket), as OpenAI's browser client does
+  const key = new URLSearchParams(location.search).get("api_key");
+  const protocols = key ? ["realtime", `openai-insecure-api-key.${key}`] : [];
+  ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime`, protocols);
   ws.onopen = () => {
     const session = { seed: parseInt($("seed").value || "0", 10), temperature: parseFloat($("temperature").value || "0") };
     const instructions = $("instructions").value.trim();
