@@ -29,6 +29,11 @@ class EngineConfig:
     max_pending_s: float = 30.0        # input received but not yet stepped, per call
     max_prompt_tokens: int = 512
     prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
+    # A new call's admission (its prompt's prefill, then the talker warm-up) runs in pieces between steps:
+    # prompts prefilled this many tokens at a time (0: whole), at most this many pieces between two steps
+    # while calls are live (serving/engine.py _advance_admissions), so a long prompt never stalls them.
+    prefill_chunk_tokens: int = 128
+    admission_pieces_per_tick: int = 2
     capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
     graphs: Any = "auto"               # "auto" | true | false: "auto" = captured on CUDA, eager on the CPU (graphs/capture.py)
     graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)
@@ -215,7 +220,11 @@ class LoadTestConfig:
     upload_runs: list[int] = field(default_factory=list)   # after the sweep: N staggered calls again with uploads
     upload_s: float = 20.0
     upload_every_s: float = 2.0
-    extra_calls: int = 16             # server places beyond the largest N when uploads are on
+    extra_calls: int = 16             # server places beyond the largest N when uploads (or arrivals) are on
+    arrival_runs: list[int] = field(default_factory=list)  # after the sweep: N lockstep calls again, new calls arriving
+    arrival_every_s: float = 0.5      # a new call this often, each with a fresh system prompt of
+    arrival_prompt_tokens: int = 500  # this many tokens (BOS and EOS included) and
+    arrival_s: float = 2.0            # this much audio, sent at once
     max_call_s: float = 30.0          # the server's engine.max_call_s: its pools are sized by it (memory.py)
     startup_timeout_s: float = 900.0  # model build + graph capture
     run_timeout_s: float = 60.0       # a run's calls are cut this long after their input should have ended

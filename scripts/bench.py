@@ -17,6 +17,11 @@ callers start together ("lockstep") or spread over loadtest.stagger_s ("staggere
 loadtest.upload_s WAV is POSTed to /generate every loadtest.upload_every_s, sharing the GPU: in every run
 (loadtest.uploads=true), or after the sweep in one more staggered run per N of loadtest.upload_runs on the
 same server ("staggered+uploads"), whose lag p99 is compared with the sweep's staggered run of that N.
+loadtest.arrival_runs=[N]: after the sweep, N lockstep calls again while new calls arrive every
+loadtest.arrival_every_s, each with a fresh system prompt of loadtest.arrival_prompt_tokens tokens (never
+seen before: no prefix cache hit) and loadtest.arrival_s of audio sent at once ("lockstep+arrivals"); the
+live calls' lag p99 is compared with the sweep's lockstep run of that N, and each arrival's time to its first
+packet (its admission) is recorded. The prompts are made with the server's tokenizer (model.weights=random).
 
 Per run (one start mode, one N):
   server lag      per frame, from the packet header: the frame's last input received -> its packet sent
@@ -383,7 +388,7 @@ def judge(records: list[CallRecord], n_frames: int, jitter_buffer_ms: float) -> 
 def sustained(rows: list[dict]) -> dict[str, int]:
     """Per start mode: the largest N such that every N' <= N in the sweep was real time (0 if none)."""
     out = {}
-    for start in dict.fromkeys(r["start"] for r in rows if r["start"] != UPLOADS_START):
+    for start in dict.fromkeys(r["start"] for r in rows if r["start"] not in (UPLOADS_START, ARRIVALS_START)):
         best = 0
         for r in sorted((r for r in rows if r["start"] == start), key=lambda r: r["n_calls"]):
             if not r.get("real_time"):
@@ -405,7 +410,7 @@ def start_offsets(start: str, n: int, stagger_s: float) -> list[float]:
 
 
 async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, server_pid: int | None,
-                   uploads: bool) -> dict:
+                   uploads: bool, prompts=None) -> dict:
     import aiohttp
 
     from nemo_duplex.audio import encode_wav, from_pcm16
@@ -423,6 +428,7 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
     offsets = start_offsets(start, n, float(lt.stagger_s))
     samples: list[dict] = []
     upload_records: list[UploadRecord] = []
+    arrival_records: list[ArrivalRecord] = []
     stop_polling, stop_uploads = asyncio.Event(), asyncio.Event()
     limit = float(lt.lead_s) + max(offsets) + n_frames * FRAME_S + float(lt.run_timeout_s)
     connector = aiohttp.TCPConnector(limit=0)   # the default pool (100) would queue callers
@@ -435,6 +441,15 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
             wav = encode_wav(from_pcm16(upcm), 16000)
             uploader = asyncio.create_task(upload_loop(http, url, wav, float(lt.upload_every_s), stop_uploads,
                                                        int(lt.seed), upload_records))
+        arriver = None
+        if prompts is not None:   # (started with the schedule: the live calls are admitted by then)
+            apcm, _ = load_input(lt.clip, float(lt.arrival_s))
+
+            async def arrive():
+                await asyncio.sleep(max(0.0, origin - time.monotonic()))
+                await arrival_loop(http, ws_url, apcm, float(lt.arrival_every_s), stop_uploads, prompts,
+                                   int(lt.seed), arrival_records)
+            arriver = asyncio.create_task(arrive())
         plan = [[(i, t0 + offsets[i], origin + offsets[i]) for i in group] for group in groups]
         if pool is None:
             records = await callers(http, ws_url, plan[0], pcm, int(lt.seed), limit)
@@ -447,8 +462,9 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
                 pool.join()
             records = sorted((r for share in shares for r in share), key=lambda r: r.index)
         stop_uploads.set()
-        if uploader is not None:
-            await uploader
+        for task in (uploader, arriver):
+            if task is not None:
+                await task
         stop_polling.set()
         await poller
     row = {"start": start, "n_calls": n, "duration_s": n_frames * FRAME_S, **judge(records, n_frames,
@@ -470,12 +486,78 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
         row["uploads"] = {"started": len(upload_records), "failed": len(upload_records) - len(ok),
                           "seconds": pct([u.finished - u.started for u in ok], (50,)),
                           "errors": sorted({u.error or "no reply" for u in upload_records if u not in ok})}
+    if prompts is not None:
+        ok = [a for a in arrival_records if a.error is None and a.first_packet is not None]
+        row["arrivals"] = {"started": len(arrival_records), "failed": len(arrival_records) - len(ok),
+                           "first_packet_ms": pct([1000 * (a.first_packet - a.started) for a in ok], (50, 99)),
+                           "errors": sorted({a.error or "no packet" for a in arrival_records if a not in ok})}
     row["timeline"] = tl
     row["records"] = records
     return row
 
 
 UPLOADS_START = "staggered+uploads"  # the start label of loadtest.upload_runs' runs
+ARRIVALS_START = "lockstep+arrivals"  # the start label of loadtest.arrival_runs' runs
+
+
+@dataclass
+class ArrivalRecord:
+    started: float
+    first_packet: float | None = None
+    finished: float | None = None
+    error: str | None = None
+
+
+WORDS = ("account", "address", "balance", "booking", "card", "city", "customer", "date", "delivery", "flight",
+         "hotel", "invoice", "order", "payment", "policy", "refund", "reservation", "room", "schedule", "ticket")
+
+
+def fresh_prompts(tokenizer, n_tokens: int, seed: int):
+    """System prompts of n_tokens ids each (the BOS and EOS the server adds included), each one new."""
+    import random
+
+    rng = random.Random(seed)
+    for i in __import__("itertools").count():
+        words = [f"Caller {seed}-{i}. You are the agent of a travel desk; be brief."]
+        while len(tokenizer.encode(" ".join(words))) < n_tokens - 2:
+            words.append(f"{rng.choice(WORDS)}-{rng.randrange(10 ** 6)}")
+        ids = tokenizer.encode(" ".join(words))[: n_tokens - 2]
+        yield tokenizer.decode(ids)
+
+
+async def arrival_loop(http, ws_url: str, pcm: bytes, every_s: float, until: asyncio.Event, prompts, seed: int,
+                       records: list[ArrivalRecord]) -> None:
+    """A new call every `every_s` until `until` is set: its fresh prompt, its audio at once, end_input; read
+    to its end."""
+    import aiohttp
+
+    async def one(rec: ArrivalRecord, prompt: str):
+        try:
+            async with http.ws_connect(ws_url, max_msg_size=0) as ws:
+                await ws.send_json({"type": "start", "prompt": prompt, "seed": seed})
+                await ws.send_bytes(pcm)
+                await ws.send_json({"type": "end_input"})
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.BINARY and rec.first_packet is None:
+                        rec.first_packet = time.monotonic()
+                    elif msg.type == aiohttp.WSMsgType.TEXT:
+                        ev = json.loads(msg.data)
+                        if ev["type"] == "error" and rec.error is None:
+                            rec.error = f"{ev['code']}: {ev['message']}"
+            rec.finished = time.monotonic()
+        except Exception as e:  # recorded, never fatal to the run
+            rec.error = rec.error or f"{type(e).__name__}: {e}"
+
+    tasks = []
+    while not until.is_set():
+        rec = ArrivalRecord(time.monotonic())
+        records.append(rec)
+        tasks.append(asyncio.create_task(one(rec, next(prompts))))
+        try:
+            await asyncio.wait_for(until.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+    await asyncio.gather(*tasks)
 
 
 def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
@@ -491,6 +573,12 @@ def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
         extra = f", uploads {row['uploads']['started'] - row['uploads']['failed']}/{row['uploads']['started']} done"
     if row.get("lag_p99_vs_without_uploads") is not None:
         extra += f", lag p99 {row['lag_p99_vs_without_uploads']}x the run without"
+    if "arrivals" in row:
+        a = row["arrivals"]
+        extra = (f", arrivals {a['started'] - a['failed']}/{a['started']} admitted, first packet p50/p99 "
+                 f"{a['first_packet_ms'].get('p50')}/{a['first_packet_ms'].get('p99')} ms")
+    if row.get("lag_p99_vs_without_arrivals") is not None:
+        extra += f", live lag p99 {row['lag_p99_vs_without_arrivals']}x the run without"
     print(f"{row['start']:>9} N={row['n_calls']:<4} real time {'yes' if row['real_time'] else 'NO '} failed "
           f"{row['failed_calls']} lag p50/p99 {s['p50']}/{s['p99']} ms, lateness p99 "
           f"{row['lateness_ms']['p99']} ms, step {row['step_ms']['mean']} ms, batch {row['batch']['mean']}{extra}",
@@ -629,6 +717,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
             lines.append(f"Uploads in the {r['start']} run at N={r['n_calls']}: {u['started']} started, {u['failed']} "
                          f"failed, median {u['seconds'].get('p50') if u['seconds'] else '-'} s each"
                          + (f"; live lag p99 {ratio}x the same N without uploads" if ratio is not None else ""))
+        if "arrivals" in r:
+            a = r["arrivals"]
+            ratio = r.get("lag_p99_vs_without_arrivals")
+            lines.append(f"Arrivals in the {r['start']} run at N={r['n_calls']}: {a['started']} started, {a['failed']} "
+                         f"failed, first packet p50 / p99 {a['first_packet_ms'].get('p50')} / "
+                         f"{a['first_packet_ms'].get('p99')} ms"
+                         + (f"; live lag p99 {ratio}x the same N without arrivals" if ratio is not None else "")
+                         + (f"; errors: {a['errors']}" if a["errors"] else ""))
     return "\n".join(lines)
 
 
@@ -744,18 +840,20 @@ def main(cfg: DictConfig) -> None:
     sizes = sorted(int(n) for n in lt.n_calls)
     pcm, digest = load_input(lt.clip, float(lt.duration_s))
     upload_runs = sorted(int(n) for n in (lt.upload_runs or []))
-    any_uploads = bool(lt.uploads) or bool(upload_runs)
-    longest = max(float(lt.duration_s), float(lt.upload_s) if any_uploads else 0.0)
+    arrival_runs = sorted(int(n) for n in (lt.arrival_runs or []))
+    any_uploads = bool(lt.uploads) or bool(upload_runs) or bool(arrival_runs)
+    longest = max(float(lt.duration_s), float(lt.upload_s) if (lt.uploads or upload_runs) else 0.0,
+                  float(lt.arrival_s) if arrival_runs else 0.0)
     if float(lt.max_call_s) < longest + 1:
         raise SystemExit(f"loadtest.max_call_s = {lt.max_call_s} must exceed the calls (duration_s "
-                         f"{lt.duration_s}, upload_s {lt.upload_s}) by a second")
+                         f"{lt.duration_s}, upload_s {lt.upload_s}, arrival_s {lt.arrival_s}) by a second")
     server = None
     overrides: list[str] = []
     url = lt.url
     task = list(HydraConfig.get().overrides.task)
     with runtime.refusals("bench"):
         if url is None:
-            max_calls = max(sizes + upload_runs) + (int(lt.extra_calls) if any_uploads else 0)
+            max_calls = max(sizes + upload_runs + arrival_runs) + (int(lt.extra_calls) if any_uploads else 0)
             overrides = server_overrides(cfg, task, max_calls)
             resolved = runtime.resolve_model(cfg)   # fails here, before a server starts, without a checkpoint
             model_cfg = resolved.cfg
@@ -768,6 +866,14 @@ def main(cfg: DictConfig) -> None:
                 raise runtime.SettingsError(f"{' '.join(ignored)}: loadtest.url={url} is a running server, whose "
                                             "settings are its own")
             model_cfg = None
+    prompts = None
+    if arrival_runs:
+        if model_cfg is None or cfg.model.weights != "random":
+            raise SystemExit("loadtest.arrival_runs makes its prompts with the server's tokenizer: it needs the "
+                             "server started here with model.weights=random (not loadtest.url)")
+        from nemo_duplex.checkpoint.random_weights import make_tokenizer_for
+
+        prompts = fresh_prompts(make_tokenizer_for(model_cfg), int(lt.arrival_prompt_tokens), int(lt.seed))
     if url is None:
         server = ServerProcess(overrides, out / "server.log")
         print(f"starting the server: {' '.join(overrides)}", flush=True)
@@ -813,6 +919,19 @@ def main(cfg: DictConfig) -> None:
             if without and without[0]["server_lag_ms"]["p99"] and row["server_lag_ms"]["p99"] is not None:
                 row["lag_p99_vs_without_uploads"] = round(row["server_lag_ms"]["p99"]
                                                           / without[0]["server_lag_ms"]["p99"], 3)
+            record_run(out, rows, row, meta, run)
+        for n in arrival_runs:  # the same server, N lockstep calls again, new calls arriving beside them
+            if time.monotonic() - began + len(pcm) / 2 / 16000 + 15.0 > float(lt.time_budget_s):
+                rows.append({"start": ARRIVALS_START, "n_calls": n, "skipped": "loadtest.time_budget_s"})
+                continue
+            asyncio.run(wait_idle(url, 60.0))
+            row = asyncio.run(run_once(url, lt, "lockstep", n, pcm, server.proc.pid if server else None, False,
+                                       prompts))
+            row["start"] = ARRIVALS_START
+            without = [r for r in rows if r["start"] == "lockstep" and r["n_calls"] == n and not r.get("skipped")]
+            if without and without[0]["server_lag_ms"]["p99"] and row["server_lag_ms"]["p99"] is not None:
+                row["lag_p99_vs_without_arrivals"] = round(row["server_lag_ms"]["p99"]
+                                                           / without[0]["server_lag_ms"]["p99"], 3)
             record_run(out, rows, row, meta, run)
     finally:
         if server is not None:

@@ -105,7 +105,11 @@ class ScriptedModel:
 
 def scripted_engine(monkeypatch, model: ScriptedModel, tokenizer, max_calls: int = 4, **engine_kwargs) -> Engine:
     """A real Engine over the script: its admission is the script's, its runner ScriptedRunner."""
-    monkeypatch.setattr(engine_mod, "admit", model.admit)
+    def admission(model_, st, slot, prompt_ids, seed, sampling, speaker=None, prefix_cache=None, chunk_tokens=0):
+        model.admit(model_, st, slot, prompt_ids, seed, sampling, speaker, prefix_cache)
+        yield   # one piece, as a short prompt's admission is
+
+    monkeypatch.setattr(engine_mod, "admission", admission)
     state = model.allocate(model, max_calls, 0, torch.device("cpu"))
     return Engine(model, tokenizer, EngineConfig(max_calls=max_calls, **engine_kwargs), state, ScriptedRunner(model))
 

@@ -133,14 +133,69 @@ def test_slot_hygiene_many_short_calls(tiny, example_clip):
 
 
 def test_prefix_cache_copy_equals_fresh_admission(tiny, example_clip):
+    """A prompt is cached on its second admission (the doorkeeper) and copied in from the third on; the copy
+    equals a fresh admission bit for bit."""
     clip = example_clip[: 1280 * 8]
     cached = _engine(tiny)
     first = drive(cached, clip_plans([clip], prompt="Say hello.", seed=2))[0]
-    second = drive(cached, clip_plans([clip], prompt="Say hello.", seed=2))[0]   # admitted from the cache
+    drive(cached, clip_plans([clip], prompt="Say hello.", seed=2))                  # seen twice: now cached
+    assert cached.prefix_cache.hits == 0 and len(cached.prefix_cache._entries) == 1
+    third = drive(cached, clip_plans([clip], prompt="Say hello.", seed=2))[0]   # admitted from the cache
     uncached = drive(_engine(tiny, prefix_cache_entries=0), clip_plans([clip], prompt="Say hello.", seed=2))[0]
     assert cached.prefix_cache.hits == 1
-    for r in (second, uncached):
+    for r in (third, uncached):
         assert torch.equal(r.text_tokens, first.text_tokens) and torch.equal(r.codes, first.codes)
+
+
+def test_fresh_prompts_do_not_flush_the_prefix_cache(tiny, example_clip):
+    """A shared prompt cached, then 20 calls each with a prompt of its own (more than the 8 entries): the
+    shared prompt is still a hit after them, and none of the fresh ones took an entry."""
+    clip = example_clip[: 1280 * 2]
+    eng = _engine(tiny)
+    for _ in range(2):
+        drive(eng, clip_plans([clip], prompt="Be brief."))
+    for i in range(20):
+        drive(eng, clip_plans([clip], prompt=f"Fresh prompt number {i}."))
+    hits = eng.prefix_cache.hits
+    drive(eng, clip_plans([clip], prompt="Be brief."))
+    assert eng.prefix_cache.hits == hits + 1 and len(eng.prefix_cache._entries) == 1
+
+
+@pytest.mark.parametrize("pipeline", [0, 2])
+def test_chunked_admission_equals_whole_and_never_stalls_live_calls(tiny, example_clip, pipeline, monkeypatch):
+    """A long prompt's admission runs in pieces (engine.prefill_chunk_tokens = 4 tokens a piece here), at
+    most engine.admission_pieces_per_tick between two steps while another call is live; the call then gives
+    the tokens and codes of the same call admitted whole (greedy; fp32 chunked prefill equals the whole one
+    within float rounding, which moves no token or code here)."""
+    model, tok, *_ = tiny
+    prompt = "You are a helpful assistant who answers briefly and kindly. " * 3
+    assert model.prompt_ids(tok, prompt).numel() > 40
+    clip = example_clip[: 1280 * 12]
+    whole = drive(_engine(tiny, prefill_chunk_tokens=0, prefix_cache_entries=0, pipeline=pipeline),
+                  clip_plans([clip], prompt=prompt, seed=3))[0]
+
+    eng = _engine(tiny, prefill_chunk_tokens=4, admission_pieces_per_tick=2, prefix_cache_entries=0,
+                  pipeline=pipeline)
+    trace = []
+    prefill, step_to_host = model.llm.prefill, eng.step_runner.step_to_host
+
+    def traced_prefill(*args, **kwargs):
+        trace.append("c")
+        return prefill(*args, **kwargs)
+
+    def traced_step(*args, **kwargs):
+        trace.append("s")
+        return step_to_host(*args, **kwargs)
+
+    monkeypatch.setattr(model.llm, "prefill", traced_prefill)
+    monkeypatch.setattr(eng.step_runner, "step_to_host", traced_step)
+    live = eng.open_call(CallOptions(seed=1))
+    eng.tick()                                   # admitted (no prompt: one piece)
+    live.append(example_clip[: 1280 * 40].numpy())
+    chunked = drive(eng, clip_plans([clip], prompt=prompt, seed=3))[0]
+    runs = "".join(trace).split("s")
+    assert sum(map(len, runs)) >= 10 and max(map(len, runs)) <= 2, "".join(trace)
+    assert torch.equal(chunked.text_tokens, whole.text_tokens) and torch.equal(chunked.codes, whole.codes)
 
 
 @pytest.mark.parametrize("pipeline", [0, 1, 2])

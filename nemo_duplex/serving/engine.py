@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from typing import Callable
 
 import numpy as np
@@ -33,7 +34,7 @@ from nemo_duplex.serving.calls import (
     PromptTooLong,
     device_lost,
 )
-from nemo_duplex.serving.frame_step import admit, special_ids
+from nemo_duplex.serving.frame_step import admission, special_ids
 from nemo_duplex.serving.pacing import (
     coalesce_deadline,
     coalesce_limit,
@@ -77,6 +78,7 @@ class Engine:
         self.slots = SlotAllocator(self.cfg.max_calls)
         self._calls: dict[str, Call] = {}
         self._to_admit: deque[Call] = deque()
+        self._admitting: deque[tuple[Call, Iterator]] = deque()   # admissions under way, a piece per next()
         self._to_end: dict[str, tuple[str, str]] = {}
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -239,6 +241,7 @@ class Engine:
         for call in admitting:
             if not call.closed:
                 self._admit(call)
+        self._advance_admissions()
 
         gathered = time.perf_counter()
         batch = []
@@ -267,7 +270,7 @@ class Engine:
                 self._end(call, "completed")
         if batch:
             self._step(batch, gathered)
-        return bool(batch or ending or admitting)
+        return bool(batch or ending or admitting or self._admitting)
 
     def prompt_ids(self, prompt: str | None) -> torch.Tensor | None:
         """The system prompt's ids (None for none), or PromptTooLong naming engine.max_prompt_tokens.
@@ -288,11 +291,33 @@ class Engine:
     def _admit(self, call: Call) -> None:
         try:
             prompt_ids = self.prompt_ids(call.options.prompt)
-            admit(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
-                  call.options.speaker, self.prefix_cache)
-            call.admitted = True
         except Exception as e:
             self._end(call, "error", str(e))
+            return
+        self._admitting.append((call, admission(self.model, self.state, call.slot, prompt_ids, call.options.seed,
+                                                call.options.sampling, call.options.speaker, self.prefix_cache,
+                                                self.cfg.prefill_chunk_tokens)))
+
+    def _advance_admissions(self) -> None:
+        """Run the admissions under way, oldest first: at most engine.admission_pieces_per_tick pieces (a
+        prompt chunk, or the warm-up) between two steps while calls are live, so a new call's prompt adds a
+        bounded time to their step; all of them when none is."""
+        live = any(c.admitted and not c.closed for c in self._calls.values())
+        budget = self.cfg.admission_pieces_per_tick if live else math.inf
+        while self._admitting and budget > 0:
+            call, pieces = self._admitting[0]
+            if call.closed:
+                self._admitting.popleft()
+                continue
+            budget -= 1
+            try:
+                next(pieces)
+            except StopIteration:
+                self._admitting.popleft()
+                call.admitted = True
+            except Exception as e:
+                self._admitting.popleft()
+                self._end(call, "error", str(e))
 
     def _step(self, batch, gathered: float) -> None:
         started = time.monotonic()

@@ -11,6 +11,7 @@ text token (sampled per call) and function token (greedy; or forced by a tool re
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -222,6 +223,19 @@ def admit(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed
     """Reset `slot` and bring it to the state of a call about to hear its first frame: LLM prefill of
     the system prompt (spec 1.3) and the talker's 37-position speaker warm-up (spec 4.3). With a
     prefix cache, a prompt and speaker seen before are copied in instead of recomputed."""
+    for _ in admission(model, st, slot, prompt_ids, seed, sampling, speaker, prefix_cache):
+        pass
+
+
+@torch.no_grad()
+def admission(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed: int,
+              sampling: SamplingParams, speaker: str | None = None, prefix_cache: PrefixCache | None = None,
+              chunk_tokens: int = 0) -> Iterator[None]:
+    """`admit` in pieces, one per next(): the prompt's prefill `chunk_tokens` tokens at a time (0: whole), then
+    the talker's warm-up and the slot's scalars. The engine runs a bounded number of pieces between two steps,
+    so a new call's long prompt never stalls the live ones' step (engine.prefill_chunk_tokens). Each chunk
+    continues the last: attention over the keys already in the pool, the Mamba layers from the conv and SSM
+    state the previous chunk left (tests/test_engine.py: chunked == whole)."""
     cfg = model.cfg
     dev = st.llm_len.device
     s = torch.tensor([slot], dtype=torch.int64, device=dev)
@@ -239,9 +253,13 @@ def admit(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed
     else:
         if has_prompt:
             x = model.prompt_embeddings(prompt_ids.to(dev))[None]
-            model.llm.prefill(x, st.llm, s, torch.zeros(1, dtype=torch.int64, device=dev))
+            step = chunk_tokens if chunk_tokens > 0 else P
+            for start in range(0, P, step):
+                model.llm.prefill(x[:, start: start + step], st.llm, s,
+                                  torch.full((1,), start, dtype=torch.int64, device=dev))
+                yield
         model.talker.prefill_warmup(st.talker, s, model.speaker_latent(speaker), model.silence_codes)
-        if prefix_cache is not None:
+        if prefix_cache is not None and prefix_cache.wants(key):
             prefix_cache.put(key, PrefixCache.snapshot(st, slot, P, cfg.prompt_frames))
     pad = cfg.tokens.pad_id
     st.llm_len[slot] = P

@@ -132,12 +132,18 @@ class PrefixCache:
     """Admission results by (system prompt ids, speaker): the LLM's Mamba and attention state after the
     prompt prefill and the talker's KV after the speaker warm-up. A call whose prompt and speaker were
     seen before gets them copied into its slot instead of recomputed. Bounded (LRU): at full size one
-    entry holds the fp32 SSM state (~141 MB) plus the prompt's KV."""
+    entry holds the fp32 SSM state (~141 MB) plus the prompt's KV.
+
+    A prompt enters only on its second admission (a doorkeeper of the last 4096 keys' hashes): a stream of
+    calls each with a fresh prompt would otherwise evict every shared prompt in turn, for entries that are
+    never used again; the prompts that recur (a deployment's system prompts) are kept."""
+    DOORKEEPER = 4096
 
     def __init__(self, max_entries: int = 8):
         from collections import OrderedDict
         self.max_entries = max_entries
         self._entries: "OrderedDict[tuple, dict]" = OrderedDict()
+        self._seen: "OrderedDict[int, None]" = OrderedDict()   # hashes of keys admitted once
         self.hits = 0
         self.misses = 0
 
@@ -149,6 +155,18 @@ class PrefixCache:
         self._entries.move_to_end(key)
         self.hits += 1
         return snap
+
+    def wants(self, key: tuple) -> bool:
+        """Whether an admission of `key` should be snapshotted: it was admitted before (else remember it)."""
+        if self.max_entries <= 0:
+            return False
+        h = hash(key)
+        if h in self._seen:
+            return True
+        self._seen[h] = None
+        while len(self._seen) > self.DOORKEEPER:
+            self._seen.popitem(last=False)
+        return False
 
     def put(self, key: tuple, snap: dict) -> None:
         if self.max_entries <= 0:
