@@ -29,10 +29,13 @@ class EngineConfig:
     max_pending_s: float = 30.0        # input received but not yet stepped, per call
     max_prompt_tokens: int = 512
     prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
-    # A new call's admission (its prompt's prefill, then the talker warm-up) runs in pieces between steps:
-    # prompts prefilled this many tokens at a time (0: whole), at most this many pieces between two steps
-    # while calls are live (serving/engine.py _advance_admissions), so a long prompt never stalls them.
-    prefill_chunk_tokens: int = 128
+    # A new call's admission (its prompt's prefill, then the talker warm-up: ~0.2-0.3 s of host time at
+    # 500 tokens on the H200) runs on the engine thread between steps, in pieces: prompts prefilled
+    # prefill_chunk_tokens at a time (0: whole), at most admission_pieces_per_tick pieces between two steps
+    # while calls are live. admission_thread: on a thread of its own (and CUDA stream) beside the live
+    # calls' steps instead (serving/engine.py Admitter; experimental: not yet measured on the GPU).
+    admission_thread: bool = False
+    prefill_chunk_tokens: int = 0
     admission_pieces_per_tick: int = 2
     capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
     graphs: Any = "auto"               # "auto" | true | false: "auto" = captured on CUDA, eager on the CPU (graphs/capture.py)

@@ -607,3 +607,53 @@ def test_engine_runs_all_greedy_batches_without_sampling(tiny, example_clip):
     assert flags == [(2, False), (3, True)]
     eng.step_runner = runner
 
+
+
+def test_admission_thread_keeps_live_calls_stepping(tiny, example_clip, monkeypatch):
+    """engine.admission_thread=true (an engine on its own thread): a new call whose admission takes
+    0.6 s (slowed here) does not hold the live call, which is stepped all the while; the admitted call then
+    gives the tokens of the same call admitted inline (serving/drive.py)."""
+    import threading
+    import time
+
+    from nemo_duplex.serving import engine as engine_mod
+
+    model, tok, *_ = tiny
+    clip = example_clip[: 1280 * 10]
+    inline = drive(_engine(tiny, prefix_cache_entries=0), clip_plans([clip], prompt="Be brief.", seed=3))[0]
+
+    admission = engine_mod.admission
+
+    def slow_admission(*args, **kwargs):
+        time.sleep(0.6)
+        yield from admission(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "admission", slow_admission)
+    eng = _engine(tiny, prefix_cache_entries=0, admission_thread=True)
+    eng.start()
+    try:
+        live_frames, done = [], threading.Event()
+        live = eng.open_call(CallOptions(seed=1), on_event=lambda ev: isinstance(ev, FrameEvent) and
+                             live_frames.append(time.monotonic()))
+        time.sleep(0.8)                                    # admitted (slowly)
+        events, ended = [], threading.Event()
+
+        def on_event(ev):
+            events.append(ev)
+            if isinstance(ev, EndedEvent):
+                ended.set()
+        t0 = time.monotonic()
+        new = eng.open_call(CallOptions(prompt="Be brief.", seed=3), on_event=on_event)
+        new.append(clip.numpy())
+        new.end_input()
+        for k in range(8):                                 # the live call speaks every 80 ms meanwhile
+            live.append(example_clip[1280 * k: 1280 * (k + 1)].numpy())
+            time.sleep(0.08)
+        assert ended.wait(30)
+        stepped_during = [t for t in live_frames if t0 < t < t0 + 0.6]
+        assert len(stepped_during) >= 4, (len(live_frames), [round(t - t0, 2) for t in live_frames])
+        frames = [e for e in events if isinstance(e, FrameEvent)]
+        assert [f.text for f in frames] == inline.text_tokens.tolist()
+        live.abort()
+    finally:
+        eng.stop()

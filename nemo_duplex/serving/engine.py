@@ -9,6 +9,7 @@ formats. Calls join and leave between ticks; a call's slot is returned when it e
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -79,6 +80,8 @@ class Engine:
         self._calls: dict[str, Call] = {}
         self._to_admit: deque[Call] = deque()
         self._admitting: deque[tuple[Call, Iterator]] = deque()   # admissions under way, a piece per next()
+        # (with its own thread only: an engine driven tick by tick (serving/drive.py) admits inline)
+        self.admitter: Admitter | None = None
         self._to_end: dict[str, tuple[str, str]] = {}
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -138,6 +141,9 @@ class Engine:
 
     def start(self) -> None:
         self.prepare()
+        if self.cfg.admission_thread:
+            self.admitter = Admitter(self)
+            self.admitter.start()
         self._running = True
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -147,6 +153,8 @@ class Engine:
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.admitter is not None:
+            self.admitter.stop()
         for call in list(self._calls.values()):
             self._end(call, "shutdown", "the engine stopped")
 
@@ -241,7 +249,10 @@ class Engine:
         for call in admitting:
             if not call.closed:
                 self._admit(call)
-        self._advance_admissions()
+        if self.admitter is not None:
+            self._take_admitted()
+        else:
+            self._advance_admissions()
 
         gathered = time.perf_counter()
         batch = []
@@ -270,7 +281,7 @@ class Engine:
                 self._end(call, "completed")
         if batch:
             self._step(batch, gathered)
-        return bool(batch or ending or admitting or self._admitting)
+        return bool(batch or ending or admitting or self._admitting or (self.admitter and self.admitter.done))
 
     def prompt_ids(self, prompt: str | None) -> torch.Tensor | None:
         """The system prompt's ids (None for none), or PromptTooLong naming engine.max_prompt_tokens.
@@ -294,9 +305,21 @@ class Engine:
         except Exception as e:
             self._end(call, "error", str(e))
             return
-        self._admitting.append((call, admission(self.model, self.state, call.slot, prompt_ids, call.options.seed,
-                                                call.options.sampling, call.options.speaker, self.prefix_cache,
-                                                self.cfg.prefill_chunk_tokens)))
+        pieces = admission(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
+                           call.options.speaker, self.prefix_cache, self.cfg.prefill_chunk_tokens)
+        if self.admitter is not None:
+            self.admitter.submit(call, pieces)
+        else:
+            self._admitting.append((call, pieces))
+
+    def _take_admitted(self) -> None:
+        """The admissions the admission thread finished: their calls step from this tick on."""
+        while self.admitter.done:
+            call, error = self.admitter.done.popleft()
+            if error is not None:
+                self._end(call, "error", str(error))
+            elif not call.closed:
+                call.admitted = True
 
     def _advance_admissions(self) -> None:
         """Run the admissions under way, oldest first: at most engine.admission_pieces_per_tick pieces (a
@@ -394,6 +417,64 @@ class Engine:
             call.on_event(EndedEvent(call.id, reason, message))
         except Exception:
             traceback.print_exc()
+
+
+class Admitter:
+    """Admissions off the engine thread (engine.admission_thread): a worker thread runs each new call's
+    admission (prompt prefill, talker warm-up) whole, on CUDA on a stream of its own, while the engine thread
+    steps the live calls; a finished call joins the next step. The slot being admitted is in no step's batch
+    until then, and its previous call's last step finished before its place was given back (a step ends
+    with its outputs on the host), so the two threads never touch the same rows. The admission's kernels
+    start after the engine stream's work queued when it was submitted, and the call is handed back only once
+    they are done. Host time of a 500-token admission on the H200 is ~0.2-0.3 s (docs/performance.md):
+    on the engine thread it stalled every live call that long."""
+
+    def __init__(self, engine: Engine):
+        import queue
+
+        self.engine = engine
+        self.device = engine.state.llm_len.device
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: deque[tuple[Call, BaseException | None]] = deque()
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="admission", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.jobs.put(None)
+            self.thread.join(timeout=30)
+
+    def submit(self, call: Call, pieces: Iterator) -> None:
+        after = None
+        if self.stream is not None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        self.jobs.put((call, pieces, after))
+
+    def _run(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+        while (job := self.jobs.get()) is not None:
+            call, pieces, after = job
+            error = None
+            if not call.closed:
+                try:
+                    with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
+                                           else contextlib.nullcontext()):
+                        if after is not None:
+                            self.stream.wait_event(after)
+                        for _ in pieces:
+                            pass
+                    if self.stream is not None:
+                        self.stream.synchronize()
+                except Exception as e:  # noqa: BLE001 - the call ends with it; the thread goes on
+                    error = e
+            self.done.append((call, error))
+            self.engine._wake()
 
 
 class EngineStats:

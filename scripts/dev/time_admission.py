@@ -1,0 +1,65 @@
+"""How long a new call's admission takes, piece by piece, on the full model (random weights): the prompt's
+prefill chunks and the talker warm-up, each timed with the device synchronised, and the ops that dominate.
+
+    python scripts/dev/time_admission.py [--prompt-tokens 500] [--chunk 128] [--device cuda]
+    python scripts/dev/time_admission.py --model nemotron_duplex_tiny --device cpu --prompt-tokens 40 --chunk 16
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nemo_duplex import runtime, settings  # noqa: E402
+from nemo_duplex.models.config import SamplingParams  # noqa: E402
+from nemo_duplex.serving.frame_step import admission  # noqa: E402
+from nemo_duplex.serving.state import allocate_call_state  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-tokens", type=int, default=500)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="nemotron_duplex", help="a preset (nemotron_duplex_tiny for a CPU check)")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    from hydra import compose, initialize_config_dir
+
+    settings.register()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
+        cfg = compose("bench_step", overrides=[f"model={args.model}", "model.weights=random",
+                                               f"device={args.device}", "model/dtype=bf16"])
+    model = runtime.load(cfg, overrides=[]).model   # as the server loads it (bf16, cast for inference)
+    st = allocate_call_state(model, 4, 400, dev, max_prompt_tokens=512)
+    ids = torch.randint(3, model.cfg.llm.vocab_size, (args.prompt_tokens,), device=dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    for chunk in (args.chunk, 0):
+        for trial in range(3):
+            pieces, t = [], time.perf_counter()
+            for _ in admission(model, st, trial % 4, ids, 0, SamplingParams(), None, None, chunk):
+                sync()
+                pieces.append(time.perf_counter() - t)
+                t = time.perf_counter()
+            sync()
+            pieces.append(time.perf_counter() - t)
+            print(f"chunk {chunk}: trial {trial}: pieces ms {[round(1000 * p, 1) for p in pieces]}, "
+                  f"total {1000 * sum(pieces):.1f}", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in admission(model, st, 1, ids, 0, SamplingParams(), None, None, args.chunk):
+            pass
+        sync()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+
+
+if __name__ == "__main__":
+    main()
