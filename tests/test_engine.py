@@ -632,7 +632,7 @@ def test_admission_thread_keeps_live_calls_stepping(tiny, example_clip, monkeypa
     eng = _engine(tiny, prefix_cache_entries=0, admission_thread=True)
     eng.start()
     try:
-        live_frames, done = [], threading.Event()
+        live_frames = []
         live = eng.open_call(CallOptions(seed=1), on_event=lambda ev: isinstance(ev, FrameEvent) and
                              live_frames.append(time.monotonic()))
         time.sleep(0.8)                                    # admitted (slowly)
