@@ -657,3 +657,9 @@ def test_admission_thread_keeps_live_calls_stepping(tiny, example_clip, monkeypa
         live.abort()
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("bad", [{"admission_pieces_per_tick": 0}, {"prefill_chunk_tokens": -1}])
+def test_admission_settings_that_could_never_admit_are_refused(tiny, bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        _engine(tiny, **bad)

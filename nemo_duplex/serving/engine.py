@@ -69,6 +69,10 @@ class Engine:
     def __init__(self, model, tokenizer, cfg: EngineConfig, state, runner):
         self.model, self.tokenizer = model, tokenizer
         self.cfg = cfg
+        if cfg.admission_pieces_per_tick < 1 or cfg.prefill_chunk_tokens < 0:
+            raise ValueError(f"engine.admission_pieces_per_tick = {cfg.admission_pieces_per_tick} (>= 1) and "
+                             f"engine.prefill_chunk_tokens = {cfg.prefill_chunk_tokens} (>= 0, 0: whole): an "
+                             "admission would never finish")
         mc = model.cfg
         self.frame_samples = mc.samples_per_frame_in
         self.sample_rate = mc.source_sample_rate
