@@ -227,11 +227,18 @@ async def upload_loop(http, url: str, wav: bytes, every_s: float, until: asyncio
         except Exception as e:  # recorded, never fatal to the run
             rec.error = rec.error or f"{type(e).__name__}: {e}"
 
-    tasks = []
-    while not until.is_set():
+    async def launch():
         rec = UploadRecord(time.monotonic())
         records.append(rec)
-        tasks.append(asyncio.create_task(one(rec)))
+        await one(rec)
+    await periodically(every_s, until, launch)
+
+
+async def periodically(every_s: float, until: asyncio.Event, launch) -> None:
+    """Start `launch()` every `every_s` until `until` is set; return once every started one is done."""
+    tasks = []
+    while not until.is_set():
+        tasks.append(asyncio.create_task(launch()))
         try:
             await asyncio.wait_for(until.wait(), every_s)
         except asyncio.TimeoutError:
@@ -548,16 +555,11 @@ async def arrival_loop(http, ws_url: str, pcm: bytes, every_s: float, until: asy
         except Exception as e:  # recorded, never fatal to the run
             rec.error = rec.error or f"{type(e).__name__}: {e}"
 
-    tasks = []
-    while not until.is_set():
+    async def launch():
         rec = ArrivalRecord(time.monotonic())
         records.append(rec)
-        tasks.append(asyncio.create_task(one(rec, next(prompts))))
-        try:
-            await asyncio.wait_for(until.wait(), every_s)
-        except asyncio.TimeoutError:
-            pass
-    await asyncio.gather(*tasks)
+        await one(rec, next(prompts))
+    await periodically(every_s, until, launch)
 
 
 def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
