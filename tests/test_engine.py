@@ -272,6 +272,30 @@ def test_limits_busy_budget_and_call_length(tiny, example_clip, pipeline):
     assert eng.slots.in_use == 1                      # the other call still holds its slot
 
 
+@pytest.mark.parametrize("pipeline", [0, 2])
+@pytest.mark.parametrize("then", ["end_input", "one_more_sample"])
+def test_a_call_at_its_limit_waits_for_what_comes_next(tiny, pipeline, then):
+    """Input of exactly engine.max_call_s whose end-of-input arrives after its last frame was stepped
+    completes (the server's client sends its end a moment later: a race CI once lost); a single sample
+    past the limit ends it with "limit"."""
+    eng = _engine(tiny, max_calls=2, max_call_s=0.4, pipeline=pipeline)
+    events = []
+    a = eng.open_call(on_event=events.append)
+    a.append(np.zeros(1280 * 5, dtype=np.float32))    # exactly 0.4 s
+    for _ in range(12):                                # every frame stepped and handed out, nothing next
+        eng.tick()
+    assert not a.closed and [e.frame for e in events if isinstance(e, FrameEvent)] == [0, 1, 2, 3, 4]
+    if then == "end_input":
+        a.end_input()
+    else:
+        a.append(np.zeros(1, dtype=np.float32))
+    for _ in range(4):
+        eng.tick()
+    ended = [e for e in events if isinstance(e, EndedEvent)]
+    assert len(ended) == 1 and ended[0].reason == ("completed" if then == "end_input" else "limit")
+    assert eng.slots.in_use == 0
+
+
 @pytest.mark.parametrize("pipeline", [0, 1, 2])
 def test_abort_frees_slot_and_others_continue(tiny, example_clip, pipeline):
     eng = _engine(tiny, max_calls=2, pipeline=pipeline)

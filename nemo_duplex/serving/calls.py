@@ -197,6 +197,12 @@ class Call:
         with self._lock:
             return len(self._frames)
 
+    @property
+    def has_pending_audio(self) -> bool:
+        """Any audio received but not stepped: whole frames or a partial one."""
+        with self._lock:
+            return bool(self._frames) or self._buf.size > 0
+
     # engine side
     def _pacing(self) -> tuple[float | None, float | None, int]:
         """(arrival of the oldest pending frame or None, arrival of the last frame or None, frames pending),

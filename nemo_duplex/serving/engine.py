@@ -171,7 +171,8 @@ class Engine:
         still awaited, so a burst of N appends costs O(N^2) cheap checks, not N scans with a lock per call
         (the event loop needs the GIL meanwhile)."""
         with self._lock:   # calls still to be admitted too: admission runs in the same tick as their step
-            live = [c for c in self._calls.values() if not c.closed and not c.input_ended]
+            live = [c for c in self._calls.values() if not c.closed and not c.input_ended
+                    and c.frames_stepped < self.max_frames]   # a call at its limit gets no more frames
         limit = coalesce_limit(self.cfg.coalesce_ms / 1e3,
                                self._last_step if self.cfg.coalesce_at_most_step else None)
         quiet = self.cfg.open_quiet_ms / 1e3
@@ -267,8 +268,13 @@ class Engine:
             if not call.admitted or call.closed:
                 continue
             last = call._text_due or call._speech_due   # the frame in flight that stepped last
-            if (call.frames_stepped >= self.max_frames and last is None
-                    and not (call.input_ended and call.pending_frames == 0)):   # exactly max_call_s completes
+            if call.frames_stepped >= self.max_frames and last is None and not call.input_ended:
+                # at the limit, the call ends with "limit" only once audio past it arrives: input of
+                # exactly max_call_s whose end-of-input is still on its way completes normally
+                if call.has_pending_audio:
+                    self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
+                continue
+            if call.frames_stepped >= self.max_frames and last is None and call.pending_frames:
                 self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
                 continue
             item = call._take_frame() if call.frames_stepped < self.max_frames else None
