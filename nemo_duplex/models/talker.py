@@ -1,517 +1,58 @@
 """EAR-TTS talker (MODEL_SPEC section 4): text token + previous codes -> 31 RVQ codes per frame.
 
-Reads top to bottom: Gemma pieces (norm, rotary, attention, MLP), the Gemma3 backbone, the char-aware
-subword encoder with its flag embeddings, gated fusion, the MoG head, then `EarTTS`, which holds them
-under the official checkpoint names (spec 6.3, prefix `tts_model.tts_model.`) and implements the warm-up
-(spec 4.3), one step (4.4) and the iterative RVQ decoding (4.5, 4.6).
+`EarTTS` holds the talker's parts under the official checkpoint names (spec 6.3, prefix
+`tts_model.tts_model.`): the Gemma3 backbone (gemma.py), the char-aware text conditioning and gated fusion
+(text_conditioning.py) and the MoG head (mog_head.py). It implements the warm-up (spec 4.3), one step (4.4)
+and the iterative RVQ decoding (4.5, 4.6). The parts stay importable from here.
 
 Per-call state is a `TalkerCache` pool (one row per call plus a sink row, docs/design.md); every step
 reads and writes only the rows named by `slots`. Random draws are inputs, never drawn here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_duplex.models.config import CASConfig, GemmaConfig, MoGConfig, TalkerConfig
-from nemo_duplex.models.stacking import StackedProjections, stack_all
-from ops.activation import gelu_tanh_mul
-from ops.argmin_residual import argmin_residual
+from nemo_duplex.models.config import TalkerConfig
+from nemo_duplex.models.gemma import (
+    GatedMLP,
+    Gemma3Attention,
+    Gemma3Backbone,
+    Gemma3Layer,
+    GemmaRMSNorm,
+    TalkerCache,
+    apply_rotary,
+    attention_projections,
+    rope_frequencies,
+    rotary_cos_sin,
+)
+from nemo_duplex.models.mog_head import MoGHead, MoGLayer, residual_quantise, top_k_filter
+from nemo_duplex.models.stacking import stack_all
+from nemo_duplex.models.text_conditioning import (
+    BOSEOSEmbedding,
+    CharAwareSubwordEncoder,
+    CharEncoder,
+    CharEncoderAttention,
+    CharEncoderLayer,
+    GatedProjectedSumRMSNorm,
+    SubwordFlagEmbedding,
+)
 from ops.codebook_sum import codebook_sum
-from ops.decode_attention import decode_attention
 from ops.mog_latent import mog_latent
-from ops.rmsnorm import add_rms_norm, rms_norm, rms_norm_rope, rms_norm_rope_qk_store
 from ops.top_p_sample import gumbel, top_p_gumbel_argmax
+
+# EarTTS and the ids, plus its parts (gemma.py, text_conditioning.py, mog_head.py), importable from here
+__all__ = [
+    "DEFAULT_BOS_ID", "DEFAULT_EOS_ID", "DEFAULT_PAD_ID",
+    "BOSEOSEmbedding", "CharAwareSubwordEncoder", "CharEncoder", "CharEncoderAttention", "CharEncoderLayer",
+    "EarTTS", "GatedMLP", "GatedProjectedSumRMSNorm", "Gemma3Attention", "Gemma3Backbone", "Gemma3Layer",
+    "GemmaRMSNorm", "MoGHead", "MoGLayer", "SubwordFlagEmbedding", "TalkerCache", "apply_rotary",
+    "attention_projections", "residual_quantise", "rope_frequencies", "rotary_cos_sin", "top_k_filter",
+]
 
 # Special ids of the LLM tokenizer (spec 3.8); `EarTTS.set_vocab` overrides them with the loaded tokenizer's.
 DEFAULT_BOS_ID, DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 2, 12
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Gemma building blocks
-
-
-class GemmaRMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32 (spec 4.1, pitfall 9.6: the weight is an offset)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, offset=1.0)  # one kernel on CUDA (ops/rmsnorm.py)
-
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + norm(x), the norm rounded to the compute dtype first (fused on CUDA)."""
-        return rms_norm(x, self.weight, self.eps, offset=1.0, residual=residual)
-
-    def add_to_then(self, residual: torch.Tensor, x: torch.Tensor, following: "GemmaRMSNorm"):
-        """(s, following(s)) with s = add_to(residual, x): a block's post-norm and residual add and the next
-        block's pre-norm, one kernel on CUDA (ops/rmsnorm.py add_rms_norm)."""
-        return add_rms_norm(residual, x, following.weight, following.eps, offset=1.0, delta_weight=self.weight,
-                            delta_eps=self.eps)
-
-
-def rope_frequencies(head_dim: int, theta: float, device) -> torch.Tensor:
-    """The rotary inverse frequencies [head_dim] (fp32), each half-dim frequency twice: rotate-half layout."""
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
-    return torch.cat([inv_freq, inv_freq])
-
-
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [..., head_dim] (fp32) for integer positions [...]: rotate-half layout over the full head dim."""
-    angles = positions.float()[..., None] * rope_frequencies(head_dim, theta, positions.device)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D]; cos/sin [B, T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    return x * cos + rotated * sin
-
-
-class GatedMLP(StackedProjections):
-    """down(gelu_tanh(gate(x)) * up(x)), no biases (spec 4.1). gelu * up is one kernel on the GPU
-    (ops/activation.py); once stacked, gate and up are one GEMM whose column halves it reads in place."""
-    stacked = ("gate_proj", "up_proj")
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.stack is not None:
-            gate, up = F.linear(x, self.stack).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(gelu_tanh_mul(gate, up))
-
-
-def attention_projections(module: nn.Module, cfg: GemmaConfig | CASConfig) -> None:
-    """The q/k/v/o projections of a Gemma-style attention (no bias) on `module`, and its head counts."""
-    module.num_heads, module.num_kv_heads, module.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                              cfg.head_dim)
-    q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
-    module.q_proj = nn.Linear(cfg.hidden_size, q, bias=False)
-    module.k_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
-    module.v_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
-    module.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
-
-
-class Gemma3Attention(StackedProjections):
-    """Gemma3 self-attention: q/k RMSNorm over head_dim before RoPE, query scale query_pre_attn_scalar^-0.5
-    (spec 4.1, pitfall 9.6), RoPE theta and sliding window by layer type."""
-    stacked = ("q_proj", "k_proj", "v_proj")
-
-    def __init__(self, cfg: GemmaConfig, layer: int):
-        super().__init__()
-        attention_projections(self, cfg)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        full = cfg.is_full_attention(layer)
-        # spec 4.1: theta 1e6 on full layers, 1e4 (rope_local_base_freq) on sliding ones
-        self.rope_theta = cfg.rope_theta if full else cfg.rope_local_base_freq
-        self.window = None if full else cfg.sliding_window
-        self.scale = cfg.query_pre_attn_scalar ** -0.5
-
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., H] -> the q, k, v projections [..., heads x D]: one GEMM when stacked, its output's
-        column views (the norm + rotary kernels read them strided, no copies)."""
-        if self.stack is not None:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return F.linear(x, self.stack).split((q_size, kv_size, kv_size), dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
-    def rotary(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
-        """(cos, sin) [B, T, D] for positions [B, T]: `rope` if the caller computed them once for all layers."""
-        return rope if rope is not None else rotary_cos_sin(positions, self.head_dim, self.rope_theta)
-
-    def query(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """q [B, T, heads x D] (the projection) -> [B, heads, T, D], normed and rotated (one kernel on CUDA,
-        ops/rmsnorm.py, with the roundings of norm-then-rotate)."""
-        b, t, _ = q.shape
-        return rms_norm_rope(q.view(b, t, self.num_heads, self.head_dim), self.q_norm.weight,
-                             self.q_norm.eps, cos, sin).transpose(1, 2)
-
-    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x [B, T, H], positions [B, T] -> q [B, heads, T, D], k, v [B, kv_heads, T, D] (normed, rotated).
-        rope: this layer's (cos, sin) [B, T, D] if the caller computed them once for all layers."""
-        b, t, _ = x.shape
-        cos, sin = self.rotary(positions, rope)
-        q, k, v = self.qkv(x)
-        q = self.query(q, cos, sin)
-        k = rms_norm_rope(k.view(b, t, self.num_kv_heads, self.head_dim), self.k_norm.weight,
-                          self.k_norm.eps, cos, sin).transpose(1, 2)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return q, k, v
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor):
-        """Full sequence, causal by position. -> (out [B, T, H], k, v) so a prefill can store k/v."""
-        b, t, _ = x.shape
-        q, k, v = self.project(x, positions)
-        offset = positions[:, :, None] - positions[:, None, :]  # query position - key position
-        visible = offset >= 0
-        if self.window is not None:
-            visible = visible & (offset < self.window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
-
-    def step(self, x: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-             rows: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-             lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row: x [N, H], positions [N]; writes k/v at (rows, positions) of the pools
-        [R, kv_heads, L, D] in place, then attends over the row's cache. -> [N, H]. `lengths` =
-        positions + 1 if the caller has it (the backbone computes it once for all layers)."""
-        n = x.shape[0]
-        cos, sin = self.rotary(positions[:, None], rope)
-        q, k, v = self.qkv(x)
-        heads = (n, 1, self.num_kv_heads, self.head_dim)
-        # q normed and rotated, and k likewise with v straight into the pools: one kernel on the GPU
-        # (ops/rmsnorm.py; q and k share the config's eps and, here, the head count)
-        q = rms_norm_rope_qk_store(q.view(n, 1, self.num_heads, self.head_dim), self.q_norm.weight, k.view(heads),
-                                   self.k_norm.weight, self.k_norm.eps, cos, sin, v.view(heads), pool_k, pool_v,
-                                   rows, positions)
-        lengths = positions + 1 if lengths is None else lengths
-        out = decode_attention(q[:, 0], pool_k, pool_v, rows, lengths, self.scale, self.window)
-        return self.o_proj(out.reshape(x.shape[0], -1))
-
-
-class Gemma3Layer(nn.Module):
-    """x += post_attn_norm(attn(input_norm(x))); x += post_ff_norm(mlp(pre_ff_norm(x))) (spec 4.1)."""
-
-    def __init__(self, cfg: GemmaConfig, layer: int):
-        super().__init__()
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Gemma3Attention(cfg, layer)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor):
-        attn, k, v = self.self_attn(self.input_layernorm(x), positions)
-        x = x + self.post_attention_layernorm(attn)
-        return self.feed_forward(x), k, v
-
-    def step(self, x, h, following, positions, pool_k, pool_v, rows, rope=None, lengths=None):
-        """x [N, H] the residual stream, h = input_layernorm(x) -> (the new x, following(x)): each residual
-        add runs with the next norm (`add_to_then`); `following` is the next layer's input_layernorm or
-        the backbone's final norm."""
-        attn = self.self_attn.step(h, positions, pool_k, pool_v, rows, rope, lengths)
-        x, h = self.post_attention_layernorm.add_to_then(x, attn, self.pre_feedforward_layernorm)
-        return self.post_feedforward_layernorm.add_to_then(x, self.mlp(h), following)
-
-
-@dataclass
-class TalkerCache:
-    """Backbone KV pools: k, v [n_layers, 2, S, kv_heads, max_len, head_dim]; dim 1 is the CFG stream
-    (0 = conditional, 1 = unconditional), dim 2 the slot (the last slot is the sink)."""
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def num_slots(self) -> int:
-        return self.k.shape[2]
-
-    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [2 * S, kv_heads, max_len, D] of one layer: row = stream * S + slot."""
-        return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
-
-
-class Gemma3Backbone(nn.Module):
-    """HF gemma3_text without its embedding table: inputs_embeds in, no sqrt(hidden) scaling (spec 4.1)."""
-
-    def __init__(self, cfg: GemmaConfig):
-        super().__init__()
-        self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # the layers' rotary thetas (full and sliding, spec 4.1) and their frequencies [thetas, head_dim], fp32,
-        # not in the state_dict: a step takes every layer's cos / sin from one product (built again after a
-        # cast or move, `_apply`, from the same expression rotary_cos_sin uses)
-        self.rope_thetas = list(dict.fromkeys(layer.self_attn.rope_theta for layer in self.layers))
-        self.register_buffer("rope_freqs", torch.empty(0), persistent=False)
-        self._build_rope_freqs()
-
-    def _build_rope_freqs(self) -> None:
-        head_dim, device = self.layers[0].self_attn.head_dim, self.rope_freqs.device
-        self.rope_freqs = torch.stack([rope_frequencies(head_dim, theta, device) for theta in self.rope_thetas])
-
-    def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)
-        self._build_rope_freqs()   # fp32 whatever the cast (a bf16 copy would rotate by rounded angles)
-        return out
-
-    def prefill(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [B, T, H], positions [B, T] -> (h [B, T, H], per-layer (k, v) [B, kv_heads, T, D])."""
-        kv = []
-        for layer in self.layers:
-            x, k, v = layer(x, positions)
-            kv.append((k, v))
-        return self.norm(x), kv
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.prefill(x, positions)[0]
-
-    def step(self, x: torch.Tensor, positions: torch.Tensor, cache: TalkerCache, rows: torch.Tensor) -> torch.Tensor:
-        """x [N, H] one token per row at positions [N]; rows [N] index the stream-major pool (stream * S + slot)."""
-        # cos / sin once per step for both thetas (full and sliding layers), not once per layer or theta: the
-        # values rotary_cos_sin gives (positions as fp32 times the same frequencies), in the compute dtype
-        angles = positions[:, None, None] * self.rope_freqs   # [N, thetas, D]: int64 x fp32 is fp32(pos) x f
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        ropes = {theta: (cos[:, i:i + 1], sin[:, i:i + 1]) for i, theta in enumerate(self.rope_thetas)}
-        lengths = positions + 1  # keys each row attends over, the new one included (once, not per layer)
-        h = self.layers[0].input_layernorm(x)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            pool_k, pool_v = cache.layer_pools(i)
-            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer.step(x, h, following, positions, pool_k, pool_v, rows, ropes[attn.rope_theta], lengths)
-        return h
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Text conditioning: char-aware subword encoder (spec 4.2.2)
-
-
-class CharEncoderAttention(nn.Module):
-    """T5Gemma encoder self-attention: bidirectional, no q/k norm, logit soft-capping tanh(s/c)*c."""
-
-    def __init__(self, cfg: CASConfig):
-        super().__init__()
-        attention_projections(self, cfg)
-        self.rope_theta = cfg.rope_theta
-        self.scale = cfg.query_pre_attn_scalar ** -0.5
-        self.softcap = cfg.attn_logit_softcapping
-
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """x [N, C, H] chars of N tokens, valid [N, C] key-padding mask."""
-        n, c, _ = x.shape
-        q = self.q_proj(x).view(n, c, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(n, c, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(n, c, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        positions = torch.arange(c, device=x.device).expand(n, c)
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        group = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = (q @ k.transpose(-1, -2)).float() * self.scale
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        # finite fill (not -inf): a token with no known chars has every key masked; its rows stay finite
-        # and are dropped by the pooling
-        scores = scores.masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
-        out = scores.softmax(-1).to(v.dtype) @ v
-        return self.o_proj(out.transpose(1, 2).reshape(n, c, -1))
-
-
-class CharEncoderLayer(nn.Module):
-    def __init__(self, cfg: CASConfig):
-        super().__init__()
-        self.pre_self_attn_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = CharEncoderAttention(cfg)
-        self.post_self_attn_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        x = self.post_self_attn_layernorm.add_to(x, self.self_attn(self.pre_self_attn_layernorm(x), valid))
-        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
-
-
-class CharEncoder(nn.Module):
-    """T5Gemma encoder stack (no embedding table): inputs scaled by sqrt(hidden), layers, final norm."""
-
-    def __init__(self, cfg: CASConfig):
-        super().__init__()
-        self.hidden_size = cfg.hidden_size
-        self.layers = nn.ModuleList(CharEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, valid)
-        return self.norm(x)
-
-
-class SubwordFlagEmbedding(nn.Module):
-    """Adds cont_emb[is_continuation[id]]; ids past the table map to the pad entry (spec 4.2.2)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.cont_emb = nn.Embedding(2, hidden_size)
-        self.register_buffer("is_continuation", torch.zeros(vocab_size + 1, dtype=torch.long))
-        self.register_buffer("pad_tensor", torch.tensor(vocab_size, dtype=torch.long))
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        ids = torch.where(ids >= self.is_continuation.shape[0] - 1, self.pad_tensor, ids)
-        return x + self.cont_emb(self.is_continuation[ids])
-
-
-class BOSEOSEmbedding(nn.Module):
-    """Adds special_emb[special_flags[id]] (0 regular, 1 BOS, 2 EOS); the table's last entry is the pad slot."""
-
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.special_emb = nn.Embedding(3, hidden_size)
-        self.register_buffer("special_flags", torch.zeros(vocab_size, dtype=torch.long))
-        self.register_buffer("pad_tensor", torch.tensor(vocab_size - 1, dtype=torch.long))
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        ids = torch.where(ids >= self.special_flags.shape[0] - 1, self.pad_tensor, ids)
-        return x + self.special_emb(self.special_flags[ids])
-
-
-class CharAwareSubwordEncoder(nn.Module):
-    """Token id -> embedding of its characters (1-layer T5Gemma encoder, mean-pooled, projected), plus the
-    continuation and BOS/EOS flag embeddings (spec 4.2.2). The char table (`char_ids`, `char_len`) comes
-    from the tokenizer through `set_vocab`; it is not part of the checkpoint."""
-
-    def __init__(self, cfg: CASConfig, vocab_size: int, out_size: int):
-        super().__init__()
-        self.num_chars = cfg.num_chars
-        self.embed_tokens = nn.Embedding(cfg.num_chars + 1, cfg.hidden_size)  # last row: pad char
-        self.backbone = nn.ModuleDict({"encoder": CharEncoder(cfg)})  # official path: T5GemmaEncoderModel.encoder
-        self.proj_embedding = nn.Linear(cfg.hidden_size, out_size, bias=False)
-        self.subword_flag_emb = SubwordFlagEmbedding(vocab_size, out_size)
-        self.bos_eos_emb = BOSEOSEmbedding(vocab_size, out_size)
-        self.register_buffer("char_ids", torch.full((vocab_size, 1), cfg.num_chars, dtype=torch.long), persistent=False)
-        self.register_buffer("char_len", torch.zeros(vocab_size, dtype=torch.long), persistent=False)
-
-    def encode_chars(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [N] -> mean-pooled, projected char encoding [N, out]; zero for a token with no known chars."""
-        chars, lengths = self.char_ids[ids], self.char_len[ids]
-        valid = torch.arange(chars.shape[1], device=ids.device)[None, :] < lengths[:, None]
-        h = self.backbone["encoder"](self.embed_tokens(chars), valid)
-        pooled = (h * valid[..., None].to(h.dtype)).sum(1) / lengths.clamp(min=1)[:, None].to(h.dtype)
-        return self.proj_embedding(pooled)
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [N] -> [N, out]. `mask` false zeroes only the char encoding: the flags are added at every
-        position (spec 12.5)."""
-        emb = self.encode_chars(ids)
-        if mask is not None:
-            emb = emb * mask[:, None].to(emb.dtype)
-        return self.bos_eos_emb(self.subword_flag_emb(emb, ids), ids)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Gated fusion of code and text embeddings (spec 4.2.3)
-
-
-class GatedProjectedSumRMSNorm(nn.Module):
-    """final_norm(sigmoid(s) * (g * audio_proj(audio / Q) + (1 - g) * text_proj(text))), g = sigmoid(gate)."""
-
-    def __init__(self, hidden_size: int, num_quantizers: int, eps: float = 1e-6):
-        super().__init__()
-        self.num_quantizers = num_quantizers
-        self.audio_proj = nn.Linear(hidden_size, hidden_size)
-        self.text_proj = nn.Linear(hidden_size, hidden_size)
-        self.gate = nn.Parameter(torch.zeros(hidden_size))
-        self.residual_scale = nn.Parameter(torch.tensor(0.0))
-        self.final_norm = GemmaRMSNorm(hidden_size, eps)
-
-    def forward(self, audio: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        a = self.audio_proj(audio / self.num_quantizers).float()
-        b = self.text_proj(text).float()
-        g = torch.sigmoid(self.gate.float())  # gate and scale in fp32 (spec 4.2.3)
-        h = torch.sigmoid(self.residual_scale.float()) * (g * a + (1 - g) * b)
-        return self.final_norm(h).to(audio.dtype)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Mixture-of-Gaussians head (spec 4.6)
-
-
-class MoGLayer(nn.Module):
-    """x + post_norm(GatedMLP(pre_norm(x)))."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, eps: float):
-        super().__init__()
-        self.pre_norm = GemmaRMSNorm(hidden_size, eps)
-        self.mlp = GatedMLP(hidden_size, intermediate_size)
-        self.post_norm = GemmaRMSNorm(hidden_size, eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_norm.add_to(x, self.mlp(self.pre_norm(x)))
-
-
-class MoGHead(StackedProjections):
-    """Trunk (`mlp_stack`: layers then a final norm), then per-component low-rank means. Once stacked,
-    proj_logits and proj_else are one GEMM (`heads`)."""
-    stacked = ("proj_logits", "proj_else")
-
-    def __init__(self, cfg: MoGConfig, hidden_size: int, latent_size: int):
-        super().__init__()
-        self.num_predictions, self.low_rank, self.min_log_std = cfg.num_predictions, cfg.low_rank, cfg.min_log_std
-        self.mlp_stack = nn.Sequential(*[MoGLayer(hidden_size, cfg.intermediate_size, cfg.eps) for _ in range(cfg.num_layers)],
-                                       GemmaRMSNorm(hidden_size, cfg.eps))
-        self.proj_logits = nn.Linear(hidden_size, cfg.num_predictions, bias=False)
-        self.proj_mus = nn.Linear(hidden_size, cfg.num_predictions * cfg.low_rank, bias=False)
-        self.proj_logs = nn.Linear(hidden_size, 1, bias=False)
-        self.proj_else = nn.Linear(hidden_size, latent_size, bias=False)
-        self.low_mat = nn.Parameter(torch.zeros(cfg.num_predictions, latent_size, cfg.low_rank))
-
-    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """The trunk, `mlp_stack(h + e)`, as joints: each layer's post-norm and residual add with the next
-        norm (the next layer's pre-norm, or the final norm) in one kernel on the GPU (ops/rmsnorm.py
-        add_rms_norm), and the input sum with the first pre-norm: 3 fewer launches per layer, the same
-        roundings as the Sequential's modules one after another (the references compose them)."""
-        layers, final = list(self.mlp_stack)[:-1], self.mlp_stack[-1]
-        first = layers[0].pre_norm
-        x, y = add_rms_norm(h, e, first.weight, first.eps, offset=1.0)
-        for layer, following in zip(layers, [layer.pre_norm for layer in layers[1:]] + [final]):
-            x, y = layer.post_norm.add_to_then(x, layer.mlp(y), following)
-        return y
-
-    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, H] -> (proj_logits(x) [B, P], proj_else(x) [B, L]): views of one GEMM's output once stacked."""
-        if self.stack is None:
-            return self.proj_logits(x), self.proj_else(x)
-        out = F.linear(x, self.stack)
-        return out[:, :self.num_predictions], out[:, self.num_predictions:]
-
-
-def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """HF TopKLogitsWarper: drop entries below the k-th largest."""
-    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def residual_quantise(z: torch.Tensor, codebooks: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
-    """Greedy RVQ of z [B, latent] through codebooks [k, codebook, latent] -> codes [B, k]:
-    idx = argmin ||e_j||^2 - 2 r.e_j, then r -= e_idx (spec 4.6). norms [k, codebook]: the books'
-    squared norms, if the caller has them."""
-    r = z.float()
-    books = codebooks.float()
-    norms = books.pow(2).sum(-1) if norms is None else norms
-    codes = []
-    for book, norm in zip(books, norms):
-        # one GEMM for the distances. With the norms as a 1-D bias cuBLAS adds them in its epilogue; a
-        # [1, codebook] view was first copied into every output row (H200, 31 books: 435 -> 382 us at 32
-        # calls, 706 -> 637 at 128, bit for bit the same; docs/performance.md)
-        distances = torch.addmm(norm, r, book.T, alpha=-2)
-        idx, r = argmin_residual(distances, r, book)  # argmin, gather, subtract: one kernel on the GPU
-        codes.append(idx)
-    return torch.stack(codes, dim=-1)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The talker
 
 
 class EarTTS(nn.Module):
