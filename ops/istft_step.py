@@ -35,7 +35,7 @@ exp / cos / sin are the hardware's (or numpy's, interpreted), a few ulps apart: 
 states the tolerance.
 
 The reference section also holds the iSTFT's torch functions (the Hann window, the synthesis frames, the
-overlap-add, the window envelope), which nemo_duplex/models/codec.py's one-shot `istft` uses as well.
+overlap-add, the window envelope), which nemo_duplex/models/codec_model.py's one-shot `istft` uses as well.
 """
 from __future__ import annotations
 

@@ -3,8 +3,12 @@
 codes [B, T, 31] --dequantise (5.1)--> latent [B, T, 512] --decoder (5.2)--> 18 channels per spectrogram
 frame (441 per code frame) --iSTFT head (5.3)--> wav [B, 1764 T].
 
-Module paths give the official keys under `tts_model.audio_codec.` (spec 6.3): `encoder.layers.N`,
-`decoder.layers.N`, `prvq.mus_list.i`, `prvq._variance_list.i.variance`.
+The codec in three modules, every name importable from this one:
+- codec.py (this one): its numerics, `exact_fp32` and the decoder's GEMMs (`linear`, the upsampling convs
+  as GEMMs, the weights split once for them);
+- codec_layers.py: the networks under the checkpoint's keys: the causal ConvNeXt block, the encoder
+  (`Wav2Latent`), the decoder (`Latent2Wav`), the quantiser (`ResidualVQ`);
+- codec_model.py: `RVQCodec`, one-shot and streaming decode (its per-call state, the iSTFT head), encode.
 
 Numerics: always fp32 (spec 9.9: bf16 collapses the reconstruction), and TF32 must stay off (spec 1.6,
 NeMo's `disable_tf32`). `decode`, `decode_step` and `encode` refuse parameters that are not fp32 and, on
@@ -18,31 +22,16 @@ beforehand, for decode_step's GEMMs once at load: RVQCodec.presplit_weights); "f
 products of power-of-two-scaled halves, as accurate and ~40% faster on an H200 (ops/fp16x3_linear.py;
 weights split once at load the same way); "bf16x3", three bf16 products, ~1e-5 relative; "auto"
 (default): fp16x3w on CUDA, ieee elsewhere. Plain TF32 or bf16 never.
-
-Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
-each causal ConvNeXt keeps its last 6 input frames; the overlap-add keeps the 12 samples (and their
-window envelope) that the next frame's spectrogram frames still add to. The output is the one-shot
-decode delayed by `stream_delay` = 6 samples, EXACTLY (up to fp32 rounding of a different summation
-order), from the first sample on: the stream starts with 6 zeros, and `flush_step` returns the last 6
-samples of the one-shot decode. NeMo's streaming wrapper (spec 5.4, 12.7) delays by 8 and differs
-from one-shot at stream samples 8..13, because it divides the first frame by the full window envelope
-where one-shot divides by the partial one; keeping the envelope's overlap-add tail in the state (zero
-after reset) removes that difference and 6 is the smallest delay at which every output sample is final.
 """
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass
+import importlib
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from nemo_duplex.models.config import CodecConfig
 from ops import interpreting, use_triton
-from ops.codebook_sum import codebook_sum
-from ops.dwconv_layernorm import dwconv_layer_norm
 from ops.fp16x3_linear import (
     Fp16Split,
     fp16x3_linear,
@@ -52,7 +41,24 @@ from ops.fp16x3_linear import (
     weight_split_numel,
 )
 from ops.fp32_linear import fp32_linear, split_tf32
-from ops.istft_step import hann_window, istft_step, overlap_add, synthesis_frames, window_envelope
+
+# The codec's parts defined in the other modules, importable from here (`from nemo_duplex.models.codec
+# import RVQCodec`). Looked up on first use (module `__getattr__`): those modules import this one's GEMMs,
+# so importing them at the top of this one would be circular.
+_PARTS = {
+    "nemo_duplex.models.codec_layers": ("CodebookVariance", "ConvNeXtBlock", "Latent2Wav", "ResidualVQ",
+                                        "Wav2Latent", "gemm_weight"),
+    "nemo_duplex.models.codec_model": ("CodecStreamState", "RVQCodec", "istft", "replace_control_codes"),
+    "ops.istft_step": ("hann_window", "istft_step", "overlap_add", "synthesis_frames", "window_envelope"),
+}
+
+
+def __getattr__(name: str):
+    for module, names in _PARTS.items():
+        if name in names:
+            return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # ----------------------------------------------------------------------------------------------------
 # Numerics guards
@@ -149,7 +155,8 @@ def split_weight(weight: torch.Tensor, gemm: str, out: torch.Tensor | None = Non
     return out
 
 
-def _fp16_weight(split: torch.Tensor | None, weight: torch.Tensor) -> Fp16Split:
+
+def fp16x3_weight(split: torch.Tensor | None, weight: torch.Tensor) -> Fp16Split:
     """`weight`'s fp16x3 split: the packed one built at load (`split_weight`), or made now."""
     return unpack_weight_split(split, *weight.shape) if split is not None else split_fp16_weight(weight)
 
@@ -195,7 +202,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
     gemm = gemm_path(gemm, x)
     if gemm == "fp16x3w":
         r2 = None if residual is None else residual.reshape(-1, weight.shape[0])
-        y = fp16x3_linear(split_fp16_rows(x), _fp16_weight(None, weight), bias, gelu, r2)
+        y = fp16x3_linear(split_fp16_rows(x), fp16x3_weight(None, weight), bias, gelu, r2)
         return y.view(*lead, -1)
     if gemm in ("tf32x3", "tf32x3w"):
         return fp32_linear(x, weight, bias, gelu, presplit=gemm == "tf32x3w", residual=residual)
@@ -270,516 +277,3 @@ def upsample_channels_last(x: torch.Tensor, weight: torch.Tensor, gemm: str,
         y = linear(x, channels_last_weight(weight), None, gemm)
     return y.view(batch, length * k, c_out)
 
-
-def replace_control_codes(codes: torch.Tensor, silence_codes: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """codes [..., Q]: every code >= codebook_size (speech pad / eos / bos, spec 5.4) becomes the silence
-    code of its codebook, silence_codes [Q]."""
-    return torch.where(codes >= codebook_size, silence_codes.to(codes.dtype).expand_as(codes), codes)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Blocks
-# ----------------------------------------------------------------------------------------------------
-
-def _normal_(param: torch.Tensor, generator: torch.Generator, std: float, mean: float = 0.0) -> None:
-    """Draw on the CPU with the generator (device independent), then copy to the parameter's device."""
-    with torch.no_grad():
-        param.copy_(torch.randn(param.shape, generator=generator, device=generator.device) * std + mean)
-
-
-class ConvNeXtBlock(nn.Module):
-    """Causal ConvNeXt1d (spec 5.2): x + pwconv2(GELU(pwconv1(LN_c(dwconv(leftpad(x)))))).
-    dwconv is depthwise with kernel k and a (k-1)-frame causal left pad; LayerNorm over channels with
-    eps 1e-6; exact (erf) GELU; pwconv1/pwconv2 are k=1 convolutions (applied as linears)."""
-
-    def __init__(self, channels: int, kernel_size: int):
-        super().__init__()
-        self.history = kernel_size - 1  # input frames of left context each output needs
-        self.dwconv = nn.Conv1d(channels, channels, kernel_size, groups=channels)
-        self.norm = nn.LayerNorm(channels, eps=1e-6)
-        self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
-        self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
-        # split_weight of pwconv1/pwconv2's weight for `step` (decoder blocks only): derived, so not in the
-        # state_dict; empty unless RVQCodec.presplit_weights built them.
-        self.register_buffer("pwconv1_split", torch.empty(0), persistent=False)
-        self.register_buffer("pwconv2_split", torch.empty(0), persistent=False)
-
-    def forward(self, x: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
-        """x [B, C, L] from the start of the signal: zeros before it (the causal pad)."""
-        return self.forward_padded(F.pad(x, (self.history, 0)), gemm)
-
-    def forward_padded(self, padded: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
-        """padded [B, C, history + L]: the input with its `history` preceding frames -> [B, C, L].
-        `gemm`: how the k=1 convs run (`linear`)."""
-        residual = padded[:, :, self.history:]
-        y = self.dwconv(padded).transpose(1, 2)  # [B, L, C]: LayerNorm and k=1 convs over channels
-        y = self.norm(y)
-        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True)
-        y = linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm)
-        return residual + y.transpose(1, 2)
-
-    def step(self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, gemm: str) -> torch.Tensor:
-        """Streaming, channels-last: x [B, L, C] new frames, history [S, k-1, C] the last k-1 input frames of
-        each slot (rows `slots` precede x, then are moved on in place) -> [B, L, C]. The conv and the
-        LayerNorm are one kernel reading the history where it is (ops/dwconv_layernorm.py); the skip is
-        added in the second GEMM's epilogue. Same sums as `forward_padded` up to their order. The k=1
-        convs take their weights' pre-split halves where built (RVQCodec.presplit_weights)."""
-        split1, split2 = _built(self.pwconv1_split), _built(self.pwconv2_split)
-        # fp16x3w in the Triton kernels: pwconv1's epilogue writes its output split for pwconv2, so the 4C-wide
-        # activation never exists in fp32; the conv + norm output is split by a pass of its own (faster on the
-        # H200 than the conv + norm kernel writing it split: ops/dwconv_layernorm.py). The same with or
-        # without the weights split beforehand, so both give the same bits.
-        fp16_chain = gemm_path(gemm, x) == "fp16x3w" and use_triton(x)
-        y = dwconv_layer_norm(x, history, slots, self.dwconv.weight, self.dwconv.bias, self.norm.weight,
-                              self.norm.bias, self.norm.eps)
-        # after the read above: the last k-1 input frames (fewer new frames than that: some old ones stay)
-        if x.shape[1] >= self.history:
-            history.index_copy_(0, slots, x[:, x.shape[1] - self.history:])
-        else:
-            history.index_copy_(0, slots, torch.cat([history.index_select(0, slots), x], 1)[:, -self.history:])
-        if fp16_chain:
-            w1, w2 = self.pwconv1.weight[:, :, 0], self.pwconv2.weight[:, :, 0]
-            h = fp16x3_linear(split_fp16_rows(y.view(-1, y.shape[-1])), _fp16_weight(split1, w1), self.pwconv1.bias,
-                              gelu=True, split_out=True)
-            out = fp16x3_linear(h, _fp16_weight(split2, w2), self.pwconv2.bias, residual=x.reshape(-1, x.shape[-1]))
-            return out.view(x.shape)
-        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True, split=split1)
-        return linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm, residual=x, split=split2)
-
-    def init_weights(self, generator: torch.Generator) -> None:
-        channels, kernel = self.dwconv.weight.shape[0], self.dwconv.weight.shape[-1]
-        _normal_(self.dwconv.weight, generator, kernel ** -0.5)
-        _normal_(self.dwconv.bias, generator, 0.1)
-        _normal_(self.norm.weight, generator, 0.1, mean=1.0)
-        _normal_(self.norm.bias, generator, 0.1)
-        _normal_(self.pwconv1.weight, generator, channels ** -0.5)
-        _normal_(self.pwconv1.bias, generator, 0.1)
-        # Small residual branch: nine blocks in a row must not blow the activations up.
-        _normal_(self.pwconv2.weight, generator, 0.5 * (4 * channels) ** -0.5)
-        _normal_(self.pwconv2.bias, generator, 0.05)
-
-
-def _built(table: torch.Tensor) -> torch.Tensor | None:
-    """A derived buffer, or None while it is empty (not built)."""
-    return table if table.numel() else None
-
-
-def gemm_weight(layer: nn.Module) -> torch.Tensor:
-    """A decoder GEMM layer's weight [N, K] in the row order `Latent2Wav.step` multiplies by: a k=1
-    Conv1d's [N, K, 1] as a view, a ConvTranspose1d's reordered channels-last (a copy)."""
-    if isinstance(layer, nn.ConvTranspose1d):
-        return channels_last_weight(layer.weight)
-    return layer.weight[:, :, 0]
-
-
-def _init_conv(conv: nn.Module, generator: torch.Generator) -> None:
-    """Unit-gain init for a bias-free (transposed) convolution: std 1/sqrt(fan-in). A transposed conv
-    with kernel == stride sums over input channels only; a strided conv over channels x kernel."""
-    if isinstance(conv, nn.ConvTranspose1d):
-        fan_in = conv.in_channels
-    else:
-        fan_in = conv.in_channels * conv.kernel_size[0]
-    _normal_(conv.weight, generator, fan_in ** -0.5)
-
-
-# ----------------------------------------------------------------------------------------------------
-# iSTFT head (spec 5.3)
-# ----------------------------------------------------------------------------------------------------
-
-# hann_window, synthesis_frames, overlap_add and window_envelope: ops/istft_step.py, whose reference they are
-
-
-def istft(head: torch.Tensor, n_fft: int, hop: int, by_matmul: bool = False) -> torch.Tensor:
-    """One-shot iSTFT: head [B, n_fft + 2, S] -> wav [B, hop*S]. Overlap-add, trim (n-hop)/2 samples at each
-    end ("same" padding), divide by the window envelope trimmed the same way."""
-    frames = synthesis_frames(head.transpose(1, 2), n_fft, by_matmul)
-    trim = (n_fft - hop) // 2
-    signal = overlap_add(frames, hop)[:, trim:-trim]
-    envelope = window_envelope(frames.shape[1], n_fft, hop, head.device)[:, trim:-trim]
-    return signal / envelope
-
-
-# ----------------------------------------------------------------------------------------------------
-# Encoder, decoder, quantiser
-# ----------------------------------------------------------------------------------------------------
-
-class Wav2Latent(nn.Module):
-    """Encoder (spec 5.5): STFT (16/4, periodic Hann, zero pad 6 | 6, center=False) -> [Re | Im] 18 ch
-    -> Conv1d k1 -> per stage: ConvNeXt x num_blocks, strided Conv1d (rates 7, 7, 9). No biases outside
-    the ConvNeXt blocks."""
-
-    def __init__(self, cfg: CodecConfig):
-        super().__init__()
-        self.n_fft, self.hop = cfg.n_fft, cfg.hop_length
-        widths = [cfg.base_hidden_size * m for m in cfg.channel_mult]
-        layers: list[nn.Module] = [nn.Conv1d(cfg.n_fft + 2, widths[0], 1, bias=False)]
-        for stage, (width, rate) in enumerate(zip(widths, cfg.rates)):
-            layers += [ConvNeXtBlock(width, cfg.kernel_size) for _ in range(cfg.num_blocks)]
-            next_width = widths[stage + 1] if stage + 1 < len(widths) else cfg.latent_size
-            layers.append(nn.Conv1d(width, next_width, rate, stride=rate, bias=False))
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, wav: torch.Tensor) -> torch.Tensor:
-        """wav [B, N] (N a multiple of hop * prod(rates)) -> latent [B, latent, N / 1764]."""
-        pad = (self.n_fft - self.hop) // 2
-        spec = torch.stft(F.pad(wav, (pad, pad)), self.n_fft, hop_length=self.hop, win_length=self.n_fft,
-                          window=hann_window(self.n_fft, wav.device), center=False, return_complex=True)
-        x = torch.cat([spec.real, spec.imag], dim=1)  # [B, 18, N / hop]
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def init_weights(self, generator: torch.Generator) -> None:
-        for layer in self.layers:
-            layer.init_weights(generator) if isinstance(layer, ConvNeXtBlock) else _init_conv(layer, generator)
-
-
-class Latent2Wav(nn.Module):
-    """Decoder (spec 5.2): per stage (rates 9, 7, 7; widths 4C, 2C, C) a ConvTranspose1d with kernel ==
-    stride, then ConvNeXt x num_blocks; a final Conv1d k1 to n_fft + 2 channels (the iSTFT head input)."""
-
-    def __init__(self, cfg: CodecConfig):
-        super().__init__()
-        widths = [cfg.base_hidden_size * m for m in reversed(cfg.channel_mult)]
-        layers: list[nn.Module] = []
-        width_in = cfg.latent_size
-        for width, rate in zip(widths, reversed(cfg.rates)):
-            layers.append(nn.ConvTranspose1d(width_in, width, rate, stride=rate, bias=False))
-            layers += [ConvNeXtBlock(width, cfg.kernel_size) for _ in range(cfg.num_blocks)]
-            width_in = width
-        layers.append(nn.Conv1d(width_in, cfg.n_fft + 2, 1, bias=False))
-        self.layers = nn.ModuleList(layers)
-        # split_{i}: split_weight(gemm_weight(layers[i]), gemm) for the upsampling layers and the final
-        # conv in `step` (the ConvNeXt blocks hold their own); empty unless RVQCodec.presplit_weights built them.
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, ConvNeXtBlock):
-                self.register_buffer(f"split_{i}", torch.empty(0), persistent=False)
-
-    def forward(self, latent: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
-        """latent [B, latent, T] -> iSTFT head input [B, n_fft + 2, 441 T]. `gemm`: see `linear`."""
-        x = latent
-        for layer in self.layers:
-            x = layer(x, gemm) if isinstance(layer, ConvNeXtBlock) else self._linear_layer(layer, x, gemm)
-        return x
-
-    @staticmethod
-    def _linear_layer(layer: nn.Module, x: torch.Tensor, gemm: str) -> torch.Tensor:
-        """The upsampling ConvTranspose1d layers and the final k=1 Conv1d, as matmuls (no cuDNN dgrad
-        kernels, and the same GEMM numerics as the ConvNeXt blocks)."""
-        if isinstance(layer, nn.ConvTranspose1d):
-            return upsample(x, layer.weight, gemm)
-        return linear(x.transpose(1, 2), layer.weight[:, :, 0], None, gemm).transpose(1, 2)
-
-    def convnext_blocks(self) -> list[ConvNeXtBlock]:
-        return [layer for layer in self.layers if isinstance(layer, ConvNeXtBlock)]
-
-    def step_gemms(self) -> list[tuple[nn.Module, str, nn.Module]]:
-        """(holder, buffer name, layer) for every GEMM of `step`, in order: the buffer of `holder` that keeps
-        the split of gemm_weight(layer) (RVQCodec.presplit_weights)."""
-        gemms: list[tuple[nn.Module, str, nn.Module]] = []
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer, ConvNeXtBlock):
-                gemms += [(layer, "pwconv1_split", layer.pwconv1), (layer, "pwconv2_split", layer.pwconv2)]
-            else:
-                gemms.append((self, f"split_{i}", layer))
-        return gemms
-
-    def step(self, latent: torch.Tensor, history: list[torch.Tensor], slots: torch.Tensor,
-             gemm: str = "ieee") -> torch.Tensor:
-        """One code frame per row, channels-last throughout (every GEMM's rows are frames, so no transpose
-        between layers): latent [B, 1, latent] -> head input [B, 441, n_fft + 2]. history[i] [S, k-1, C_i]
-        holds the last k-1 input frames of ConvNeXt block i per slot; rows `slots` are read and then
-        overwritten in place. `forward` (channels-first, one-shot) is the reference it is tested against.
-        The GEMMs take the pre-split weights where built (RVQCodec.presplit_weights)."""
-        x = latent
-        block = 0
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer, ConvNeXtBlock):
-                x = layer.step(x, history[block], slots, gemm)
-                block += 1
-            elif isinstance(layer, nn.ConvTranspose1d):
-                x = upsample_channels_last(x, layer.weight, gemm, split=_built(getattr(self, f"split_{i}")))
-            else:
-                x = linear(x, layer.weight[:, :, 0], None, gemm, split=_built(getattr(self, f"split_{i}")))
-        return x
-
-    def init_weights(self, generator: torch.Generator) -> None:
-        for layer in self.layers:
-            layer.init_weights(generator) if isinstance(layer, ConvNeXtBlock) else _init_conv(layer, generator)
-
-
-class CodebookVariance(nn.Module):
-    """Holds the `variance` scalar of one codebook (`prvq._variance_list.i.variance`, training only)."""
-
-    def __init__(self):
-        super().__init__()
-        self.variance = nn.Parameter(torch.ones(()))
-
-
-class ResidualVQ(nn.Module):
-    """Residual vector quantiser: `mus_list[i]` [codebook, latent] per quantiser (spec 5.1, 5.5)."""
-
-    def __init__(self, cfg: CodecConfig):
-        super().__init__()
-        self.mus_list = nn.ParameterList(
-            [nn.Parameter(torch.empty(cfg.codebook_size, cfg.latent_size)) for _ in range(cfg.num_quantizers)])
-        self._variance_list = nn.ModuleList([CodebookVariance() for _ in range(cfg.num_quantizers)])
-        # The codebooks stacked [Q, codebook, latent], derived from mus_list, so not in the state_dict: built
-        # on first use (`stacked`), emptied when a state_dict loads or the weights are drawn (64 MiB at full
-        # size). It lets dequantize run as one kernel (ops/codebook_sum.py).
-        self.register_buffer("mus_stacked", torch.empty(0), persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, incompatible: module.clear_stacked())
-
-    def clear_stacked(self) -> None:
-        self.mus_stacked = torch.empty(0, device=self.mus_list[0].device)
-
-    def stacked(self) -> torch.Tensor:
-        if self.mus_stacked.numel() == 0 or self.mus_stacked.device != self.mus_list[0].device \
-                or self.mus_stacked.dtype != self.mus_list[0].dtype:
-            with torch.no_grad():
-                self.mus_stacked = torch.stack(list(self.mus_list))
-        return self.mus_stacked
-
-    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [..., Q] -> sum_i mus_list[i][codes[..., i]], [..., latent], added in order i = 0..Q-1."""
-        return codebook_sum(codes, self.stacked())
-
-    def quantize(self, latent: torch.Tensor) -> torch.Tensor:
-        """Greedy residual quantisation: latent [..., latent] -> codes [..., Q] int64; code i is the nearest
-        codeword of codebook i to the residual left by codes 0..i-1."""
-        residual = latent
-        codes = []
-        for mus in self.mus_list:
-            # argmin |r - m|^2 = argmin (|m|^2 - 2 r.m): |r|^2 is the same for every codeword.
-            distance = mus.square().sum(-1) - 2.0 * residual @ mus.T
-            code = distance.argmin(-1)
-            codes.append(code)
-            residual = residual - F.embedding(code, mus)
-        return torch.stack(codes, dim=-1)
-
-    def init_weights(self, generator: torch.Generator) -> None:
-        # Codebook i has std sqrt((1 - r) r^i): the sum of all 31 has unit variance, later codebooks refine.
-        self.clear_stacked()
-        ratio = 0.7
-        for i, mus in enumerate(self.mus_list):
-            _normal_(mus, generator, math.sqrt((1 - ratio) * ratio ** i))
-        for entry in self._variance_list:
-            with torch.no_grad():
-                entry.variance.copy_(0.5 + torch.rand((), generator=generator, device=generator.device))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Codec
-# ----------------------------------------------------------------------------------------------------
-
-@dataclass
-class CodecStreamState:
-    """Per-call streaming state, one row per slot (the last row of a pool is the sink)."""
-    convnext_history: list[torch.Tensor]  # per decoder ConvNeXt block (9): [S, 6, C_i] last input frames
-    ola_tail: torch.Tensor       # [S, n_fft - hop] overlap-add samples the next frame still adds to
-    envelope_tail: torch.Tensor  # [S, n_fft - hop] their window envelope (0 after reset: a stream's start)
-    frames_done: torch.Tensor    # [S] int64 code frames decoded since reset
-
-
-class RVQCodec(nn.Module):
-    """The codec under `tts_model.audio_codec.` (spec 5). Always fp32."""
-
-    def __init__(self, cfg: CodecConfig):
-        super().__init__()
-        if math.prod(cfg.rates) * cfg.hop_length != cfg.wav_to_token_ratio:
-            raise ValueError(f"prod(rates) * hop_length must equal wav_to_token_ratio: {cfg}")
-        if cfg.n_fft % cfg.hop_length or (cfg.n_fft - cfg.hop_length) % 2:
-            raise ValueError(f"n_fft must be a multiple of hop_length with an even difference: {cfg}")
-        if cfg.gemm not in GEMMS:
-            raise ValueError(f"codec gemm must be one of {GEMMS}; got {cfg.gemm!r}")
-        self.cfg = cfg
-        # The decoder's GEMM numerics (`linear`); a plain attribute so a caller can switch it (the pre-split
-        # weights are read only where the GEMM runs tf32x3w, so a switch never reads them wrongly).
-        self.gemm = cfg.gemm
-        self.encoder = Wav2Latent(cfg)
-        self.decoder = Latent2Wav(cfg)
-        self.prvq = ResidualVQ(cfg)
-        self.keep_presplit = False  # presplit_weights was called: keep them built and current
-        self.register_load_state_dict_post_hook(lambda module, incompatible: module.weights_loaded())
-        # decode_step's constants (not in the state_dict): built once here and after every cast or move
-        # (`_apply`), not in every step (they were ~15 small launches of each captured frame step)
-        for name in ("step_window", "step_inner_bins", "step_envelope", "step_head"):
-            self.register_buffer(name, torch.empty(0), persistent=False)
-        self._build_step_constants()
-
-    @torch.no_grad()
-    def _build_step_constants(self) -> None:
-        """step_window: the periodic Hann window [n_fft]; step_inner_bins: 1 for the complex bins, 0 for DC and
-        Nyquist [n_fft / 2 + 1]; step_envelope: the window envelope of one code frame's spectrogram frames
-        [1, 1764 + n_fft - hop]; step_head: the first `stream_delay` output samples of a frame [1764] (bool).
-        Always fp32 whatever the module was cast to (the codec runs in fp32, spec 9.9)."""
-        device = self.step_window.device
-        n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
-        inner = torch.ones(n_fft // 2 + 1, device=device)
-        inner[0] = inner[-1] = 0.0
-        self.step_window = hann_window(n_fft, device)
-        self.step_inner_bins = inner
-        self.step_envelope = window_envelope(self.samples_per_frame // hop, n_fft, hop, device)
-        self.step_head = torch.arange(self.samples_per_frame, device=device) < self.stream_delay
-
-    @property
-    def samples_per_frame(self) -> int:  # 1764
-        return self.cfg.wav_to_token_ratio
-
-    @property
-    def stream_delay(self) -> int:
-        """Samples by which `decode_step`'s stream lags the one-shot decode: (n_fft - hop) / 2 = 6."""
-        return (self.cfg.n_fft - self.cfg.hop_length) // 2
-
-    def _require_fp32(self) -> None:
-        for name, tensor in self.named_parameters():
-            if tensor.dtype != torch.float32:
-                raise TypeError(f"the codec runs in fp32 only (spec 9.9: bf16 collapses the reconstruction); "
-                                f"{name} is {tensor.dtype}. Keep the codec out of dtype casts (model.codec.float()).")
-
-    # ---- one-shot ------------------------------------------------------------------------------------
-    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, T, Q] -> latent [B, T, latent] (spec 5.1)."""
-        return self.prvq.dequantize(codes)
-
-    def decode(self, codes: torch.Tensor, by_matmul: bool = False,
-               silence_codes: torch.Tensor | None = None) -> torch.Tensor:
-        """codes [B, T, Q] -> wav [B, 1764 T] fp32. `silence_codes` [Q], if given, replaces control codes
-        first (spec 5.4); otherwise every code must be < codebook_size. `by_matmul` uses ops.dft's inverse
-        DFT instead of torch.fft.irfft (what decode_step uses)."""
-        self._require_fp32()
-        if silence_codes is not None:
-            codes = replace_control_codes(codes, silence_codes, self.cfg.codebook_size)
-        with exact_fp32(codes.device):
-            head = self.decoder(self.dequantize(codes).transpose(1, 2), self.gemm)
-            return istft(head, self.cfg.n_fft, self.cfg.hop_length, by_matmul)
-
-    def encode(self, wav: torch.Tensor) -> torch.Tensor:
-        """wav [B, N] fp32 at 22.05 kHz, N a multiple of 1764 -> codes [B, N / 1764, Q] (spec 5.5)."""
-        self._require_fp32()
-        if wav.shape[-1] % self.samples_per_frame:
-            raise ValueError(f"encode needs a multiple of {self.samples_per_frame} samples; got {wav.shape[-1]}")
-        with exact_fp32(wav.device):
-            latent = self.encoder(wav.float()).transpose(1, 2)
-            return self.prvq.quantize(latent)
-
-    @torch.no_grad()
-    def silence_codes(self, seconds: float = 10.0, sample_rate: int = 22050) -> torch.Tensor:
-        """The most frequent code frame when encoding `seconds` of zeros, [Q] int64 (spec 5.5,
-        `get_codec_silence_frame`). Ties go to the lexicographically smallest frame. The checkpoint's
-        stored `codec_silence_tokens` is what the reference uses; this recomputes it."""
-        num_frames = max(1, int(seconds * sample_rate) // self.samples_per_frame)
-        device = self.prvq.mus_list[0].device
-        codes = self.encode(torch.zeros(1, num_frames * self.samples_per_frame, device=device))[0]
-        frames, counts = torch.unique(codes, dim=0, return_counts=True)  # sorted lexicographically
-        return frames[counts.argmax()]
-
-    # ---- streaming -----------------------------------------------------------------------------------
-    def allocate_stream_state(self, num_slots: int, device) -> CodecStreamState:
-        """Zeroed state for `num_slots` rows (callers include the sink row). Also builds the stacked
-        codebooks here, before any step is captured or compiled, so a traced step only reads them."""
-        self.prvq.stacked()
-        tail = self.cfg.n_fft - self.cfg.hop_length
-        history = [torch.zeros(num_slots, block.history, block.dwconv.in_channels, device=device)
-                   for block in self.decoder.convnext_blocks()]
-        return CodecStreamState(
-            convnext_history=history,
-            ola_tail=torch.zeros(num_slots, tail, device=device),
-            envelope_tail=torch.zeros(num_slots, tail, device=device),
-            frames_done=torch.zeros(num_slots, dtype=torch.int64, device=device))
-
-    @staticmethod
-    def reset_slots(state: CodecStreamState, slots: torch.Tensor) -> None:
-        """Rows `slots` back to a stream's start (zero history = the one-shot causal zero padding)."""
-        for history in state.convnext_history:
-            history.index_fill_(0, slots, 0.0)
-        state.ola_tail.index_fill_(0, slots, 0.0)
-        state.envelope_tail.index_fill_(0, slots, 0.0)
-        state.frames_done.index_fill_(0, slots, 0)
-
-    @torch.no_grad()
-    def decode_step(self, codes: torch.Tensor, state: CodecStreamState, slots: torch.Tensor,
-                    silence_codes: torch.Tensor | None = None) -> torch.Tensor:
-        """One code frame per call: codes [B, Q], slots [B] -> wav [B, 1764] fp32, which is the one-shot
-        decode of the call's frames so far delayed by `stream_delay` samples (6 zeros at a stream's start).
-        Pure tensor code with fixed shapes (CUDA-graph capturable); the iSTFT tail is ops/istft_step.py, its
-        inverse DFT a dot with ops.dft's basis."""
-        self._require_fp32()
-        if silence_codes is not None:
-            codes = replace_control_codes(codes, silence_codes, self.cfg.codebook_size)
-        hop = self.cfg.hop_length
-        with exact_fp32(codes.device):
-            latent = self.dequantize(codes[:, None, :])  # [B, 1, latent]
-            head = self.decoder.step(latent, state.convnext_history, slots, self.gemm)  # [B, 441, 18]
-            # the iSTFT, overlap-add with the state's tails, envelope division, before-start zeros and the
-            # state update: one kernel (ops/istft_step.py; its torch reference on the CPU)
-            return istft_step(head, self.step_window, self.step_inner_bins, self.step_envelope, self.step_head,
-                              state.ola_tail, state.envelope_tail, state.frames_done, slots, hop)
-
-    @torch.no_grad()
-    def flush_step(self, state: CodecStreamState, slots: torch.Tensor) -> torch.Tensor:
-        """The last `stream_delay` samples of the one-shot decode, [B, 6] (zeros for a slot with no frames).
-        Reads the state, changes nothing."""
-        delay = self.stream_delay
-        signal = state.ola_tail.index_select(0, slots)[:, :delay]
-        envelope = state.envelope_tail.index_select(0, slots)[:, :delay]
-        return torch.where(envelope > 0, signal / envelope.clamp_min(1e-30), 0.0)
-
-    # ---- weights -------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator) -> None:
-        """Seeded random weights keeping activations O(1); codewords distinct (continuous draws)."""
-        self.encoder.init_weights(generator)
-        self.decoder.init_weights(generator)
-        self.prvq.init_weights(generator)
-        self.weights_loaded()
-
-    @torch.no_grad()
-    def presplit_weights(self) -> None:
-        """Split every decoder GEMM weight of decode_step (ConvNeXt pwconv1/pwconv2, the upsampling layers
-        in their channels-last row order, the final k=1 conv) once for the GEMM kernel that multiplies by it
-        (`split_weight`: TF32 halves for tf32x3w, scaled fp16 halves for fp16x3w) into buffers
-        (Latent2Wav.step_gemms), so the GEMMs take them as they are: for tf32x3w, without them every step
-        ran split_tf32 over the ~92 M weights (0.26 ms in an H200 profile) and copied the upsampling weights
-        into their row order; with them decode_step took 0.38 / 0.36 / 0.47 / 0.44 ms less at 8 / 32 / 64 /
-        128 calls on the H200, bit for bit the same output (scripts/dev/bench_ops.py --only codec).
-        fp16x3w has no per-step split kernel (its weight split is torch code). Bytes per weight: 2 x 4
-        (tf32x3w: 700 MiB at full size) or 2 x 2 plus 4 per output channel (fp16x3w: 350 MiB), counted by
-        memory.derived_table_bytes. Built only where decode_step reads them (`presplit_used`: tf32x3w or
-        fp16x3w on CUDA, or on the CPU under TRITON_INTERPRET=1)
-        and kept current from then on: re-split in place when weights are loaded (`weights_loaded`:
-        load_state_dict, checkpoint.load_state, init_weights), rebuilt from the new weights after a cast
-        or move, or dropped where no longer read (`_apply`). VoiceChat.cast_for_inference calls it.
-        Weights written in place any other way need `weights_loaded`."""
-        self.keep_presplit = True
-        self._build_presplit()
-
-    def weights_loaded(self) -> None:
-        """The weights were overwritten in place: the splits are re-made, into the same memory where the
-        shapes allow (a captured graph keeps reading them)."""
-        if self.keep_presplit:
-            self._build_presplit()
-
-    @torch.no_grad()
-    def _build_presplit(self) -> None:
-        """Split where `presplit_used` (into the tables already there when they fit: a captured graph keeps
-        its pointers), else drop."""
-        device = self.decoder.layers[-1].weight.device
-        build = presplit_used(self.gemm, device) and all(
-            layer.weight.dtype == torch.float32 for _, _, layer in self.decoder.step_gemms())
-        gemm = resolve_gemm(self.gemm, device)
-        for holder, name, layer in self.decoder.step_gemms():
-            if not build:
-                setattr(holder, name, torch.empty(0, device=device))
-                continue
-            setattr(holder, name, split_weight(gemm_weight(layer), gemm, out=getattr(holder, name)))
-
-    def _apply(self, fn, *args, **kwargs):
-        if self.keep_presplit:  # not moved or cast: made again from the moved or cast weights below
-            for holder, name, layer in self.decoder.step_gemms():
-                setattr(holder, name, torch.empty(0, device=layer.weight.device))
-        out = super()._apply(fn, *args, **kwargs)
-        self._build_step_constants()   # a cast would leave them rounded; a move keeps the values
-        if self.keep_presplit:
-            self._build_presplit()
-        return out

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from nemo_duplex.models import rng
-from nemo_duplex.models.codec import RVQCodec
+from nemo_duplex.models.codec_model import RVQCodec
 from nemo_duplex.models.config import ModelConfig, SamplingParams, torch_dtype
 from nemo_duplex.models.encoder import Perception
 from nemo_duplex.models.llm import NemotronH

@@ -217,7 +217,7 @@ def bench_fp32_linear(device, smoke, quick, sweep):
 
 def bench_codec(device, smoke, quick, sweep):
     from nemo_duplex.models import codec as codec_module
-    from nemo_duplex.models.codec import RVQCodec, istft
+    from nemo_duplex.models.codec_model import RVQCodec, istft
     from nemo_duplex.models.config import CodecConfig, tiny_config
     from ops import fp32_linear as fp32_linear_module
 
