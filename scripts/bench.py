@@ -37,36 +37,54 @@ The sustained count of a start mode is the largest N such that every N' <= N of 
 Results: load.json (rewritten after every run), calls/<start>_<N>.json (every packet's arrival),
 summary.md, lag_vs_n.png, step_vs_n.png under loadtest.out (default $OUT or the Hydra run directory),
 and W&B (wandb.mode, offline by default).
+
+This file is the sweep, one run of it and the server under test; the callers, the /metrics sampling, the
+judging and the results files are in nemo_duplex/loadtest/.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_duplex import runtime, settings  # noqa: E402
+from nemo_duplex.loadtest.callers import (  # noqa: E402
+    FRAME_IN,
+    FRAME_S,
+    ArrivalRecord,
+    UploadRecord,
+    arrival_loop,
+    caller_groups,
+    callers,
+    callers_process,
+    fresh_prompts,
+    upload_loop,
+)
+from nemo_duplex.loadtest.judging import ARRIVALS_START, UPLOADS_START, judge, pct  # noqa: E402
+from nemo_duplex.loadtest.metrics import parse_metrics, poll_server, timeline  # noqa: E402
+from nemo_duplex.loadtest.report import (  # noqa: E402
+    markdown,
+    plot,
+    save_calls,
+    wandb_run,
+    wandb_scalars,
+    write_results,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-FRAME_S = 0.08
 settings.register()
-FRAME_IN = 1280
-HEADER_SIZE = 8   # <I frame, <f server lag ms (docs/protocol.md)
 
 
 # =====================================================================================================
@@ -81,328 +99,6 @@ def load_input(clip: str | None, seconds: float) -> tuple[bytes, str]:
     audio = np.resize(audio, n)   # repeats the clip as often as needed
     pcm = to_pcm16(audio).tobytes()
     return pcm, hashlib.sha256(pcm).hexdigest()
-
-
-# =====================================================================================================
-# One paced caller
-# =====================================================================================================
-@dataclass
-class CallRecord:
-    """What one caller saw. Times are monotonic seconds of this process."""
-    index: int
-    origin: float                                     # when append 0 was due
-    sent: list[float] = field(default_factory=list)   # append k left at sent[k]
-    frames: list[int] = field(default_factory=list)   # frame index of each packet, in arrival order
-    arrival: list[float] = field(default_factory=list)
-    server_lag_ms: list[float] = field(default_factory=list)
-    drained_at: float | None = None
-    ended: str | None = None                          # the server's end reason ("completed", ...)
-    errors: list[str] = field(default_factory=list)   # "code: message" of every error event (some are not fatal)
-    error: str | None = None                          # why the call failed: refused, cut, or our own give-up
-    output_sha256: str = ""
-
-
-async def paced_call(http, ws_url: str, index: int, pcm: bytes, connect_at: float, origin: float,
-                     seed: int) -> CallRecord:
-    """Connect at connect_at, send append k at origin + k * 80 ms (later if the connection was late),
-    then end_input; read every packet and event until the server closes."""
-    import aiohttp
-
-    rec = CallRecord(index, origin)
-    n_frames = len(pcm) // (2 * FRAME_IN)
-    await asyncio.sleep(max(0.0, connect_at - time.monotonic()))
-    out = hashlib.sha256()
-    try:
-        async with http.ws_connect(ws_url, max_msg_size=0, autoping=True) as ws:
-            await ws.send_json({"type": "start", "seed": seed, "sample_rate": 16000})
-            first = await ws.receive()
-            started = json.loads(first.data) if first.type == aiohttp.WSMsgType.TEXT else {}
-            if started.get("type") != "started":
-                rec.error = f"{started.get('code', 'refused')}: {started.get('message', first.type)}"
-                return rec
-            rec.origin = max(origin, time.monotonic())
-
-            async def send():
-                for k in range(n_frames):
-                    await asyncio.sleep(max(0.0, rec.origin + k * FRAME_S - time.monotonic()))
-                    rec.sent.append(time.monotonic())   # before the await: the server may have it before we resume
-                    await ws.send_bytes(pcm[k * 2 * FRAME_IN:(k + 1) * 2 * FRAME_IN])
-                await ws.send_json({"type": "end_input"})
-
-            sender = asyncio.create_task(send())
-            try:
-                async for m in ws:
-                    if m.type == aiohttp.WSMsgType.BINARY:
-                        now = time.monotonic()
-                        k = int.from_bytes(m.data[:4], "little")
-                        lag = float(np.frombuffer(m.data[4:HEADER_SIZE], "<f4")[0])
-                        rec.frames.append(k)
-                        rec.arrival.append(now)
-                        rec.server_lag_ms.append(lag)
-                        out.update(m.data[HEADER_SIZE:])
-                        continue
-                    if m.type != aiohttp.WSMsgType.TEXT:
-                        break
-                    ev = json.loads(m.data)
-                    if ev["type"] == "drained":
-                        rec.drained_at = time.monotonic()
-                    elif ev["type"] == "ended":
-                        rec.ended = ev["reason"]
-                    elif ev["type"] == "error":   # e.g. function_call_parse_error: the call goes on
-                        rec.errors.append(f"{ev['code']}: {ev['message']}")
-            finally:
-                if not sender.done():
-                    sender.cancel()
-                elif not sender.cancelled() and sender.exception() is not None:
-                    rec.error = f"send: {type(sender.exception()).__name__}: {sender.exception()}"
-            if rec.ended is None and rec.error is None:   # closed without "ended": the last error ended it
-                rec.error = rec.errors[-1] if rec.errors else "closed: the server closed without 'ended'"
-    except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
-        rec.error = rec.error or f"connection: {type(e).__name__}: {e}"
-    rec.output_sha256 = out.hexdigest()
-    return rec
-
-
-async def callers(http, ws_url: str, calls: list[tuple[int, float, float]], pcm: bytes, seed: int,
-                  limit: float) -> list[CallRecord]:
-    """Paced callers (index, connect_at, origin) on this event loop; one not done `limit` s after the
-    first connects fails with a timeout."""
-    tasks = [asyncio.create_task(paced_call(http, ws_url, i, pcm, connect_at, origin, seed))
-             for i, connect_at, origin in calls]
-    done, pending = await asyncio.wait(tasks, timeout=limit) if tasks else (set(), set())
-    for task in pending:
-        task.cancel()
-    return [task.result() if task in done and task.exception() is None else
-            CallRecord(i, origin, error=f"timeout: not done {limit:.0f} s after start")
-            for task, (i, _, origin) in zip(tasks, calls)]
-
-
-# Real callers are separate machines, not one Python event loop taking 128 x 2 messages per 80 ms and
-# timestamping them: above loadtest.callers_per_process the callers are sharded over processes, each with
-# its own event loop (their times are CLOCK_MONOTONIC, shared by all), so the bench's own queueing cannot
-# pass for the server's. (Measured at lockstep 128: the client-side lag exceeded the server's by 14 ms at
-# p50 and 46 at p99; sharding did not close that gap, the server's event loop was the cause:
-# docs/performance.md, "Through the server (load)".)
-def callers_process(ws_url: str, calls: list[tuple[int, float, float]], pcm: bytes, seed: int,
-                    limit: float) -> list[CallRecord]:
-    import aiohttp
-
-    async def main():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            return await callers(http, ws_url, calls, pcm, seed, limit)
-    return asyncio.run(main())
-
-
-def caller_groups(n: int, per_process: int) -> list[list[int]]:
-    """Caller indices by process: round robin, so each process has callers from the whole start spread."""
-    procs = max(1, -(-n // max(1, per_process)))
-    return [list(range(p, n, procs)) for p in range(procs)]
-
-
-@dataclass
-class UploadRecord:
-    started: float
-    finished: float | None = None
-    frames: int = 0
-    error: str | None = None
-
-
-async def upload_loop(http, url: str, wav: bytes, every_s: float, until: asyncio.Event, seed: int,
-                      records: list[UploadRecord]) -> None:
-    """POST the WAV to /generate every `every_s` until `until` is set; each reply is read to its end."""
-    async def one(rec: UploadRecord):
-        try:
-            async with http.post(f"{url}/generate?seed={seed}", data=wav,
-                                 headers={"Content-Type": "audio/wav"}) as resp:
-                if resp.status != 200:
-                    rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                    return
-                async for line in resp.content:
-                    ev = json.loads(line)
-                    if ev["type"] == "audio":
-                        rec.frames += 1
-                    elif ev["type"] == "error" and rec.error is None:
-                        rec.error = f"{ev['code']}: {ev['message']}"
-            rec.finished = time.monotonic()
-        except Exception as e:  # recorded, never fatal to the run
-            rec.error = rec.error or f"{type(e).__name__}: {e}"
-
-    async def launch():
-        rec = UploadRecord(time.monotonic())
-        records.append(rec)
-        await one(rec)
-    await periodically(every_s, until, launch)
-
-
-async def periodically(every_s: float, until: asyncio.Event, launch) -> None:
-    """Start `launch()` every `every_s` until `until` is set; return once every started one is done."""
-    tasks = []
-    while not until.is_set():
-        tasks.append(asyncio.create_task(launch()))
-        try:
-            await asyncio.wait_for(until.wait(), every_s)
-        except asyncio.TimeoutError:
-            pass
-    await asyncio.gather(*tasks)
-
-
-# =====================================================================================================
-# The server's side: /metrics and the GPU
-# =====================================================================================================
-METRIC = re.compile(r"^(duplex_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Unlabelled duplex_* samples of a Prometheus text page (labelled ones are summed by name)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = METRIC.match(line)
-        if m and not (m.group(2) and "le=" in m.group(2)):
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-    return out
-
-
-async def gpu_memory_used(server_pid: int | None) -> int | None:
-    """Bytes of GPU memory the server process uses (the whole GPU's when the process is not listed,
-    e.g. in a container that hides host pids); None without nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    async def query(*args) -> str:
-        p = await asyncio.create_subprocess_exec("nvidia-smi", *args, "--format=csv,noheader,nounits",
-                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        return (await p.communicate())[0].decode()
-    if server_pid is not None:
-        for line in (await query("--query-compute-apps=pid,used_memory")).splitlines():
-            pid, _, mib = line.partition(",")
-            if pid.strip() == str(server_pid):
-                return int(float(mib)) * 2 ** 20
-    lines = (await query("--query-gpu=memory.used")).split()
-    return int(float(lines[0])) * 2 ** 20 if lines else None
-
-
-async def poll_server(http, url: str, every_s: float, stop: asyncio.Event, server_pid: int | None,
-                      samples: list[dict]) -> None:
-    """Sample /metrics (and GPU memory) every `every_s` until `stop`, once more after it."""
-    while True:
-        t = time.monotonic()
-        try:
-            async with http.get(f"{url}/metrics") as r:
-                m = parse_metrics(await r.text())
-            m["t"] = t
-            m["gpu_memory_bytes"] = await gpu_memory_used(server_pid)
-            samples.append(m)
-        except Exception:  # a missed sample is not a failed run
-            pass
-        if stop.is_set():
-            return
-        try:
-            await asyncio.wait_for(stop.wait(), max(0.0, every_s - (time.monotonic() - t)))
-        except asyncio.TimeoutError:
-            pass
-
-
-def timeline(samples: list[dict], t0: float) -> list[dict]:
-    """Per interval between two metrics samples: mean step ms, mean batch, frames/s, active calls."""
-    rows = []
-    for a, b in zip(samples, samples[1:]):
-        steps = b.get("duplex_steps_total", 0) - a.get("duplex_steps_total", 0)
-        frames = b.get("duplex_frames_total", 0) - a.get("duplex_frames_total", 0)
-        busy = b.get("duplex_step_seconds_sum", 0) - a.get("duplex_step_seconds_sum", 0)
-        phase = {p: (b.get(f"duplex_step_{p}_seconds_total", 0) - a.get(f"duplex_step_{p}_seconds_total", 0))
-                 for p in ("gather", "prep", "device", "dispatch")}
-        padded = b.get("duplex_padded_rows_total", 0) - a.get("duplex_padded_rows_total", 0)
-        dt = b["t"] - a["t"]
-        rows.append({"t": round(b["t"] - t0, 3), "steps": int(steps),
-                     "step_ms": 1000 * busy / steps if steps else None,
-                     "batch": frames / steps if steps else None,
-                     "padded_batch": padded / steps if steps else None,
-                     **{f"{p}_ms": 1000 * v / steps if steps else None for p, v in phase.items()},
-                     "frames_per_s": frames / dt if dt > 0 else None,
-                     "active_calls": b.get("duplex_active_calls"),
-                     "gpu_memory_bytes": b.get("gpu_memory_bytes")})
-    return rows
-
-
-# =====================================================================================================
-# Judging a run
-# =====================================================================================================
-def pct(values, qs=(50, 95, 99)) -> dict[str, float | None]:
-    v = np.asarray([x for x in values if x is not None], dtype=np.float64)
-    out = {f"p{q}": (round(float(np.percentile(v, q)), 3) if v.size else None) for q in qs}
-    out["max"] = round(float(v.max()), 3) if v.size else None
-    return out
-
-
-def lateness_ms(rec: CallRecord, jitter_buffer_ms: float) -> list[float]:
-    """Per packet (in frame order): arrival - its playback time, the clock starting one jitter buffer
-    after the first packet. Positive = the packet missed its slot (an underrun)."""
-    if not rec.arrival:
-        return []
-    order = np.argsort(rec.frames, kind="stable")
-    arr = np.asarray(rec.arrival)[order]
-    k = np.asarray(rec.frames)[order] - rec.frames[order[0]]
-    play = arr[0] + jitter_buffer_ms / 1000.0 + k * FRAME_S
-    return ((arr - play) * 1000.0).tolist()
-
-
-def call_failure(rec: CallRecord, n_frames: int) -> str | None:
-    """Why a call failed (None if it did not): an error, an abnormal end, or missing or misordered frames."""
-    if rec.error:
-        return rec.error.split(":")[0]
-    if rec.ended != "completed":
-        return f"ended_{rec.ended}" if rec.ended else "no_end"
-    if rec.frames != list(range(n_frames)):
-        return "frames_missing_or_out_of_order"
-    return None
-
-
-def judge(records: list[CallRecord], n_frames: int, jitter_buffer_ms: float) -> dict:
-    """The latency and real-time verdict of a run's calls."""
-    failures: dict[str, int] = {}
-    for r in records:
-        why = call_failure(r, n_frames)
-        if why:
-            failures[why] = failures.get(why, 0) + 1
-    late = [x for r in records for x in lateness_ms(r, jitter_buffer_ms)]
-    client = [a - r.sent[k] for r in records for k, a in zip(r.frames, r.arrival) if k < len(r.sent)]
-    first = [r.arrival[0] - r.sent[0] for r in records if r.arrival and r.sent and r.frames[0] == 0]
-    drain = [r.drained_at - r.sent[-1] for r in records if r.drained_at is not None and r.sent]
-    slip = [s - (r.origin + k * FRAME_S) for r in records for k, s in enumerate(r.sent)]
-    late_packets = sum(1 for x in late if x > 0)
-    failed = sum(failures.values())
-    events: dict[str, int] = {}
-    for r in records:
-        for e in r.errors:
-            events[e.split(":")[0]] = events.get(e.split(":")[0], 0) + 1
-    ms = lambda xs: [1000.0 * x for x in xs]   # noqa: E731
-    return {
-        "calls": len(records), "failed_calls": failed, "failures": failures, "error_events": events,
-        "frames_expected": n_frames * len(records), "frames_received": sum(len(r.frames) for r in records),
-        "server_lag_ms": pct([x for r in records for x in r.server_lag_ms]),
-        # the same without each call's first frame: a call with no frame yet has no rhythm for the engine's
-        # coalescing, so first frames wait a step more, and in short calls they reach the top percentile
-        "server_lag_after_first_ms": pct([x for r in records for k, x in zip(r.frames, r.server_lag_ms) if k > 0]),
-        "client_lag_ms": pct(ms(client)),
-        "lateness_ms": pct(late), "late_packets": late_packets,
-        "calls_with_late_packets": sum(1 for r in records if any(x > 0 for x in lateness_ms(r, jitter_buffer_ms))),
-        "first_packet_ms": pct(ms(first), (50,)), "drain_ms": pct(ms(drain), (50, 95)),
-        "send_slip_ms": pct(ms(slip), (99,)),   # this client's own scheduling delay: large = the client is the bottleneck
-        "distinct_outputs": len({r.output_sha256 for r in records if r.frames}),
-        "real_time": failed == 0 and late_packets == 0 and len(records) > 0,
-    }
-
-
-def sustained(rows: list[dict]) -> dict[str, int]:
-    """Per start mode: the largest N such that every N' <= N in the sweep was real time (0 if none)."""
-    out = {}
-    for start in dict.fromkeys(r["start"] for r in rows if r["start"] not in (UPLOADS_START, ARRIVALS_START)):
-        best = 0
-        for r in sorted((r for r in rows if r["start"] == start), key=lambda r: r["n_calls"]):
-            if not r.get("real_time"):
-                break
-            best = r["n_calls"]
-        out[start] = best
-    return out
 
 
 # =====================================================================================================
@@ -501,65 +197,6 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
     row["timeline"] = tl
     row["records"] = records
     return row
-
-
-UPLOADS_START = "staggered+uploads"  # the start label of loadtest.upload_runs' runs
-ARRIVALS_START = "lockstep+arrivals"  # the start label of loadtest.arrival_runs' runs
-
-
-@dataclass
-class ArrivalRecord:
-    started: float
-    first_packet: float | None = None
-    finished: float | None = None
-    error: str | None = None
-
-
-WORDS = ("account", "address", "balance", "booking", "card", "city", "customer", "date", "delivery", "flight",
-         "hotel", "invoice", "order", "payment", "policy", "refund", "reservation", "room", "schedule", "ticket")
-
-
-def fresh_prompts(tokenizer, n_tokens: int, seed: int):
-    """System prompts of n_tokens ids each (the BOS and EOS the server adds included), each one new."""
-    import random
-
-    rng = random.Random(seed)
-    for i in __import__("itertools").count():
-        words = [f"Caller {seed}-{i}. You are the agent of a travel desk; be brief."]
-        while len(tokenizer.encode(" ".join(words))) < n_tokens - 2:
-            words.append(f"{rng.choice(WORDS)}-{rng.randrange(10 ** 6)}")
-        ids = tokenizer.encode(" ".join(words))[: n_tokens - 2]
-        yield tokenizer.decode(ids)
-
-
-async def arrival_loop(http, ws_url: str, pcm: bytes, every_s: float, until: asyncio.Event, prompts, seed: int,
-                       records: list[ArrivalRecord]) -> None:
-    """A new call every `every_s` until `until` is set: its fresh prompt, its audio at once, end_input; read
-    to its end."""
-    import aiohttp
-
-    async def one(rec: ArrivalRecord, prompt: str):
-        try:
-            async with http.ws_connect(ws_url, max_msg_size=0) as ws:
-                await ws.send_json({"type": "start", "prompt": prompt, "seed": seed})
-                await ws.send_bytes(pcm)
-                await ws.send_json({"type": "end_input"})
-                async for msg in ws:
-                    if msg.type == aiohttp.WSMsgType.BINARY and rec.first_packet is None:
-                        rec.first_packet = time.monotonic()
-                    elif msg.type == aiohttp.WSMsgType.TEXT:
-                        ev = json.loads(msg.data)
-                        if ev["type"] == "error" and rec.error is None:
-                            rec.error = f"{ev['code']}: {ev['message']}"
-            rec.finished = time.monotonic()
-        except Exception as e:  # recorded, never fatal to the run
-            rec.error = rec.error or f"{type(e).__name__}: {e}"
-
-    async def launch():
-        rec = ArrivalRecord(time.monotonic())
-        records.append(rec)
-        await one(rec, next(prompts))
-    await periodically(every_s, until, launch)
 
 
 def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
@@ -678,141 +315,6 @@ async def wait_idle(url: str, timeout_s: float) -> None:
 
 
 # =====================================================================================================
-# Reporting
-# =====================================================================================================
-def _uploads_mode(meta: dict) -> str:
-    if meta["uploads"]:
-        return "on in every run"
-    runs = meta.get("upload_runs") or []
-    return f"in one more staggered run at N = {', '.join(map(str, runs))}" if runs else "off"
-
-
-def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"input sha256 {meta['input_sha256'][:16]}, {meta['duration_s']:g} s per call, jitter buffer "
-             f"{meta['jitter_buffer_ms']:g} ms, uploads {_uploads_mode(meta)}; server: "
-             f"{' '.join(meta['server_overrides']) or meta['url']}", "",
-             "| start | N | real time | failed | server lag p50 / p95 / p99 ms | p99 after frame 0 | lateness p99 ms "
-             "| late pkts "
-             "| first audio p50 ms | drain p50 ms | step ms (mean / max) | gather + prep / device / dispatch ms "
-             "| batch / padded (mean) | GPU MiB/call |",
-             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---|---|---|---:|"]
-    f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"   # noqa: E731
-    for r in rows:
-        if r.get("skipped"):
-            lines.append(f"| {r['start']} | {r['n_calls']} | skipped: {r['skipped']} |" + " |" * 11)
-            continue
-        s = r["server_lag_ms"]
-        lines.append(
-            f"| {r['start']} | {r['n_calls']} | {'yes' if r['real_time'] else 'NO'} | {r['failed_calls']} | "
-            f"{f(s['p50'])} / {f(s['p95'])} / {f(s['p99'])} | {f(r.get('server_lag_after_first_ms', {}).get('p99'))} | "
-            f"{f(r['lateness_ms']['p99'])} | {r['late_packets']} | "
-            f"{f(r['first_packet_ms']['p50'])} | {f(r['drain_ms']['p50'])} | "
-            f"{f(r['step_ms']['mean'])} / {f(r['step_ms']['max_interval'])} | "
-            f"{f(r.get('gather_ms'))} + {f(r.get('prep_ms'))} / {f(r.get('device_ms'))} / {f(r.get('dispatch_ms'))} | "
-            f"{f(r['batch']['mean'])} / {f(r.get('padded_batch'))} | {f(r['gpu_memory_per_call_mib'])} |")
-    lines += ["", "Sustained (largest N with every N' <= N real time): "
-              + ", ".join(f"{k} {v}" for k, v in sustained([r for r in rows if not r.get("skipped")]).items())]
-    for r in rows:
-        if "uploads" in r:
-            u = r["uploads"]
-            ratio = r.get("lag_p99_vs_without_uploads")
-            lines.append(f"Uploads in the {r['start']} run at N={r['n_calls']}: {u['started']} started, {u['failed']} "
-                         f"failed, median {u['seconds'].get('p50') if u['seconds'] else '-'} s each"
-                         + (f"; live lag p99 {ratio}x the same N without uploads" if ratio is not None else ""))
-        if "arrivals" in r:
-            a = r["arrivals"]
-            ratio = r.get("lag_p99_vs_without_arrivals")
-            lines.append(f"Arrivals in the {r['start']} run at N={r['n_calls']}: {a['started']} started, {a['failed']} "
-                         f"failed, first packet p50 / p99 {a['first_packet_ms'].get('p50')} / "
-                         f"{a['first_packet_ms'].get('p99')} ms"
-                         + (f"; live lag p99 {ratio}x the same N without arrivals" if ratio is not None else "")
-                         + (f"; errors: {a['errors']}" if a["errors"] else ""))
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in rows if not r.get("skipped")]
-    starts = list(dict.fromkeys(r["start"] for r in done))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, start in enumerate(starts):
-        rs = sorted((r for r in done if r["start"] == start), key=lambda r: r["n_calls"])
-        n = [r["n_calls"] for r in rs]
-        for q, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
-            ax.plot(n, [r["server_lag_ms"][q] for r in rs], style, color=f"C{i}", marker="o", label=f"{start} {q}")
-    ax.axhline(FRAME_S * 1000, color="grey", lw=0.8, label="one frame (80 ms)")
-    ax.set(xlabel="concurrent calls N", ylabel="server lag per frame (ms)", yscale="log",
-           title="Per-frame server lag vs N")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "lag_vs_n.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, start in enumerate(starts):
-        rs = sorted((r for r in done if r["start"] == start), key=lambda r: r["n_calls"])
-        n = [r["n_calls"] for r in rs]
-        ax.plot(n, [r["step_ms"]["mean"] for r in rs], "-", color=f"C{i}", marker="o", label=f"{start} mean")
-        ax.plot(n, [r["step_ms"]["max_interval"] for r in rs], "--", color=f"C{i}", marker="x",
-                label=f"{start} worst interval")
-    ax.axhline(FRAME_S * 1000, color="red", lw=0.8, label="real-time budget (80 ms)")
-    ax.set(xlabel="concurrent calls N", ylabel="batched step time (ms)", title="Step time vs N")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "step_vs_n.png", dpi=120)
-    plt.close(fig)
-
-
-def write_results(out: Path, rows: list[dict], meta: dict) -> None:
-    summary = [{k: v for k, v in r.items() if k != "records"} for r in rows]
-    result = {**meta, "sustained": sustained([r for r in rows if not r.get("skipped")]), "runs": summary}
-    (out / "load.json").write_text(json.dumps(result, indent=1))
-    (out / "summary.md").write_text(markdown(rows, meta) + "\n")
-
-
-def save_calls(out: Path, row: dict) -> None:
-    """Every packet of every call of a run: frame, arrival and send time (s from the call's origin), server lag."""
-    calls = []
-    for r in row["records"]:
-        calls.append({"index": r.index, "error": r.error, "errors": r.errors, "ended": r.ended,
-                      "output_sha256": r.output_sha256,
-                      "sent_s": [round(s - r.origin, 5) for s in r.sent],
-                      "frames": r.frames, "arrival_s": [round(a - r.origin, 5) for a in r.arrival],
-                      "server_lag_ms": [round(x, 3) for x in r.server_lag_ms],
-                      "drained_s": None if r.drained_at is None else round(r.drained_at - r.origin, 5)})
-    (out / "calls").mkdir(exist_ok=True)
-    (out / "calls" / f"{row['start']}_{row['n_calls']}.json").write_text(json.dumps(calls))
-
-
-def wandb_run(cfg: DictConfig, out: Path, meta: dict):
-    if cfg.wandb.mode == "disabled":
-        return None
-    try:
-        import wandb
-    except ImportError:
-        print(f"wandb is not installed: no W&B run (wandb.mode={cfg.wandb.mode}); the results are in {out}", flush=True)
-        return None
-    return wandb.init(project=cfg.wandb.project, mode=cfg.wandb.mode, dir=str(out), job_type="load",
-                      config={"loadtest": OmegaConf.to_container(cfg.loadtest, resolve=True), **meta})
-
-
-def wandb_scalars(row: dict) -> dict:
-    flat = {"n_calls": row["n_calls"], "real_time": int(row["real_time"]), "failed_calls": row["failed_calls"],
-            "late_packets": row["late_packets"], "step_ms_mean": row["step_ms"]["mean"],
-            "batch_mean": row["batch"]["mean"]}
-    for q, v in row["server_lag_ms"].items():
-        flat[f"server_lag_ms_{q}"] = v
-    for q, v in row["server_lag_after_first_ms"].items():
-        flat[f"server_lag_after_first_ms_{q}"] = v
-    for q, v in row["lateness_ms"].items():
-        flat[f"lateness_ms_{q}"] = v
-    return {f"{row['start']}/{k}": v for k, v in flat.items()}
-
-
-# =====================================================================================================
 # The sweep
 # =====================================================================================================
 def output_dir(cfg: DictConfig) -> Path:
@@ -910,30 +412,24 @@ def main(cfg: DictConfig) -> None:
                                            bool(lt.uploads)))
                 late_seen = late_seen or not row["real_time"]
                 record_run(out, rows, row, meta, run)
-        for n in upload_runs:  # the same server, N staggered calls again, now beside the uploads
-            if time.monotonic() - began + float(lt.stagger_s) + len(pcm) / 2 / 16000 + 10.0 > float(lt.time_budget_s):
-                rows.append({"start": UPLOADS_START, "n_calls": n, "skipped": "loadtest.time_budget_s"})
+        # then, on the same server, N calls again with load beside them: uploads beside N staggered calls
+        # (loadtest.upload_runs), new calls arriving beside N lockstep ones (loadtest.arrival_runs); each is
+        # compared with the sweep's run of that start mode and N
+        beside = [(UPLOADS_START, "staggered", n, float(lt.stagger_s) + 10.0, True, None, "lag_p99_vs_without_uploads")
+                  for n in upload_runs]
+        beside += [(ARRIVALS_START, "lockstep", n, 15.0, False, prompts, "lag_p99_vs_without_arrivals")
+                   for n in arrival_runs]
+        for label, start, n, margin_s, uploads, run_prompts, ratio_key in beside:
+            if time.monotonic() - began + len(pcm) / 2 / 16000 + margin_s > float(lt.time_budget_s):
+                rows.append({"start": label, "n_calls": n, "skipped": "loadtest.time_budget_s"})
                 continue
             asyncio.run(wait_idle(url, 60.0))
-            row = asyncio.run(run_once(url, lt, "staggered", n, pcm, server.proc.pid if server else None, True))
-            row["start"] = UPLOADS_START
-            without = [r for r in rows if r["start"] == "staggered" and r["n_calls"] == n and not r.get("skipped")]
+            row = asyncio.run(run_once(url, lt, start, n, pcm, server.proc.pid if server else None, uploads,
+                                       run_prompts))
+            row["start"] = label
+            without = [r for r in rows if r["start"] == start and r["n_calls"] == n and not r.get("skipped")]
             if without and without[0]["server_lag_ms"]["p99"] and row["server_lag_ms"]["p99"] is not None:
-                row["lag_p99_vs_without_uploads"] = round(row["server_lag_ms"]["p99"]
-                                                          / without[0]["server_lag_ms"]["p99"], 3)
-            record_run(out, rows, row, meta, run)
-        for n in arrival_runs:  # the same server, N lockstep calls again, new calls arriving beside them
-            if time.monotonic() - began + len(pcm) / 2 / 16000 + 15.0 > float(lt.time_budget_s):
-                rows.append({"start": ARRIVALS_START, "n_calls": n, "skipped": "loadtest.time_budget_s"})
-                continue
-            asyncio.run(wait_idle(url, 60.0))
-            row = asyncio.run(run_once(url, lt, "lockstep", n, pcm, server.proc.pid if server else None, False,
-                                       prompts))
-            row["start"] = ARRIVALS_START
-            without = [r for r in rows if r["start"] == "lockstep" and r["n_calls"] == n and not r.get("skipped")]
-            if without and without[0]["server_lag_ms"]["p99"] and row["server_lag_ms"]["p99"] is not None:
-                row["lag_p99_vs_without_arrivals"] = round(row["server_lag_ms"]["p99"]
-                                                           / without[0]["server_lag_ms"]["p99"], 3)
+                row[ratio_key] = round(row["server_lag_ms"]["p99"] / without[0]["server_lag_ms"]["p99"], 3)
             record_run(out, rows, row, meta, run)
     finally:
         if server is not None:

@@ -1,8 +1,7 @@
 """scripts/bench.py: the load test end to end against a tiny-model server it starts itself (2 calls,
-lockstep and staggered), and its judging on made-up arrival times."""
+lockstep and staggered), and its judging (nemo_duplex/loadtest/) on made-up arrival times."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,26 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nemo_duplex.loadtest.callers import CallRecord, caller_groups
+from nemo_duplex.loadtest.judging import judge, sustained
+from nemo_duplex.loadtest.metrics import parse_metrics, timeline
+
 REPO = Path(__file__).resolve().parent.parent
 FRAME_MS = 80.0
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = mod   # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = load_bench()
 
 
 def record(arrivals_ms, frames=None, ended="completed", error=None, lag_ms=10.0):
     """A call whose append k left at k * 80 ms and whose packets arrived at arrivals_ms."""
     frames = list(range(len(arrivals_ms))) if frames is None else frames
     n = len(arrivals_ms)
-    return bench.CallRecord(0, 0.0, sent=[k * FRAME_MS / 1000 for k in range(n)], frames=frames,
+    return CallRecord(0, 0.0, sent=[k * FRAME_MS / 1000 for k in range(n)], frames=frames,
                             arrival=[a / 1000 for a in arrivals_ms], server_lag_ms=[lag_ms] * n,
                             drained_at=(arrivals_ms[-1] + 5) / 1000 if arrivals_ms else None, ended=ended, error=error)
 
@@ -40,7 +32,7 @@ def record(arrivals_ms, frames=None, ended="completed", error=None, lag_ms=10.0)
 def test_steady_calls_are_real_time_even_with_a_large_constant_delay():
     on_time = record([50 + k * FRAME_MS for k in range(20)])
     delayed = record([400 + k * FRAME_MS for k in range(20)])   # a constant delay never underruns a buffer
-    v = bench.judge([on_time, delayed], 20, 160.0)
+    v = judge([on_time, delayed], 20, 160.0)
     assert v["real_time"] and v["failed_calls"] == 0 and v["late_packets"] == 0
     assert v["lateness_ms"]["max"] == pytest.approx(-160.0, abs=1e-6)
     assert v["client_lag_ms"]["p50"] == pytest.approx(225.0, abs=1e-6)   # half at 50 ms, half at 400 ms
@@ -54,7 +46,7 @@ def test_lag_after_the_first_frame_leaves_out_only_frame_0():
     a.server_lag_ms = [90.0, 10.0, 20.0, 30.0]
     b = record([60 + k * FRAME_MS for k in range(3)], frames=[1, 0, 2])
     b.server_lag_ms = [40.0, 95.0, 50.0]
-    v = bench.judge([a, b], 4, 160.0)
+    v = judge([a, b], 4, 160.0)
     assert v["server_lag_ms"]["max"] == pytest.approx(95.0)
     assert v["server_lag_after_first_ms"]["max"] == pytest.approx(50.0)
     assert v["server_lag_after_first_ms"]["p50"] == pytest.approx(30.0)   # of 10, 20, 30, 40, 50
@@ -63,8 +55,8 @@ def test_lag_after_the_first_frame_leaves_out_only_frame_0():
 def test_a_packet_later_than_the_jitter_buffer_is_an_underrun():
     arrivals = [50 + k * FRAME_MS for k in range(20)]
     arrivals[10] += 170.0            # 10 ms past its playback slot
-    ok = bench.judge([record(arrivals)], 20, 180.0)
-    late = bench.judge([record(arrivals)], 20, 160.0)
+    ok = judge([record(arrivals)], 20, 180.0)
+    late = judge([record(arrivals)], 20, 160.0)
     assert ok["real_time"] and ok["late_packets"] == 0
     assert not late["real_time"] and late["late_packets"] == 1 and late["calls_with_late_packets"] == 1
     assert late["lateness_ms"]["max"] == pytest.approx(10.0, abs=1e-6)
@@ -74,26 +66,26 @@ def test_failed_calls_are_named():
     good = [50 + k * FRAME_MS for k in range(10)]
     survived = record(good)
     survived.errors.append("function_call_parse_error: the model's tool call did not parse")   # not fatal
-    v = bench.judge([survived, record(good[:9]), record(good, ended="limit"),
+    v = judge([survived, record(good[:9]), record(good, ended="limit"),
                      record(good, error="busy: all 2 call places are taken")], 10, 160.0)
     assert not v["real_time"] and v["failed_calls"] == 3
     assert v["failures"] == {"frames_missing_or_out_of_order": 1, "ended_limit": 1, "busy": 1}
     assert v["error_events"] == {"function_call_parse_error": 1}
-    assert bench.judge([survived], 10, 160.0)["real_time"]
+    assert judge([survived], 10, 160.0)["real_time"]
 
 
 def test_sustained_is_the_largest_n_below_the_first_failure():
     rows = [{"start": "lockstep", "n_calls": n, "real_time": ok}
             for n, ok in ((16, False), (1, True), (8, True), (32, True))]
     rows += [{"start": "staggered", "n_calls": 1, "real_time": False}]
-    assert bench.sustained(rows) == {"lockstep": 8, "staggered": 0}
+    assert sustained(rows) == {"lockstep": 8, "staggered": 0}
 
 
 def test_caller_groups_shard_round_robin():
-    assert bench.caller_groups(2, 32) == [[0, 1]]          # one process: the callers run in the bench's own
-    assert bench.caller_groups(5, 2) == [[0, 3], [1, 4], [2]]
-    assert bench.caller_groups(128, 32) == [list(range(p, 128, 4)) for p in range(4)]
-    assert sorted(i for g in bench.caller_groups(97, 32) for i in g) == list(range(97))
+    assert caller_groups(2, 32) == [[0, 1]]          # one process: the callers run in the bench's own
+    assert caller_groups(5, 2) == [[0, 3], [1, 4], [2]]
+    assert caller_groups(128, 32) == [list(range(p, 128, 4)) for p in range(4)]
+    assert sorted(i for g in caller_groups(97, 32) for i in g) == list(range(97))
 
 
 def test_parse_metrics_and_timeline():
@@ -101,14 +93,14 @@ def test_parse_metrics_and_timeline():
             "duplex_step_seconds_sum 0.5\nduplex_step_seconds_bucket{le=\"0.1\"} 9.0\n"
             "duplex_refusals_total{reason=\"busy\"} 2.0\nduplex_refusals_total{reason=\"x\"} 1.0\n"
             "duplex_active_calls 3.0\n")
-    m = bench.parse_metrics(page)
+    m = parse_metrics(page)
     assert m == {"duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5,
                  "duplex_refusals_total": 3.0, "duplex_active_calls": 3.0}
     a = {"t": 1.0, "duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5,
          "duplex_step_device_seconds_total": 0.3, "duplex_padded_rows_total": 40.0}
     b = {"t": 2.0, "duplex_steps_total": 14.0, "duplex_frames_total": 37.0, "duplex_step_seconds_sum": 0.7,
          "duplex_step_device_seconds_total": 0.46, "duplex_padded_rows_total": 56.0, "duplex_active_calls": 3.0}
-    (row,) = bench.timeline([a, b], 0.0)
+    (row,) = timeline([a, b], 0.0)
     assert row["step_ms"] == pytest.approx(50.0) and row["batch"] == pytest.approx(3.0)
     assert row["device_ms"] == pytest.approx(40.0) and row["padded_batch"] == pytest.approx(4.0)
     assert row["prep_ms"] == 0.0   # not on the page: counted as nothing
@@ -178,7 +170,7 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
         assert late == run["late_packets"]
         assert run["real_time"] == (late == 0)
 
-    assert result["sustained"] == bench.sustained(result["runs"])
+    assert result["sustained"] == sustained(result["runs"])
     assert (out / "lag_vs_n.png").stat().st_size > 0 and (out / "step_vs_n.png").stat().st_size > 0
     assert "Sustained" in (out / "summary.md").read_text()
     assert "starting the server" in r.stdout
