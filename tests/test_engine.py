@@ -198,20 +198,27 @@ def test_chunked_admission_equals_whole_and_never_stalls_live_calls(tiny, exampl
     assert torch.equal(chunked.text_tokens, whole.text_tokens) and torch.equal(chunked.codes, whole.codes)
 
 
+def _injected_call(eng, clip, n_frames: int, inject) -> list:
+    """One call, admitted, then `inject(call)` forcing tokens before any audio, then `n_frames` frames of
+    `clip` and end_input, ticked until it closes -> its events."""
+    events = []
+    call = eng.open_call(CallOptions(seed=1), on_event=events.append)
+    eng.tick()                                  # admission
+    inject(call)
+    call.append(clip[: 1280 * n_frames].numpy())
+    call.end_input()
+    while not call.closed:
+        eng.tick()
+    return events
+
+
 @pytest.mark.parametrize("pipeline", [0, 1, 2])
 def test_tool_result_injection_forces_function_channel(tiny, example_clip, pipeline):
     """Pipelined, a frame's forced token goes with it to its text half, a step after it was heard when two
     deep: the same frames carry it."""
     eng = _engine(tiny, pipeline=pipeline)
-    events = []
-    call = eng.open_call(CallOptions(seed=1), on_event=events.append)
     injected = [300, 301, 302]
-    eng.tick()                                  # admission
-    call.inject_function_tokens(injected)
-    call.append(example_clip[: 1280 * 6].numpy())
-    call.end_input()
-    while not call.closed:
-        eng.tick()
+    events = _injected_call(eng, example_clip, 6, lambda call: call.inject_function_tokens(injected))
     frames = [e for e in events if isinstance(e, FrameEvent)]
     assert [f.func for f in frames[:3]] == injected
     assert all(f.text == 12 for f in frames[:3])    # the text channel is forced to PAD meanwhile
@@ -233,16 +240,9 @@ def test_forced_text_reaches_the_talker(tiny, example_clip, pipeline, monkeypatc
         return step(text, prev_codes, cache, slots, *args, **kwargs)
 
     monkeypatch.setattr(model.talker, "step", recording_step)
-    events = []
-    call = eng.open_call(CallOptions(seed=1), on_event=events.append)
     t = model.cfg.tokens
     message = [t.bos_id, 300, 301, 302, t.eos_id]
-    eng.tick()                                      # admission
-    call.inject_text_tokens(message)
-    call.append(example_clip[: 1280 * 8].numpy())
-    call.end_input()
-    while not call.closed:
-        eng.tick()
+    events = _injected_call(eng, example_clip, 8, lambda call: call.inject_text_tokens(message))
     frames = [e for e in events if isinstance(e, FrameEvent)]
     assert [f.text for f in frames[:5]] == message
     assert talker_text[:5] == message and len(talker_text) == len(frames) == 8
