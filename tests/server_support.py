@@ -1,10 +1,12 @@
 """Helpers for the server tests: a real `Engine` whose frame step is scripted (so tool calls, turns and
-ordering can be asserted exactly), the embedded tiny model, and a server running on loopback in its own
-thread with its own event loop, exactly as `scripts/serve.py` runs it."""
+ordering can be asserted exactly), the embedded tiny model, a server running on loopback in its own
+thread with its own event loop, exactly as `scripts/serve.py` runs it, and a Realtime client."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 import socket
 import threading
 import time
@@ -12,6 +14,7 @@ import wave
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import aiohttp
 import numpy as np
 import torch
 
@@ -223,3 +226,67 @@ def make(monkeypatch, tok, model=None, engine_kwargs=None, wait_ready=True, **se
     eng = scripted_engine(monkeypatch, model, tok, **{"max_calls": 4, **limits, **(engine_kwargs or {})})
     srv = RunningServer(Server(eng, tok, tiny_rnnt(), cfg), wait_ready=wait_ready)
     return srv, model
+
+
+# ---- a Realtime client ---------------------------------------------------------------------------------
+def b64(x: np.ndarray) -> str:
+    return base64.b64encode(np.clip(np.round(x * 32767), -32768, 32767).astype("<i2").tobytes()).decode()
+
+
+def frames_of(events) -> list[np.ndarray]:
+    return [np.frombuffer(base64.b64decode(e["delta"]), "<i2") for e in events
+            if e["type"] == "response.output_audio.delta"]
+
+
+# the model's own rates both ways, so the scripted model's markers in each packet come through unresampled
+NATIVE = {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
+                    "output": {"format": {"type": "audio/pcm", "rate": 22050}}}}
+
+
+async def realtime(url, audio=None, chunk=1000, pace=0.0, session=None, final=True, extra=(), query="",
+                   on_event=None, native=True):
+    """One Realtime call: a session.update (with the model's own audio formats unless `native` is False, then
+    `session`'s settings), appends of `chunk` samples, commit{final}; returns (events, close code).
+    `on_event(ev, ws)` may send more (runs on every event)."""
+    events = []
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/realtime{query}") as ws:
+            for update in ([NATIVE] if native else []) + ([session] if session is not None else []):
+                await ws.send_json({"type": "session.update", "session": update})
+            for e in extra:
+                await (ws.send_str(e) if isinstance(e, str) else ws.send_json(e))
+
+            async def send():
+                try:
+                    await send_all()
+                except ConnectionError:   # the server ended the call (a limit): stop sending
+                    pass
+
+            async def send_all():
+                if audio is not None:
+                    for i in range(0, audio.size, chunk):
+                        await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(audio[i:i + chunk])})
+                        if pace:
+                            await asyncio.sleep(pace)
+                if final:
+                    await ws.send_json({"type": "input_audio_buffer.commit", "final": True})
+
+            sender = asyncio.create_task(send())
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    ev = json.loads(msg.data)
+                    events.append(ev)
+                    if on_event is not None:
+                        await on_event(ev, ws)
+            await sender
+            return events, ws.close_code
+
+
+def assert_recovers(srv: RunningServer) -> None:
+    """After a barrage of clients: every place and engine slot given back (the last calls may still be
+    closing), the server healthy with its engine up, and the next Realtime call served in full (0.4 s of
+    input: 5 frames)."""
+    srv.wait_idle(timeout=30.0)
+    assert srv.server.healthy() and srv.server.engine.down is None
+    events, code = asyncio.run(realtime(srv.ws_url, tone(0.4), chunk=1280))
+    assert code == 1000 and len(frames_of(events)) == 5

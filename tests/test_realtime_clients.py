@@ -18,7 +18,7 @@ import pytest
 from nemo_duplex.audio import AudioFormat, decode_wav, g711_decode, resample
 from nemo_duplex.server import realtime_protocol as rp
 from nemo_duplex.server.tools import tool_response_ids
-from tests.server_support import ScriptedModel, tone, wav_bytes
+from tests.server_support import ScriptedModel, b64, tone, wav_bytes
 from tests.test_server import FRAME_IN, TOOLCALL, errors, realtime
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
@@ -178,10 +178,6 @@ def test_clear_drops_the_input_not_yet_stepped(server):
     assert sum(0.2 < p < 0.3 for p in peaks) == 5          # all of the second
     assert errors(events) == [] and events[-1]["type"] == "session.closed"
     srv.wait_idle()
-
-
-def b64(x: np.ndarray) -> str:
-    return base64.b64encode(np.clip(np.round(x * 32767), -32768, 32767).astype("<i2").tobytes()).decode()
 
 
 @pytest.mark.parametrize("modalities", [["audio"], ["text"]])

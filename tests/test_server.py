@@ -16,8 +16,12 @@ import pytest
 
 from nemo_duplex.server.tools import parse_tool_calls, render_tool_prompt, tool_response_ids
 from tests.server_support import (
+    NATIVE,
     ScriptedModel,
+    b64,
+    frames_of,
     make,
+    realtime,
     tiny_rnnt,
     tone,
     wav_bytes,
@@ -33,61 +37,15 @@ def scripted(tok, **text):
     return [t.pad_id, t.bos_id] + tok.encode(text.get("say", "hello there")) + [t.eos_id]
 
 
-def b64(x: np.ndarray) -> str:
-    return base64.b64encode(np.clip(np.round(x * 32767), -32768, 32767).astype("<i2").tobytes()).decode()
-
-
-def frames_of(events) -> list[np.ndarray]:
-    return [np.frombuffer(base64.b64decode(e["delta"]), "<i2") for e in events
-            if e["type"] == "response.output_audio.delta"]
-
-
-# the model's own rates both ways, so the scripted model's markers in each packet come through unresampled
-NATIVE = {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
-                    "output": {"format": {"type": "audio/pcm", "rate": 22050}}}}
-
-
-async def realtime(url, audio=None, chunk=1000, pace=0.0, session=None, final=True, extra=(), query="",
-                   on_event=None, native=True):
-    """One Realtime call: a session.update (with the model's own audio formats unless `native` is False, then
-    then `session`'s settings), appends of `chunk` samples, commit{final}; returns (events, close code).
-    `on_event(ev, ws)` may send more (runs on every event)."""
-    events = []
-    async with aiohttp.ClientSession() as http:
-        async with http.ws_connect(f"{url}/v1/realtime{query}") as ws:
-            for update in ([NATIVE] if native else []) + ([session] if session is not None else []):
-                await ws.send_json({"type": "session.update", "session": update})
-            for e in extra:
-                await (ws.send_str(e) if isinstance(e, str) else ws.send_json(e))
-
-            async def send():
-                try:
-                    await send_all()
-                except ConnectionError:   # the server ended the call (a limit): stop sending
-                    pass
-
-            async def send_all():
-                if audio is not None:
-                    for i in range(0, audio.size, chunk):
-                        await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(audio[i:i + chunk])})
-                        if pace:
-                            await asyncio.sleep(pace)
-                if final:
-                    await ws.send_json({"type": "input_audio_buffer.commit", "final": True})
-
-            sender = asyncio.create_task(send())
-            async for msg in ws:
-                if msg.type == aiohttp.WSMsgType.TEXT:
-                    ev = json.loads(msg.data)
-                    events.append(ev)
-                    if on_event is not None:
-                        await on_event(ev, ws)
-            await sender
-            return events, ws.close_code
-
-
 def errors(events):
     return [e["error"]["code"] for e in events if e["type"] == "error"]
+
+
+async def realtime_session(http, ws_url: str):
+    """A Realtime socket whose session.created has arrived (it holds a place)."""
+    ws = await http.ws_connect(f"{ws_url}/v1/realtime")
+    assert json.loads((await ws.receive()).data)["type"] == "session.created"
+    return ws
 
 
 # ---- pure pieces ---------------------------------------------------------------------------------------
@@ -218,10 +176,7 @@ def test_busy_refusal_frees_nothing_and_recovers(server, tok):
 
     async def go():
         async with aiohttp.ClientSession() as http:
-            a = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
-            b = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
-            for ws in (a, b):
-                assert json.loads((await ws.receive()).data)["type"] == "session.created"
+            a, b = await realtime_session(http, srv.ws_url), await realtime_session(http, srv.ws_url)
             c = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
             ev = json.loads((await c.receive()).data)
             assert ev["type"] == "error" and ev["error"]["code"] == "busy" and ev["error"]["type"] == "rate_limit_error"
@@ -235,9 +190,7 @@ def test_busy_refusal_frees_nothing_and_recovers(server, tok):
                 if len(srv.server.sessions) < 2:
                     break
                 await asyncio.sleep(0.02)
-            d = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
-            assert json.loads((await d.receive()).data)["type"] == "session.created"
-            await d.close()
+            await (await realtime_session(http, srv.ws_url)).close()
             await b.close()
 
     asyncio.run(go())
@@ -427,9 +380,7 @@ def test_hang_up_before_audio_and_idle_timeout(server, tok):
 
     async def go():
         async with aiohttp.ClientSession() as http:
-            ws = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
-            assert json.loads((await ws.receive()).data)["type"] == "session.created"
-            await ws.close()
+            await (await realtime_session(http, srv.ws_url)).close()
             assert srv.server.engine.active_calls == 0
             idle = await http.ws_connect(f"{srv.ws_url}/v1/realtime")
             events = [json.loads(m.data) async for m in idle if m.type == aiohttp.WSMsgType.TEXT]
