@@ -124,6 +124,8 @@ class ServeConfig:
     shutdown_grace_s: float = 10.0      # SIGTERM: calls get this long to end before they are cut (server_shutdown)
     speech_hangover_ms: float = 800.0   # Realtime speech_stopped: this long after the user transcript's last token
     static_dir: str | None = None       # serve the page from here instead of the package's static/
+    replicas: int = 1                   # >1: that many engines on Ray Serve, one GPU each (server/replicas.py)
+    ray_address: Optional[str] = None   # with replicas > 1: a Ray cluster to join ("auto", "ray://..."); null: a local one
 
 
 @dataclass

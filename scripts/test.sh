@@ -9,7 +9,8 @@ bash scripts/setup.sh dev
 # The suite on every core (pytest-xdist, test by test: 794 s against 860 s one module at a time on this
 # 2-core machine; the fixtures a worker builds again are cheap), then the tests that time a
 # real-time server or browser on their own: on a 2-core machine a busy neighbour would make their clients late.
-SERIAL=(tests/test_server.py tests/test_server_fuzz.py tests/test_server_model.py tests/test_browser.py tests/test_bench.py)
+SERIAL=(tests/test_server.py tests/test_server_fuzz.py tests/test_server_model.py tests/test_browser.py tests/test_bench.py
+        tests/test_replicas.py)
 if [ $# -gt 0 ]; then   # a selection of one's own (paths, -k, ...): one plain run
   python -m pytest -q -p no:cacheprovider --ignore=tests/test_encoder_vs_nemo.py "$@"
 else

@@ -76,6 +76,8 @@ class Server:
         self.ready = False
         self.stopping = False   # SIGTERM received: no new call (drain)
         self._tasks: list[asyncio.Task] = []
+        # set by a Ray Serve replica (server/replicas.py): /health and /metrics then speak for every replica
+        self.cluster = None
 
     @property
     def model_name(self) -> str:
@@ -122,6 +124,8 @@ class Server:
     async def lifespan(self, app):
         # capture and warm-up run in the background: the port answers at once, /health says 503 until done
         self._tasks = [asyncio.create_task(self._start_engine()), asyncio.create_task(self._sample_metrics())]
+        if self.cluster is not None:
+            self._tasks.append(asyncio.create_task(self.cluster.report_forever(self)))
         try:
             yield
         finally:
@@ -216,6 +220,9 @@ class Server:
         ] if self.cfg.cors_origins else []))
 
     async def health(self, request: Request) -> JSONResponse:
+        if self.cluster is not None:
+            body, status = await self.cluster.health()
+            return JSONResponse(body, status_code=status)
         ok = self.healthy()
         body = {"status": "ready" if ok else ("starting" if not self.ready else "engine_down"),
                 "active_calls": self.engine.active_calls, "sessions": len(self.sessions),
@@ -226,7 +233,8 @@ class Server:
         if (refused := self._refused(request.headers, "http")) is not None:
             return refused
         self.metrics.sample_engine(self.engine, len(self.sessions))
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = self.metrics.render() if self.cluster is None else await self.cluster.metrics()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _refuse_ws(self, socket: Socket, refusal: Refusal, realtime: bool) -> None:
         if refusal.code not in COUNTED_BY_RESERVE:
@@ -272,7 +280,7 @@ class Server:
                 "type": "invalid_request_error", "code": "call_id_in_use",
                 "message": f"call id {call_id!r} belongs to a live call"}}):
             return
-        socket = Socket(websocket)
+        socket = Socket(websocket, self.cfg.max_message_kb * 1024)
         try:
             bridge = self.reserve(call_id)
         except Refusal as r:
@@ -288,7 +296,7 @@ class Server:
         if not await self._open(websocket, call_id, {"type": "error", "code": "call_id_in_use",
                                                      "message": f"call id {call_id!r} belongs to a live call"}):
             return
-        socket = Socket(websocket)
+        socket = Socket(websocket, self.cfg.max_message_kb * 1024)
         try:
             first = await socket.receive(timeout=self.cfg.idle_timeout_s)
         except asyncio.TimeoutError:

@@ -20,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from nemo_duplex.audio import AudioFormat, AudioFormatError
+from nemo_duplex.audio import ENCODINGS, G711_RATE, AudioFormat, AudioFormatError
 
 # Error codes -> the Realtime error class they belong to (the `error.type` field).
 ERROR_TYPES = {
@@ -28,6 +28,7 @@ ERROR_TYPES = {
     "server_error": "server_error",
     "engine_error": "server_error",
     "server_shutdown": "server_error",
+    "replica_failed": "server_error",
 }
 
 # Beta event names a client may send, mapped to the GA name we handle.
@@ -152,8 +153,9 @@ def decode_audio(b64: object, param: str = "audio") -> bytes:
 
 
 REALTIME_FORMAT = AudioFormat("pcm16", 24000)   # OpenAI Realtime's default, both ways
-BETA_FORMATS = {"pcm16": REALTIME_FORMAT, "g711_ulaw": AudioFormat("pcmu", 8000), "g711_alaw": AudioFormat("pcma", 8000)}
-GA_ENCODINGS = {"audio/pcm": "pcm16", "audio/pcmu": "pcmu", "audio/pcma": "pcma"}
+BETA_FORMATS = {spec.realtime_beta: REALTIME_FORMAT if encoding == "pcm16" else AudioFormat(encoding, G711_RATE)
+                for encoding, spec in ENCODINGS.items()}
+GA_ENCODINGS = {spec.media_type: encoding for encoding, spec in ENCODINGS.items()}
 # OpenAI's stock voices: clients send one by default (the Agents SDK "ash"); here each means the checkpoint's
 # own default voice, which session.updated then names
 OPENAI_VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
@@ -189,7 +191,7 @@ def parse_format(fmt: object, param: str) -> AudioFormat:
         raise ProtocolError("invalid_audio_format", f"{param}.type {kind!r}: one of {sorted(GA_ENCODINGS)}",
                             f"{param}.type")
     encoding = GA_ENCODINGS[kind]
-    rate = fmt.get("rate", 24000 if encoding == "pcm16" else 8000)
+    rate = fmt.get("rate", REALTIME_FORMAT.rate if encoding == "pcm16" else G711_RATE)
     if not isinstance(rate, int) or isinstance(rate, bool):
         raise ProtocolError("invalid_event", f"{param}.rate must be an integer", f"{param}.rate")
     try:
@@ -199,8 +201,7 @@ def parse_format(fmt: object, param: str) -> AudioFormat:
 
 
 def format_object(fmt: AudioFormat) -> dict:
-    kind = {v: k for k, v in GA_ENCODINGS.items()}[fmt.encoding]
-    return {"type": kind, "rate": fmt.rate}
+    return {"type": ENCODINGS[fmt.encoding].media_type, "rate": fmt.rate}
 
 
 def parse_modalities(value: object, param: str) -> tuple[str, ...]:

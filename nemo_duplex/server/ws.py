@@ -18,12 +18,21 @@ class Message:
     data: str | bytes | None = None
 
 
-class Socket:
-    """An accepted Starlette WebSocket."""
+def message_bytes(data: str | bytes, limit: int) -> int:
+    """A message's size on the wire (UTF-8 for text), counted exactly only when it could exceed `limit`."""
+    if isinstance(data, bytes) or len(data) * 4 <= limit:   # (a character is at most 4 bytes)
+        return len(data)
+    return len(data.encode("utf-8", "surrogatepass"))
 
-    def __init__(self, websocket: WebSocket):
+
+class Socket:
+    """An accepted Starlette WebSocket. A message over `max_bytes` closes it with 1009: uvicorn enforces the
+    same limit in one process, but behind Ray Serve's proxy (serve.replicas > 1) only this check does."""
+
+    def __init__(self, websocket: WebSocket, max_bytes: int | None = None):
         self.ws = websocket
         self.closed = False
+        self.max_bytes = max_bytes
 
     async def receive(self, timeout: float | None = None) -> Message:
         """The next message (asyncio.TimeoutError after `timeout` seconds without one). Pings and pongs are
@@ -39,9 +48,13 @@ class Socket:
         if msg["type"] == "websocket.disconnect":
             self.closed = True
             return Message("closed")
-        if msg.get("text") is not None:
-            return Message("text", msg["text"])
-        return Message("bytes", msg.get("bytes") or b"")
+        text = msg.get("text")
+        data = (msg.get("bytes") or b"") if text is None else text
+        if self.max_bytes is not None and (size := message_bytes(data, self.max_bytes)) > self.max_bytes:
+            await self.close(1009, f"message of {size} bytes; the limit is serve.max_message_kb = "
+                                   f"{self.max_bytes // 1024}")
+            return Message("closed")
+        return Message("text" if text is not None else "bytes", data)
 
     async def send_text(self, text: str) -> None:
         await self.ws.send_text(text)

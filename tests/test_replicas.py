@@ -1,0 +1,287 @@
+"""serve.replicas: the server on Ray Serve, two tiny replicas on the CPU behind one endpoint
+(server/replicas.py, docs/deploy.md). The deployment tests start the user's command, `scripts/serve.py
+serve.replicas=2`, once for the module (a local Ray cluster; about 30 s to ready on two cores); the
+middleware and aggregation tests need no Ray."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nemo_duplex.server.replicas import ReplicaGone, deployment_health, deployment_metrics, label_metrics
+from tests.server_support import free_port, tone
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAME_IN = 1280
+NATIVE = {"input_audio_format": {"type": "audio/pcm", "rate": 16000},
+          "output_audio_format": {"type": "audio/pcm", "rate": 22050}}
+
+
+# ---- without Ray ------------------------------------------------------------------------------------------
+def run_asgi(app, path: str, client_closes: bool = False):
+    """Drive `app` with one WebSocket scope; returns what it sent."""
+    sent = []
+
+    async def go():
+        incoming = [{"type": "websocket.connect"}] + ([{"type": "websocket.disconnect", "code": 1000}]
+                                                      if client_closes else [])
+
+        async def receive():
+            if incoming:
+                return incoming.pop(0)
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            sent.append(message)
+
+        await ReplicaGone(app)({"type": "websocket", "path": path, "headers": []}, receive, send)
+    asyncio.run(go())
+    return sent
+
+
+def accepting(then: str):
+    """An ASGI app standing for Serve's route to a replica: it accepts, then the replica dies (`dies`: the
+    proxy's HTTP error reply for it), closes normally (`closes`), or sees the client leave (`client_left`)."""
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "websocket.accept"})
+        if then == "dies":
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b"Internal Server Error"})
+        elif then == "closes":
+            await send({"type": "websocket.close", "code": 1000})
+        else:
+            assert (await receive())["type"] == "websocket.disconnect"
+    return app
+
+
+@pytest.mark.parametrize("path", ["/v1/realtime", "/generate/ws"])
+def test_a_call_whose_replica_dies_gets_replica_failed_and_1011(path):
+    sent = run_asgi(accepting("dies"), path)
+    assert [m["type"] for m in sent] == ["websocket.accept", "websocket.send", "websocket.close"]
+    body = json.loads(sent[1]["text"])
+    code = body["error"]["code"] if path == "/v1/realtime" else body["code"]
+    assert code == "replica_failed" and sent[2]["code"] == 1011
+    if path == "/v1/realtime":
+        assert body["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("then, client_closes", [("closes", False), ("client_left", True)])
+def test_a_call_that_ends_normally_gets_nothing_more(then, client_closes):
+    sent = run_asgi(accepting(then), "/v1/realtime", client_closes)
+    assert [m["type"] for m in sent] == ["websocket.accept"] + (["websocket.close"] if then == "closes" else [])
+
+
+def test_metrics_of_every_replica_are_labelled_and_described_once():
+    text = ("# HELP duplex_active_calls calls\n# TYPE duplex_active_calls gauge\nduplex_active_calls 3.0\n"
+            '# HELP duplex_refusals refused\n# TYPE duplex_refusals counter\nduplex_refusals_total{reason="busy"} 2.0\n')
+    snap = {"expected": 2, "replicas": {
+        "a": {"fresh": True, "ready": True, "metrics": text, "active_calls": 3, "sessions": 3, "max_calls": 4, "pid": 1},
+        "b": {"fresh": True, "ready": False, "metrics": text, "active_calls": 0, "sessions": 0, "max_calls": 4, "pid": 2},
+        "c": {"fresh": False, "ready": True, "metrics": text, "active_calls": 9, "sessions": 9, "max_calls": 4, "pid": 3}}}
+    out = deployment_metrics(snap).splitlines()
+    assert 'duplex_active_calls{replica="a"} 3.0' in out and 'duplex_active_calls{replica="b"} 3.0' in out
+    assert 'duplex_refusals_total{replica="b",reason="busy"} 2.0' in out
+    assert not any('replica="c"' in line for line in out)           # not heard from lately: left out
+    assert out.count("# TYPE duplex_active_calls gauge") == 1
+    assert "duplex_replicas_ready 1" in out and "duplex_replicas_expected 2" in out
+    body, status = deployment_health(snap)
+    assert status == 503 and body["replicas_ready"] == 1 and body["active_calls"] == 3
+    snap["replicas"]["b"]["ready"] = True
+    assert deployment_health(snap)[1] == 200
+    assert label_metrics("duplex_x 1", "r", set()) == ['duplex_x{replica="r"} 1']
+
+
+@pytest.mark.parametrize("message", ["a" * 4096, "é" * 2048, b"\0" * 4096, "é" * 2049, "a" * 4097, b"\0" * 4097])
+def test_serve_max_message_kb_holds_behind_a_proxy_that_does_not_enforce_it(message):
+    """Serve's proxy takes WebSocket messages up to its own limit; the server's Socket enforces
+    serve.max_message_kb itself (here 4 KiB): exactly the limit in UTF-8 bytes is taken, one byte more
+    closes with 1009 naming the setting."""
+    from nemo_duplex.server.ws import Socket
+
+    class FakeWebSocket:
+        closed_with = None
+
+        async def receive(self):
+            return {"type": "websocket.receive", **({"text": message} if isinstance(message, str) else {"bytes": message})}
+
+        async def close(self, code, reason):
+            self.closed_with = (code, reason)
+
+    ws = FakeWebSocket()
+    got = asyncio.run(Socket(ws, 4096).receive())
+    size = len(message.encode() if isinstance(message, str) else message)
+    if size <= 4096:
+        assert got.data == message and ws.closed_with is None
+    else:
+        assert got.kind == "closed" and ws.closed_with[0] == 1009 and "serve.max_message_kb = 4" in ws.closed_with[1]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["serve.replicas=0"], "serve.replicas=0: at least 1"),
+    (["serve.ray_address=auto"], "serve.ray_address=auto is for serve.replicas > 1"),
+    (["serve.replicas=2", "device=cuda:1"], "device=cuda:1 with serve.replicas=2"),
+])
+def test_replica_settings_that_cannot_be_honoured_are_refused(args, says):
+    r = subprocess.run([sys.executable, "scripts/serve.py", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+# ---- two replicas on Ray Serve ----------------------------------------------------------------------------
+def get(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return None, b""
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("replicas") / "serve.log"
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/serve.py", "serve.replicas=2", f"serve.port={port}", "engine.max_calls=3",
+         "serve.warmup_frames=1", f"hydra.run.dir={log.parent}"],
+        cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while get(f"{url}/health")[0] != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"serve.replicas=2 did not get ready (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+    yield url, proc, log
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def health(url: str) -> dict:
+    return json.loads(get(f"{url}/health")[1])
+
+
+class Caller:
+    """One Realtime call through the deployment's endpoint, audio sent by the test, events read by a task."""
+
+    def __init__(self, ws):
+        self.ws, self.events, self.replica = ws, [], ws.response.headers.get("x-replica")
+        self.reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def open(cls, url: str):
+        import websockets
+
+        ws = await websockets.connect(url.replace("http", "ws") + "/v1/realtime", max_size=None)
+        try:
+            await ws.send(json.dumps({"type": "session.update", "session": NATIVE}))
+        except websockets.ConnectionClosedError:   # refused (busy) before it was read
+            pass
+        return cls(ws)
+
+    async def _read(self):
+        import websockets
+
+        try:
+            async for m in self.ws:
+                if isinstance(m, str):
+                    self.events.append(json.loads(m))
+        except websockets.ConnectionClosedError:   # a close other than 1000/1001: close_code says which
+            pass
+
+    async def say(self, audio: np.ndarray):
+        pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+        for i in range(0, len(pcm), 2 * FRAME_IN):
+            await self.ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                           "audio": base64.b64encode(pcm[i:i + 2 * FRAME_IN]).decode()}))
+
+    async def finish(self, timeout: float = 60):
+        await self.ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+        await asyncio.wait_for(self.reader, timeout)
+        return self.ws.close_code
+
+    def codes(self, kind="error"):
+        return [e["error"]["code"] for e in self.events if e["type"] == kind]
+
+    def frames(self) -> int:
+        return sum(1 for e in self.events if e["type"] == "response.output_audio.delta")
+
+
+def test_health_and_metrics_speak_for_both_replicas(deployment):
+    url, _, _ = deployment
+    body = health(url)
+    assert body["status"] == "ready" and body["replicas_ready"] == 2 and body["max_calls"] == 6
+    metrics = get(f"{url}/metrics")[1].decode()
+    assert "duplex_replicas_ready 2" in metrics
+    for replica in body["replicas"]:
+        assert f'duplex_ready{{replica="{replica}"}} 1.0' in metrics
+
+
+def test_calls_go_where_places_are_free_and_a_dead_replica_takes_only_its_calls(deployment):
+    url, _, log = deployment
+
+    async def go():
+        callers = []
+        for _ in range(6):   # one at a time: each to the replica with the most free places -> 3 + 3
+            callers.append(await Caller.open(url))
+            await callers[-1].say(tone(0.16))
+        replicas = sorted({c.replica for c in callers})
+        assert len(replicas) == 2 and all(sum(c.replica == r for c in callers) == 3 for r in replicas)
+
+        extra = await Caller.open(url)   # every place taken: refused at once, not queued
+        await asyncio.wait_for(extra.reader, 10)
+        assert extra.codes() == ["busy"] and extra.ws.close_code == 1013
+
+        victim, survivor = replicas
+        pid = health(url)["replicas"][victim]["pid"]
+        for c in callers:   # every call live and heard
+            for _ in range(200):
+                if c.frames() >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert c.frames() >= 2, c.events
+        os.kill(pid, signal.SIGKILL)
+
+        lost = [c for c in callers if c.replica == victim]
+        kept = [c for c in callers if c.replica == survivor]
+        await asyncio.wait_for(asyncio.gather(*(c.reader for c in lost)), 30)
+        for c in lost:
+            assert c.codes() == ["replica_failed"] and c.ws.close_code == 1011
+        for c in kept:   # untouched: more audio, then a normal end with every frame
+            await c.say(tone(0.4, seed=1))
+            assert await c.finish() == 1000
+            assert c.codes() == [] and c.frames() == 7
+            assert [e for e in c.events if e["type"] == "response.done"]
+
+        for _ in range(100):   # a place comes back once the engine has ended its call, a moment after the close
+            if health(url)["replicas"][survivor]["sessions"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        after = await Caller.open(url)   # a living replica takes it (the survivor, or the victim's replacement)
+        await after.say(tone(0.16))
+        assert await after.finish() == 1000 and after.codes() == [] and after.replica != victim
+        return victim
+
+    victim = asyncio.run(go())
+    # Serve replaces the replica (a new replica id); the deployment is whole again. The dead one counted as
+    # ready until its last report was 3 s old (replicas.STALE_AFTER_S)
+    deadline = time.monotonic() + 180
+    while (body := health(url))["status"] != "ready" or body["replicas"].get(victim, {}).get("fresh"):
+        assert time.monotonic() < deadline, (body, log.read_text()[-3000:])
+        time.sleep(1)
