@@ -1,11 +1,14 @@
 """Audio helpers for the eval tools: 16-bit PCM WAV read/write and band-limited resampling.
 
-The agent speaks at 22.05 kHz (spec 5: the codec's target rate) while the ASR models and the clips are
-16 kHz, so eval needs a resampler. torchaudio and scipy are not dependencies; `resample` is a small
-windowed-sinc (Kaiser) interpolator. Measured, 22.05 kHz -> 16 kHz (checked in tests/test_wer.py):
-sines up to 6 kHz come out within 1e-5 of the exact sine (amplitude 0.5), the band edge rolls off
-from ~7 kHz (7.4 kHz is off by 0.15), and tones above the 8 kHz output Nyquist are attenuated by
-more than 90 dB.
+Reading is the server's WAV decoding (nemo_duplex/audio.py) at the file's own rate. Writing and resampling
+are eval's own: `to_pcm16` scales by 32768, the exact inverse of reading (the server's scales by 32767), so
+a clip read and written again keeps its samples; and the eval numbers were measured with this resampler,
+not the server's soxr. The agent speaks at 22.05 kHz (spec 5: the codec's target rate) while the ASR models
+and the clips are 16 kHz, so eval needs a resampler. torchaudio and scipy are not dependencies; `resample`
+is a small windowed-sinc (Kaiser) interpolator. Measured, 22.05 kHz -> 16 kHz (checked in
+tests/test_wer.py): sines up to 6 kHz come out within 1e-5 of the exact sine (amplitude 0.5), the band
+edge rolls off from ~7 kHz (7.4 kHz is off by 0.15), and tones above the 8 kHz output Nyquist are
+attenuated by more than 90 dB.
 """
 from __future__ import annotations
 
@@ -15,24 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from nemo_duplex.audio import wav_samples
+
 
 def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     """Read a PCM WAV (8/16/32-bit integer). Returns (float32 mono samples in [-1, 1], sample rate);
     several channels are averaged."""
-    with wave.open(str(path), "rb") as f:
-        sample_rate, channels, width = f.getframerate(), f.getnchannels(), f.getsampwidth()
-        raw = f.readframes(f.getnframes())
-    if width == 1:  # 8-bit WAV is unsigned
-        x = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
-    elif width == 2:
-        x = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
-    elif width == 4:
-        x = np.frombuffer(raw, "<i4").astype(np.float32) / 2147483648.0
-    else:
-        raise ValueError(f"{path}: {8 * width}-bit WAV is not supported; convert it to 16-bit PCM")
-    if channels > 1:
-        x = x.reshape(-1, channels).mean(axis=1)
-    return x, sample_rate
+    return wav_samples(Path(path).read_bytes())
 
 
 def to_pcm16(wav: np.ndarray) -> np.ndarray:

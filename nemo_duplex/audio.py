@@ -14,11 +14,28 @@ import io
 import wave
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 RATES = (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000)   # the PCM rates accepted on the wire
-ENCODINGS = ("pcm16", "pcmu", "pcma")                              # G.711 is 8 kHz, one byte a sample
+G711_RATE = 8000   # G.711 is 8 kHz, one byte a sample
+
+
+class Encoding(NamedTuple):
+    """The names an encoding goes by on the wire."""
+    label: str                      # in messages
+    media_type: str                 # the OpenAI Realtime GA format's `type`
+    realtime_beta: str              # the Realtime beta format name
+    native_names: tuple[str, ...]   # what the native protocol's `format` field takes
+
+
+# The encodings this server speaks, by their name here; the protocols' format names all come from this table
+ENCODINGS = {
+    "pcm16": Encoding("PCM16", "audio/pcm", "pcm16", ("pcm16", "pcm_s16le")),
+    "pcmu": Encoding("G.711 mu-law", "audio/pcmu", "g711_ulaw", ("pcmu", "g711_ulaw")),
+    "pcma": Encoding("G.711 A-law", "audio/pcma", "g711_alaw", ("pcma", "g711_alaw")),
+}
 
 
 class AudioFormatError(ValueError):
@@ -138,12 +155,28 @@ def decode_wav(data: bytes, sample_rate: int = 16000, max_seconds: float | None 
     info = wav_info(data)
     if info.sample_rate not in RATES:
         raise AudioFormatError(f"sample rate {info.sample_rate} Hz; this server takes {', '.join(map(str, RATES))} Hz")
+    _check_samples(info)
+    if max_seconds is not None and info.seconds > max_seconds:
+        raise AudioFormatError(f"{info.seconds:.1f} s of audio; the limit is {max_seconds:g} s")
+    return resample(_mono_samples(data, info), info.sample_rate, sample_rate)
+
+
+def wav_samples(data: bytes) -> tuple[np.ndarray, int]:
+    """PCM WAV bytes (8, 16 or 32-bit integer, any channel count, any rate) -> (float32 mono samples in
+    [-1, 1], channels averaged, at the file's own rate; that rate)."""
+    info = wav_info(data)
+    _check_samples(info)
+    return _mono_samples(data, info), info.sample_rate
+
+
+def _check_samples(info: WavInfo) -> None:
     if info.sample_width not in (1, 2, 4):
         raise AudioFormatError(f"{8 * info.sample_width}-bit samples; this server takes 8, 16 or 32-bit integer PCM")
     if info.channels < 1:
         raise AudioFormatError("a WAV without channels")
-    if max_seconds is not None and info.seconds > max_seconds:
-        raise AudioFormatError(f"{info.seconds:.1f} s of audio; the limit is {max_seconds:g} s")
+
+
+def _mono_samples(data: bytes, info: WavInfo) -> np.ndarray:
     raw = wav_data(data)
     # whole sample frames only: a file cut short (a broken transfer) can end inside one
     step = info.channels * info.sample_width
@@ -153,10 +186,10 @@ def decode_wav(data: bytes, sample_rate: int = 16000, max_seconds: float | None 
     elif info.sample_width == 2:
         x = from_pcm16(raw)
     else:
-        x = np.frombuffer(raw, "<i4") * np.float32(1.0 / 2147483648.0)
+        x = np.frombuffer(raw, "<i4").astype(np.float32) * np.float32(1.0 / 2147483648.0)
     if info.channels > 1:
         x = x.reshape(-1, info.channels).mean(axis=1, dtype=np.float32)
-    return resample(x, info.sample_rate, sample_rate)
+    return x
 
 
 def read_wav(path: str | Path, sample_rate: int = 16000) -> np.ndarray:
@@ -189,8 +222,8 @@ class AudioFormat:
     def __post_init__(self):
         if self.encoding not in ENCODINGS:
             raise AudioFormatError(f"encoding {self.encoding!r}: this server speaks {', '.join(ENCODINGS)}")
-        if self.encoding != "pcm16" and self.rate != 8000:
-            raise AudioFormatError(f"{self.encoding} is G.711 at 8000 Hz, not {self.rate} Hz")
+        if self.encoding != "pcm16" and self.rate != G711_RATE:
+            raise AudioFormatError(f"{self.encoding} is G.711 at {G711_RATE} Hz, not {self.rate} Hz")
         if self.rate not in RATES:
             raise AudioFormatError(f"sample rate {self.rate} Hz; this server takes {', '.join(map(str, RATES))} Hz")
         if not 1 <= self.channels <= 8:
@@ -214,8 +247,7 @@ class AudioFormat:
         return to_pcm16(x).tobytes() if self.encoding == "pcm16" else g711_encode(x, self.encoding)
 
     def describe(self) -> str:
-        name = {"pcm16": "PCM16", "pcmu": "G.711 mu-law", "pcma": "G.711 A-law"}[self.encoding]
-        return f"{name} {self.rate} Hz" + (f" x {self.channels} channels" if self.channels > 1 else "")
+        return f"{ENCODINGS[self.encoding].label} {self.rate} Hz" + (f" x {self.channels} channels" if self.channels > 1 else "")
 
 
 class _Stream:

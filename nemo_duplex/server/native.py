@@ -14,7 +14,7 @@ import numpy as np
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
-from nemo_duplex.audio import AudioFormat, AudioFormatError, OutputStream
+from nemo_duplex.audio import ENCODINGS, G711_RATE, AudioFormat, AudioFormatError, OutputStream
 from nemo_duplex.server.bridge import CallBridge
 from nemo_duplex.server.context import ServerContext
 from nemo_duplex.server.errors import FATAL_CODES, Fatal, Refusal
@@ -54,8 +54,7 @@ def native_opening(ctx: ServerContext, ev: dict, call_id: str | None) -> tuple[S
     return settings, settings.voice, cid
 
 
-FORMAT_NAMES = {"pcm16": "pcm16", "pcm_s16le": "pcm16", "pcmu": "pcmu", "g711_ulaw": "pcmu", "pcma": "pcma",
-                "g711_alaw": "pcma"}
+FORMAT_NAMES = {name: encoding for encoding, spec in ENCODINGS.items() for name in spec.native_names}
 
 
 def wire_format(ev: dict, prefix: str, model_rate: int, channels: bool = False) -> AudioFormat:
@@ -66,7 +65,7 @@ def wire_format(ev: dict, prefix: str, model_rate: int, channels: bool = False) 
         raise ProtocolError("invalid_audio_format", f"{prefix}format {name!r}: one of {sorted(FORMAT_NAMES)}",
                             prefix + "format")
     encoding = FORMAT_NAMES[name]
-    rate = ev.get(prefix + "sample_rate", model_rate if encoding == "pcm16" else 8000)
+    rate = ev.get(prefix + "sample_rate", model_rate if encoding == "pcm16" else G711_RATE)
     try:
         return AudioFormat(encoding, rate, ev.get("channels", 1) if channels else 1)
     except (AudioFormatError, TypeError) as e:
