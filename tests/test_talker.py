@@ -233,11 +233,16 @@ def test_cached_step_matches_full_forward(kernels):
     """Three calls in slots of both streams start at different frames; every batch also has padding rows
     writing into the sink slot at arbitrary positions. Tolerance: atol 2e-5, rtol 1e-4 (fp32). With
     `kernels` the norm kernels run through the interpreter (the step's fused add + norm joints against
-    prefill's separate norms)."""
-    # a 12-position window (the tiny model's is 48) so that T = 16 frames cross it: fewer steps through the
-    # interpreter (a step of every layer's decode attention kernel takes seconds there)
-    model = make_model(backbone=dataclasses.replace(tiny_config().talker.backbone, sliding_window=12))
-    H, T, S, L = model.cfg.backbone.hidden_size, 16, 4, 96  # T > sliding window 12
+    prefill's separate norms).
+
+    The backbone is cut to its two kinds of layer (one sliding, one full: sliding_window_pattern 2) with a
+    5-position window (the tiny model's is 48), so that T = 8 frames cross it: every step of every layer's
+    decode attention kernel goes through the interpreter. A pool of 64 positions still gives the kernel two
+    splits per row (the merge of partial results runs; the sink rows' random positions span several blocks)."""
+    model = make_model(backbone=dataclasses.replace(tiny_config().talker.backbone, num_hidden_layers=2,
+                                                    sliding_window_pattern=2, sliding_window=5))
+    assert [layer.self_attn.window for layer in model.backbone.layers] == [5, None]
+    H, T, S, L = model.cfg.backbone.hidden_size, 8, 4, 64  # T > sliding window 5
     g = torch.Generator().manual_seed(2)
     xs = torch.randn(3, T, H, generator=g)
     positions = torch.arange(T)[None].expand(3, -1)
@@ -245,7 +250,7 @@ def test_cached_step_matches_full_forward(kernels):
         full, kv = model.backbone.prefill(xs, positions)
     cache = model.allocate_cache(S, L, "cpu", torch.float32)
     rows_of = [2, S + 0, S + 1]  # pool rows (stream * S + slot); slot 3 is the sink
-    starts = [0, 3, 7]
+    starts = [0, 2, 5]
     out = torch.zeros_like(full)
     with torch.no_grad():
         for step in range(max(starts) + T):
@@ -276,7 +281,8 @@ def test_stacked_projections_compute_the_separate_ones(kernels):
     step, a prefill and a whole talker step give what the separate projections give: hidden states within
     1e-5 (fp32; the stacked GEMM may sum in another order), codes identical. A cast afterwards (which
     gives each weight a tensor of its own) re-stacks. With `kernels`, the norm + rotary and gelu * up
-    kernels read the stacked GEMM's column views (interpreter)."""
+    kernels read the stacked GEMM's column views (interpreter). The backbone has one layer of each kind
+    (sliding, full): every stacked module of the talker, fewer steps through the interpreter."""
     from nemo_duplex.models.stacking import StackedProjections
 
     def step_outputs(model):
@@ -310,7 +316,8 @@ def test_stacked_projections_compute_the_separate_ones(kernels):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
         assert torch.equal(got[3], want[3])
 
-    separate = make_model()
+    two_layers = dataclasses.replace(tiny_config().talker.backbone, num_hidden_layers=2, sliding_window_pattern=2)
+    separate = make_model(backbone=two_layers)
     stacked = copy.deepcopy(separate)
     stacked.stack_projections()
     parts = [m for m in stacked.modules() if isinstance(m, StackedProjections)]
@@ -320,7 +327,7 @@ def test_stacked_projections_compute_the_separate_ones(kernels):
     storages = {p.untyped_storage().data_ptr() for p in stacked.parameters()}
     assert len(storages) == len(list(stacked.parameters())) - sum(len(m.stacked) - 1 for m in parts)  # no copies
     compare(stacked, separate)
-    other = make_model(seed=1)
+    other = make_model(seed=1, backbone=two_layers)
     stacked.load_state_dict(other.state_dict())  # writes into the stacks
     assert all(views_of_stack(m) for m in parts)
     compare(stacked, other)
