@@ -125,7 +125,8 @@ class ServeConfig:
     speech_hangover_ms: float = 800.0   # Realtime speech_stopped: this long after the user transcript's last token
     static_dir: str | None = None       # serve the page from here instead of the package's static/
     replicas: int = 1                   # >1: that many engines on Ray Serve, one GPU each (server/replicas.py)
-    ray_address: Optional[str] = None   # with replicas > 1: a Ray cluster to join ("auto", "ray://..."); null: a local one
+    ray_address: Optional[str] = None   # the Ray cluster of the replicas: "local" (start one here), "auto" (join the
+                                        # running one), "ray://host:port"; null: local if replicas > 1, else no Ray
 
 
 @dataclass

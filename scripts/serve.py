@@ -33,13 +33,10 @@ def main(cfg: DictConfig) -> None:
     sys.setswitchinterval(float(cfg.serve.gil_switch_interval_ms) / 1e3)
     if cfg.serve.replicas < 1:
         raise SystemExit(f"serve: serve.replicas={cfg.serve.replicas}: at least 1")
-    if cfg.serve.replicas > 1:
+    if cfg.serve.replicas > 1 or cfg.serve.ray_address is not None:
         from nemo_duplex.server import replicas
         with runtime.refusals("serve"):
             return replicas.run(cfg, runtime.cli_overrides())
-    if cfg.serve.ray_address is not None:
-        raise SystemExit(f"serve: serve.ray_address={cfg.serve.ray_address} is for serve.replicas > 1; "
-                         "one replica runs in this process")
     with runtime.refusals("serve"):
         server = build_server(cfg)
     print(f"serving {server.model_name} on http://{server.cfg.host}:{server.cfg.port} "

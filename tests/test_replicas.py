@@ -28,13 +28,14 @@ NATIVE = {"input_audio_format": {"type": "audio/pcm", "rate": 16000},
 
 
 # ---- without Ray ------------------------------------------------------------------------------------------
-def run_asgi(app, path: str, client_closes: bool = False):
-    """Drive `app` with one WebSocket scope; returns what it sent."""
+def run_asgi(app, scope_type: str, path: str, client_closes: bool = False):
+    """Drive ReplicaGone(app) with one WebSocket or HTTP scope; returns what reached the client."""
     sent = []
 
     async def go():
-        incoming = [{"type": "websocket.connect"}] + ([{"type": "websocket.disconnect", "code": 1000}]
-                                                      if client_closes else [])
+        gone = {"type": f"{'websocket' if scope_type == 'websocket' else 'http'}.disconnect", "code": 1000}
+        incoming = ([{"type": "websocket.connect"}] if scope_type == "websocket" else []) + \
+            ([gone] if client_closes else [])
 
         async def receive():
             if incoming:
@@ -44,30 +45,37 @@ def run_asgi(app, path: str, client_closes: bool = False):
         async def send(message):
             sent.append(message)
 
-        await ReplicaGone(app)({"type": "websocket", "path": path, "headers": []}, receive, send)
+        await ReplicaGone(app)({"type": scope_type, "path": path, "headers": []}, receive, send)
     asyncio.run(go())
     return sent
 
 
-def accepting(then: str):
-    """An ASGI app standing for Serve's route to a replica: it accepts, then the replica dies (`dies`: the
-    proxy's HTTP error reply for it), closes normally (`closes`), or sees the client leave (`client_left`)."""
+def replying(then: str, scope_type: str = "websocket"):
+    """An ASGI app standing for Serve's route to a replica: it starts its reply (accepts the socket, or
+    starts the NDJSON stream with one line), then the replica dies (`dies`: the proxy sends nothing more,
+    or an error reply of its own that cannot follow a started one), ends normally (`ends`), or sees the
+    client leave (`client_left`)."""
+    ws = scope_type == "websocket"
+
     async def app(scope, receive, send):
-        await receive()
-        await send({"type": "websocket.accept"})
+        if ws:
+            await receive()
+        await send({"type": "websocket.accept"} if ws else {"type": "http.response.start", "status": 200, "headers": []})
+        if not ws:
+            await send({"type": "http.response.body", "body": b'{"type": "frame"}\n', "more_body": True})
         if then == "dies":
             await send({"type": "http.response.start", "status": 500, "headers": []})
             await send({"type": "http.response.body", "body": b"Internal Server Error"})
-        elif then == "closes":
-            await send({"type": "websocket.close", "code": 1000})
+        elif then == "ends":
+            await send({"type": "websocket.close", "code": 1000} if ws else {"type": "http.response.body", "body": b""})
         else:
-            assert (await receive())["type"] == "websocket.disconnect"
+            assert (await receive())["type"].endswith("disconnect")
     return app
 
 
 @pytest.mark.parametrize("path", ["/v1/realtime", "/generate/ws"])
 def test_a_call_whose_replica_dies_gets_replica_failed_and_1011(path):
-    sent = run_asgi(accepting("dies"), path)
+    sent = run_asgi(replying("dies"), "websocket", path)
     assert [m["type"] for m in sent] == ["websocket.accept", "websocket.send", "websocket.close"]
     body = json.loads(sent[1]["text"])
     code = body["error"]["code"] if path == "/v1/realtime" else body["code"]
@@ -76,10 +84,22 @@ def test_a_call_whose_replica_dies_gets_replica_failed_and_1011(path):
         assert body["error"]["type"] == "server_error"
 
 
-@pytest.mark.parametrize("then, client_closes", [("closes", False), ("client_left", True)])
-def test_a_call_that_ends_normally_gets_nothing_more(then, client_closes):
-    sent = run_asgi(accepting(then), "/v1/realtime", client_closes)
-    assert [m["type"] for m in sent] == ["websocket.accept"] + (["websocket.close"] if then == "closes" else [])
+def test_an_upload_whose_replica_dies_ends_its_stream_with_replica_failed():
+    sent = run_asgi(replying("dies", "http"), "http", "/generate")
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+    assert sent[0]["status"] == 200 and sent[1]["more_body"] and not sent[2]["more_body"]
+    assert json.loads(sent[2]["body"])["code"] == "replica_failed"
+
+
+@pytest.mark.parametrize("scope_type, path", [("websocket", "/v1/realtime"), ("http", "/generate")])
+@pytest.mark.parametrize("then, client_closes", [("ends", False), ("client_left", True)])
+def test_a_call_that_ends_normally_gets_nothing_more(scope_type, path, then, client_closes):
+    sent = run_asgi(replying(then, scope_type), scope_type, path, client_closes)
+    ws = scope_type == "websocket"
+    expected = ["websocket.accept"] if ws else ["http.response.start", "http.response.body"]
+    if then == "ends":
+        expected.append("websocket.close" if ws else "http.response.body")
+    assert [m["type"] for m in sent] == expected
 
 
 def test_metrics_of_every_replica_are_labelled_and_described_once():
@@ -129,7 +149,7 @@ def test_serve_max_message_kb_holds_behind_a_proxy_that_does_not_enforce_it(mess
 
 @pytest.mark.parametrize("args, says", [
     (["serve.replicas=0"], "serve.replicas=0: at least 1"),
-    (["serve.ray_address=auto"], "serve.ray_address=auto is for serve.replicas > 1"),
+    (["serve.ray_address=local", "device=cuda:0"], "device=cuda:0 with serve.replicas=1"),
     (["serve.replicas=2", "device=cuda:1"], "device=cuda:1 with serve.replicas=2"),
 ])
 def test_replica_settings_that_cannot_be_honoured_are_refused(args, says):
@@ -231,6 +251,36 @@ def test_health_and_metrics_speak_for_both_replicas(deployment):
     assert "duplex_replicas_ready 2" in metrics
     for replica in body["replicas"]:
         assert f'duplex_ready{{replica="{replica}"}} 1.0' in metrics
+
+
+def test_the_page_an_upload_and_a_native_call_through_the_endpoint(deployment):
+    """Every route of the one-process server answers through Serve's proxy, each reply naming its replica."""
+    import aiohttp
+
+    from tests.server_support import wav_bytes
+
+    url, _, _ = deployment
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/") as r:
+                page = r.status, await r.text(), r.headers.get("x-replica")
+            async with http.post(f"{url}/generate?seed=0", data=wav_bytes(tone(0.4))) as r:
+                upload = r.status, [json.loads(line) async for line in r.content if line.strip()], r.headers.get("x-replica")
+            async with http.ws_connect(f"{url.replace('http', 'ws')}/generate/ws") as ws:
+                await ws.send_json({"type": "start"})
+                await ws.send_bytes((tone(0.24) * 32767).astype("<i2").tobytes())
+                await ws.send_json({"type": "end_input"})
+                native = [m async for m in ws]
+        return page, upload, native
+
+    page, upload, native = asyncio.run(go())
+    assert page[0] == 200 and "<html" in page[1].lower() and page[2]
+    assert upload[0] == 200 and upload[2] and upload[1][0]["type"] == "started"
+    assert upload[1][-1] == {"type": "ended", "reason": "completed"}
+    audio = [m for m in native if m.type == aiohttp.WSMsgType.BINARY]
+    events = [json.loads(m.data) for m in native if m.type == aiohttp.WSMsgType.TEXT]
+    assert len(audio) == 3 and events[-1] == {"type": "ended", "reason": "completed"}
 
 
 def test_calls_go_where_places_are_free_and_a_dead_replica_takes_only_its_calls(deployment):

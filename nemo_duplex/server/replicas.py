@@ -12,10 +12,10 @@ replica; the call's state never leaves that replica's device.
 - /health and /metrics speak for the whole deployment (`Registry`): each replica reports its readiness and
   its Prometheus text every second; /health is 200 when every replica is ready, /metrics is every replica's
   text labelled `replica="..."` plus the deployment's own gauges.
-- A replica that dies takes only its calls: Serve's proxy then has no close frame to send, so
-  `ReplicaGone` (installed in the proxy through RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH) ends each of
-  them with an error event `replica_failed` and close code 1011. Serve restarts the replica; the router
-  stops choosing it as soon as it is gone.
+- A replica that dies takes only its calls: Serve's proxy then has nothing more to send, so `ReplicaGone`
+  (installed in the proxy through RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH) ends each of them with the error
+  `replica_failed` (then close code 1011, or the end of an upload's stream). Serve starts a replacement;
+  the router stops choosing the dead one as soon as it is gone.
 """
 from __future__ import annotations
 
@@ -40,55 +40,65 @@ REPORT_EVERY_S = 1.0
 STALE_AFTER_S = 3.0          # a replica not heard from for this long is not ready (dead or stuck)
 FORGET_AFTER_S = 60.0        # ... and after this long it is no longer listed (Serve replaces a dead replica)
 CALL_ROUTES = ("/v1/realtime", "/generate/ws")
+UPLOAD_ROUTE = "/generate"
 
 
 # ---- the proxy: a call whose replica died ends with an error, not a bare TCP reset -------------------------
 class ReplicaGone:
-    """ASGI middleware in Serve's proxy. When the replica behind an open call WebSocket dies, the proxy's
-    reply is an HTTP error (meant for a request not yet answered) that an open socket cannot carry; this
-    sends the call's protocol error (`replica_failed`) and closes with 1011 instead."""
+    """ASGI middleware in Serve's proxy. When the replica behind a call dies, the proxy has nothing more to
+    send: an open WebSocket would drop without a close frame (1006), an upload's NDJSON stream would stop
+    mid-way. This ends them as the protocol ends a failed call instead: the error `replica_failed`, then a
+    close with 1011 (WebSocket) or the end of the stream (upload)."""
+
+    MESSAGE = "the replica serving this call stopped; the call is lost (new calls go to the other replicas)"
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "websocket" or scope["path"] not in CALL_ROUTES:
+        path = scope.get("path")
+        if not ((scope["type"] == "websocket" and path in CALL_ROUTES)
+                or (scope["type"] == "http" and path == UPLOAD_ROUTE)):
             return await self.app(scope, receive, send)
-        state = {"accepted": False, "closed": False, "client_gone": False}
+        state = {"started": False, "ended": False, "client_gone": False, "dropping": False}
 
         async def watched_receive():
             message = await receive()
-            if message["type"] == "websocket.disconnect":
+            if message["type"] in ("websocket.disconnect", "http.disconnect"):
                 state["client_gone"] = True
             return message
 
         async def watched_send(message) -> None:
             kind = message["type"]
-            if kind.startswith("http.") and state["accepted"]:
-                return   # the proxy's error reply for a request; this one is an open socket (below)
-            if kind == "websocket.accept":
-                state["accepted"] = True
-            elif kind == "websocket.close":
-                state["closed"] = True
+            if state["dropping"] or (kind in ("websocket.accept", "http.response.start") and state["started"]):
+                state["dropping"] = True   # an error reply of the proxy's after the call's own reply began
+                return
+            if kind in ("websocket.accept", "http.response.start"):
+                state["started"] = True
+            elif kind == "websocket.close" or (kind == "http.response.body" and not message.get("more_body")):
+                state["ended"] = True
             await send(message)
 
         try:
             await self.app(scope, watched_receive, watched_send)
         finally:
-            if state["accepted"] and not state["closed"] and not state["client_gone"]:
+            if state["started"] and not state["ended"] and not state["client_gone"]:
                 await self._fail(scope, send)
 
-    @staticmethod
-    async def _fail(scope, send) -> None:
-        message = "the replica serving this call stopped; the call is lost (new calls go to the other replicas)"
+    @classmethod
+    async def _fail(cls, scope, send) -> None:
         if scope["path"] == "/v1/realtime":
             from nemo_duplex.server.realtime_protocol import error_event
-            body = error_event(f"event_{uuid.uuid4().hex[:8]}", "replica_failed", message)
+            body = error_event(f"event_{uuid.uuid4().hex[:8]}", "replica_failed", cls.MESSAGE)
         else:
-            body = {"type": "error", "code": "replica_failed", "message": message}
+            body = {"type": "error", "code": "replica_failed", "message": cls.MESSAGE}
         try:
-            await send({"type": "websocket.send", "text": json.dumps(body)})
-            await send({"type": "websocket.close", "code": 1011, "reason": "replica_failed"})
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.send", "text": json.dumps(body)})
+                await send({"type": "websocket.close", "code": 1011, "reason": "replica_failed"})
+            else:
+                await send({"type": "http.response.body", "body": (json.dumps(body) + "\n").encode(),
+                            "more_body": False})
         except Exception:   # the client is gone too
             pass
 
@@ -297,7 +307,7 @@ def run(cfg, overrides: list[str]) -> None:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": path, "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}
     os.environ.update(env)
-    ray.init(address=scfg.ray_address, namespace=APP_NAME, include_dashboard=False, runtime_env={"env_vars": env})
+    ray.init(address=scfg.ray_address or "local", namespace=APP_NAME, include_dashboard=False, runtime_env={"env_vars": env})
     serve.start(http_options=HTTPOptions(host=scfg.host, port=int(scfg.port)))
     registry = registry_class().options(name=REGISTRY, namespace=APP_NAME).remote(n)
     max_connections = scfg.max_connections if scfg.max_connections is not None else cfg.engine.max_calls + 16
