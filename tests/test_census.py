@@ -8,11 +8,23 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "dev"))
 
 
-@pytest.mark.triton_interpret
-def test_census_counts_the_fused_kernels_once():
+@pytest.fixture(scope="module")
+def tiny_counts():
+    """The census of the tiny model (2 calls), taken once for both tests, under the interpreter as the
+    tests marked triton_interpret run (a module fixture is set up before conftest.py's per-test choice)."""
+    import torch
+
     from census_step import census
 
-    counts = census(calls=2)
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            mp.setenv("TRITON_INTERPRET", "1")
+        return census(calls=2)
+
+
+@pytest.mark.triton_interpret
+def test_census_counts_the_fused_kernels_once(tiny_counts):
+    counts = tiny_counts
     everything = sum((c for c in counts.values()), start=type(next(iter(counts.values())))())
     assert everything["counter_rng"] == 3          # two talker draws and the text sampler's, one op each
     # the talker's q norm + rotary runs in its k / v store's launch, none on its own
@@ -28,12 +40,12 @@ def test_census_counts_the_fused_kernels_once():
 
 
 @pytest.mark.triton_interpret
-def test_census_with_the_full_layer_counts():
+def test_census_with_the_full_layer_counts(tiny_counts):
     """layers=full: the per-layer stages scale with the real model's 24 / 52 / 28 layers, the fixed ones
     (MoG passes, codec, RNN-T) do not."""
     from census_step import census
 
-    tiny, full = census(calls=2), census(calls=2, full_layers=True)
+    tiny, full = tiny_counts, census(calls=2, full_layers=True)
     total = lambda c: sum(c.values())  # noqa: E731
     per_layer, rest = divmod(total(full["encoder"]) - total(tiny["encoder"]), 24 - 2)  # 2 -> 24 layers
     # 18 ops per fused encoder layer (31 before ops/layernorm.py, 19 before its add_layer_norm_then)
