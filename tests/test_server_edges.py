@@ -298,3 +298,45 @@ def test_the_same_session_again_after_audio_is_acknowledged(server):
     err = refusal(events)
     assert err["code"] == "session_locked" and err["param"] == "session.instructions" and close == 1000
     srv.wait_idle()
+
+
+@pytest.mark.parametrize("hang_up", [False, True])
+def test_an_upload_whose_client_half_closes_still_gets_its_reply(server, hang_up):
+    """Before, a client that shut its sending side after the upload (a TCP half-close, as `curl -T` and
+    proxies do) got 0 bytes back: uvicorn closed on the EOF and the call was cut. Now the whole NDJSON reply
+    comes back. A client that closes entirely still frees its place (the next write finds it gone)."""
+    import socket
+
+    srv, _ = server()
+    body = wav_bytes(tone(0.8))
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: %d\r\n\r\n"
+                 % len(body) + body)
+    if hang_up:
+        sock.close()
+        srv.wait_idle()
+        return
+    sock.shutdown(socket.SHUT_WR)
+    sock.settimeout(30)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    head, _, stream = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    lines = [json.loads(line) for line in dechunk(stream).splitlines() if line.strip()]
+    assert lines[0]["type"] == "started" and lines[-1] == {"type": "ended", "reason": "completed"}
+    assert sum(1 for line in lines if line["type"] == "audio") == 10
+    srv.wait_idle()
+
+
+def dechunk(stream: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's data."""
+    out = b""
+    while stream:
+        size, _, rest = stream.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        out, stream = out + rest[:n], rest[n + 2:]
+    return out
