@@ -251,7 +251,9 @@ def test_websocket_pings_do_not_keep_an_idle_call(server):
 def test_resets_during_the_upgrade_write_no_tracebacks(server, capfd):
     """Connections reset in the middle of the upgrade request, right after it, and just after the server
     accepted it: the old server wrote a 1.6 KB traceback for each (a log flood). Under uvicorn nothing reaches
-    the log, no place is held, and the server goes on serving."""
+    the log, no place is held, the server goes on serving, and /metrics counts the resets: the two inside the
+    request exactly (stage "request"); one right after it is counted at the upgrade when the reset arrives
+    before the server accepted, else the call sees the client gone."""
     import base64 as b64mod
     import os
     import socket
@@ -275,6 +277,8 @@ def test_resets_during_the_upgrade_write_no_tracebacks(server, capfd):
     assert close == 1000 and len(frames_of(events)) == 2
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and len((out + err).strip().splitlines()) <= 6, (out + err)[-2000:]
+    resets = srv.server.metrics.connection_resets
+    assert resets.labels("request")._value.get() == 2 and resets.labels("upgrade")._value.get() <= 2
     srv.wait_idle()
 
 

@@ -417,41 +417,17 @@ class CallStream(StreamingResponse):
             self.on_close()
 
 
-def half_close_http_protocol():
-    """uvicorn's HTTP protocol (httptools when installed, else h11, as its "auto" picks) that takes a TCP
-    half-close as what it is: a client that has sent its whole upload and shut its sending side still gets
-    the rest of its NDJSON reply (uvicorn would close the connection at once, cutting the call). A client that
-    really hung up is found by the next write (a reset), one frame later."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
-    except ImportError:
-        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
-
-    class HalfCloseProtocol(Base):
-        half_closed = False
-
-        def eof_received(self):
-            if self.cycle is None or self.cycle.response_complete:
-                return None   # nothing in flight: close as uvicorn does
-            self.half_closed = True
-            return True       # keep the transport open for the reply
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.half_closed:
-                self.transport.close()
-
-    return HalfCloseProtocol
-
-
 def uvicorn_config(server: Server, **overrides):
     """How uvicorn serves `server`: WebSocket messages up to serve.max_message_kb (a larger one closes the
     socket with 1009), per-message deflate off (PCM barely compresses; it would only cost CPU)."""
     import uvicorn
 
+    from nemo_duplex.server.transport import http_protocol, websocket_protocol
+
     cfg = server.cfg
-    return uvicorn.Config(server.app(), **{"host": cfg.host, "port": cfg.port, "ws": "websockets-sansio",
-                                           "http": half_close_http_protocol(),
+    return uvicorn.Config(server.app(), **{"host": cfg.host, "port": cfg.port,
+                                           "http": http_protocol(server.metrics),
+                                           "ws": websocket_protocol(server.metrics),
                                            "ws_max_size": cfg.max_message_kb * 1024, "ws_per_message_deflate": False,
                                            "access_log": False, "log_level": "warning", "lifespan": "on",
                                            **overrides})

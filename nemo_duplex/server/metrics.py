@@ -44,6 +44,9 @@ class ServerMetrics:
                                        registry=r)
         self.refusals = Counter("duplex_refusals", "refused or failed requests by reason", ["reason"], registry=r)
         self.calls_ended = Counter("duplex_calls_ended", "calls ended, by reason", ["reason"], registry=r)
+        self.connection_resets = Counter("duplex_connection_resets", "connections reset before their request "
+                                         "(stage request) or WebSocket upgrade (stage upgrade) completed",
+                                         ["stage"], registry=r)
         self.ready = Gauge("duplex_ready", "1 once warm-up (and graph capture) is done", registry=r)
         self._seen_steps = 0
         self._seen_frames = 0

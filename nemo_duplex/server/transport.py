@@ -1,0 +1,54 @@
+"""uvicorn's HTTP and WebSocket protocols (server/app.py `uvicorn_config`) with two changes: a TCP half-close is
+not a hang-up, and connections reset before their request or upgrade completed are counted in /metrics
+(`duplex_connection_resets{stage}`) instead of reaching the log. Behind Ray Serve (serve.replicas > 1) the
+proxy's own uvicorn serves the connections, without these."""
+from __future__ import annotations
+
+
+def http_protocol(metrics):
+    """uvicorn's HTTP protocol (httptools when installed, else h11, as its "auto" picks), which
+
+    - keeps the connection open when the client shuts only its sending side (TCP half-close) while its
+      request is being answered: a client that sent its whole upload and half-closed still gets the rest of
+      its NDJSON reply (uvicorn would close at once, cutting the call). A client that really hung up is
+      found by the next write (a reset), one frame later;
+    - counts a connection reset before any request on it was complete (stage "request")."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    class HTTPProtocol(Base):
+        half_closed = False
+
+        def eof_received(self):
+            if self.cycle is None or self.cycle.response_complete:
+                return None   # nothing in flight: close as uvicorn does
+            self.half_closed = True
+            return True       # keep the transport open for the reply
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.half_closed:
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            if exc is not None and self.cycle is None:
+                metrics.connection_resets.labels("request").inc()
+            super().connection_lost(exc)
+
+    return HTTPProtocol
+
+
+def websocket_protocol(metrics):
+    """uvicorn's sans-I/O websockets protocol, counting a connection reset after the upgrade request but
+    before the server accepted it (stage "upgrade")."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    class WebSocketProtocol(WebSocketsSansIOProtocol):
+        def connection_lost(self, exc) -> None:
+            if not self.handshake_complete:
+                metrics.connection_resets.labels("upgrade").inc()
+            super().connection_lost(exc)
+
+    return WebSocketProtocol
