@@ -416,15 +416,16 @@ def test_coalescing_bound_is_at_most_one_step(tiny, example_clip, last_step_s, a
     eng.stop()
 
 
-@pytest.mark.parametrize("quiet_ms", [0.0, 250.0])
-def test_calls_opening_together_share_their_first_step(tiny, example_clip, quiet_ms):
+@pytest.mark.parametrize("quiet_ms, admission_thread", [(0.0, False), (250.0, False), (250.0, True)])
+def test_calls_opening_together_share_their_first_step(tiny, example_clip, quiet_ms, admission_thread):
     """engine.open_quiet_ms: four calls open 100 ms apart, each sending its first frame as it opens (no
     rhythm yet). With a 250 ms quiet time the first step waits for the openings (bound 1 s) and takes all
-    four first frames; with 0 the first call's frame is stepped alone at once."""
+    four first frames; with 0 the first call's frame is stepped alone at once. With the admission thread the
+    four are admitted one after another there, and the first admitted holds its frame for the others."""
     import time
 
     frame = example_clip[:1280].numpy()
-    eng = _engine(tiny, max_calls=4, coalesce_ms=1000.0, open_quiet_ms=quiet_ms)
+    eng = _engine(tiny, max_calls=4, coalesce_ms=1000.0, open_quiet_ms=quiet_ms, admission_thread=admission_thread)
     eng.start()
     calls = []
     for _ in range(4):
@@ -679,6 +680,43 @@ def test_admission_thread_keeps_live_calls_stepping(tiny, example_clip, monkeypa
         frames = [e for e in events if isinstance(e, FrameEvent)]
         assert [f.text for f in frames] == inline.text_tokens.tolist()
         live.abort()
+    finally:
+        eng.stop()
+
+
+def test_a_call_ended_while_the_thread_admits_it_keeps_its_slot_until_then(tiny, monkeypatch):
+    """engine.admission_thread: a call aborted while the thread writes its slot's rows gives the slot back
+    only once the thread is done with it; given back at once, the next call could be admitted into the same
+    rows by the thread while the first admission still wrote them."""
+    import threading
+    import time
+
+    from nemo_duplex.serving import engine as engine_mod
+
+    admission, writing = engine_mod.admission, threading.Event()
+
+    def slow_admission(*args, **kwargs):
+        writing.set()
+        time.sleep(0.5)
+        yield from admission(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "admission", slow_admission)
+    eng = _engine(tiny, max_calls=1, prefix_cache_entries=0, admission_thread=True)
+    eng.start()
+    try:
+        ended = threading.Event()
+        a = eng.open_call(on_event=lambda ev: isinstance(ev, EndedEvent) and ended.set())
+        assert writing.wait(10)
+        a.abort("aborted", "hung up during admission")
+        assert ended.wait(10)                     # the call ends at once for its client ...
+        assert eng.slots.in_use == 1              # ... while its slot is still the thread's
+        with pytest.raises(EngineBusy):
+            eng.open_call()
+        deadline = time.monotonic() + 10
+        while eng.slots.in_use and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.slots.in_use == 0
+        eng.open_call().abort()
     finally:
         eng.stop()
 

@@ -251,9 +251,10 @@ class Engine:
             self._to_admit.clear()
         for call, (reason, message) in ending:
             self._end(call, reason, message)
+        cohort = Cohort() if self.admitter is not None else None   # the calls submitted in this tick
         for call in admitting:
             if not call.closed:
-                self._admit(call)
+                self._admit(call, cohort)
         if self.admitter is not None:
             self._take_admitted()
         else:
@@ -265,7 +266,7 @@ class Engine:
             calls = list(self._calls.values())
         now = time.monotonic()
         for call in calls:
-            if not call.admitted or call.closed:
+            if not call.admitted or call.closed or self._held_for_cohort(call, now):
                 continue
             last = call._text_due or call._speech_due   # the frame in flight that stepped last
             if call.frames_stepped >= self.max_frames and last is None and not call.input_ended:
@@ -309,7 +310,7 @@ class Engine:
                                 f"engine.max_prompt_tokens = {limit}")
         return ids
 
-    def _admit(self, call: Call) -> None:
+    def _admit(self, call: Call, cohort: "Cohort | None" = None) -> None:
         try:
             prompt_ids = self.prompt_ids(call.options.prompt)
         except Exception as e:
@@ -318,6 +319,8 @@ class Engine:
         pieces = admission(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
                            call.options.speaker, self.prefix_cache, self.cfg.prefill_chunk_tokens)
         if self.admitter is not None:
+            call.cohort, call.in_admission = cohort, True
+            cohort.pending += 1
             self.admitter.submit(call, pieces)
         else:
             self._admitting.append((call, pieces))
@@ -326,10 +329,23 @@ class Engine:
         """The admissions the admission thread finished: their calls step from this tick on."""
         while self.admitter.done:
             call, error = self.admitter.done.popleft()
-            if error is not None:
+            call.cohort.pending -= 1
+            call.cohort.last_done = time.monotonic()
+            call.in_admission = False
+            if call.closed:   # ended while the thread admitted it: its slot comes back only now (_end)
+                self.slots.give(call.slot)
+            elif error is not None:
                 self._end(call, "error", str(error))
-            elif not call.closed:
+            else:
                 call.admitted = True
+
+    def _held_for_cohort(self, call: Call, now: float) -> bool:
+        """With the admission thread: a call admitted together with others (the same tick) holds its first
+        frame until they are all admitted, so calls that open together share their first step as they do
+        on the engine thread; bounded by engine.coalesce_ms after the last of them came back."""
+        cohort = call.cohort
+        return (cohort is not None and call.frames_stepped == 0 and cohort.pending > 0
+                and now - cohort.last_done < self.cfg.coalesce_ms / 1e3)
 
     def _advance_admissions(self) -> None:
         """Run the admissions under way, oldest first: at most engine.admission_pieces_per_tick pieces (a
@@ -422,11 +438,21 @@ class Engine:
             if self._calls.pop(call.id, None) is None:
                 return
         call.closed = True
-        self.slots.give(call.slot)
+        if not call.in_admission:
+            self.slots.give(call.slot)
+        # else the admission thread may still be writing its rows: _take_admitted gives the slot back
         try:
             call.on_event(EndedEvent(call.id, reason, message))
         except Exception:
             traceback.print_exc()
+
+
+class Cohort:
+    """The calls the engine submitted to the admission thread in one tick."""
+
+    def __init__(self):
+        self.pending = 0
+        self.last_done = time.monotonic()
 
 
 class Admitter:
@@ -443,7 +469,7 @@ class Admitter:
         import queue
 
         self.engine = engine
-        self.device = engine.state.llm_len.device
+        self.device = engine.model.stt_model.embed_tokens.weight.device   # (as build_engine finds it)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.done: deque[tuple[Call, BaseException | None]] = deque()
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
