@@ -9,7 +9,6 @@ formats. Calls join and leave between ticks; a call's slot is returned when it e
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import threading
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from nemo_duplex.audio import to_pcm16
+from nemo_duplex.serving.admitter import Admitter, Cohort
 from nemo_duplex.serving.calls import (
     Call,
     CallOptions,
@@ -445,72 +445,6 @@ class Engine:
             call.on_event(EndedEvent(call.id, reason, message))
         except Exception:
             traceback.print_exc()
-
-
-class Cohort:
-    """The calls the engine submitted to the admission thread in one tick."""
-
-    def __init__(self):
-        self.pending = 0
-        self.last_done = time.monotonic()
-
-
-class Admitter:
-    """Admissions off the engine thread (engine.admission_thread): a worker thread runs each new call's
-    admission (prompt prefill, talker warm-up) whole, on CUDA on a stream of its own, while the engine thread
-    steps the live calls; a finished call joins the next step. The slot being admitted is in no step's batch
-    until then, and its previous call's last step finished before its place was given back (a step ends
-    with its outputs on the host), so the two threads never touch the same rows. The admission's kernels
-    start after the engine stream's work queued when it was submitted, and the call is handed back only once
-    they are done. Host time of a 500-token admission on the H200 is ~0.2-0.3 s (docs/performance.md):
-    on the engine thread it stalled every live call that long."""
-
-    def __init__(self, engine: Engine):
-        import queue
-
-        self.engine = engine
-        self.device = engine.model.stt_model.embed_tokens.weight.device   # (as build_engine finds it)
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.done: deque[tuple[Call, BaseException | None]] = deque()
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="admission", daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        if self.thread is not None:
-            self.jobs.put(None)
-            self.thread.join(timeout=30)
-
-    def submit(self, call: Call, pieces: Iterator) -> None:
-        after = None
-        if self.stream is not None:
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
-        self.jobs.put((call, pieces, after))
-
-    def _run(self) -> None:
-        if self.stream is not None:
-            torch.cuda.set_device(self.device)
-        while (job := self.jobs.get()) is not None:
-            call, pieces, after = job
-            error = None
-            if not call.closed:
-                try:
-                    with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
-                                           else contextlib.nullcontext()):
-                        if after is not None:
-                            self.stream.wait_event(after)
-                        for _ in pieces:
-                            pass
-                    if self.stream is not None:
-                        self.stream.synchronize()
-                except Exception as e:  # noqa: BLE001 - the call ends with it; the thread goes on
-                    error = e
-            self.done.append((call, error))
-            self.engine._wake()
 
 
 class EngineStats:
