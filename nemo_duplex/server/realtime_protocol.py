@@ -10,6 +10,9 @@ frame's audio packet; the model's EOS on the text channel ends it and the next f
 (the continuous-response convention of SGLang-Omni, LANDSCAPE 2.3); a BOS after text also starts a new
 one. `response.cancel` fences the rest of the current agent turn: its audio and text are dropped until
 the model's next turn boundary, while the call (input and model state) goes on.
+
+One file past 500 lines on purpose: every Realtime event name, field and shape the server reads or writes is
+here, in the order of docs/protocol.md's tables, so the two can be read side by side.
 """
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ moved (the minimum a kernel must read + write), GB/s, and the max error against 
 
 Writes DIR/bench_ops.md (tables) and DIR/bench_ops.json. `--sweep` also tries block sizes / warps /
 loop forms of the decode-attention and fp32-linear kernels (what picked their defaults).
+
+One file past 500 lines on purpose: a developer probe with one section per kernel, each a few lines of
+shapes, reference and launch; split, they would only be harder to run and compare.
 """
 from __future__ import annotations
 
