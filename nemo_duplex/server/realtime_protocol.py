@@ -12,7 +12,7 @@ one. `response.cancel` fences the rest of the current agent turn: its audio and 
 the model's next turn boundary, while the call (input and model state) goes on.
 
 One file past 500 lines on purpose: every Realtime event name, field and shape the server reads or writes is
-here, in the order of docs/protocol.md's tables, so the two can be read side by side.
+here, so the protocol reads in one place beside docs/protocol.md.
 """
 from __future__ import annotations
 
