@@ -100,6 +100,8 @@ def _teacher_forced(st, eager_step, graph_step, chunks, check_int_state: bool):
 @torch.no_grad()
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_graphs_match_eager_teacher_forced(tiny, example_clip, compiler):
+    """Both compilers over 80 frames of 2 calls (one with a prompt): past the encoder's 70-frame left
+    context and the talker's 48-position window."""
     model, tok, *_ = tiny
     st = allocate_call_state(model, 2, FRAMES + 4, torch.device("cpu"), max_prompt_tokens=16)
     admit(model, st, 0, None, 3, SamplingParams())
@@ -116,9 +118,7 @@ def test_graphs_match_eager_teacher_forced(tiny, example_clip, compiler):
         return type(out)(**{k: v[:2] for k, v in out.__dict__.items()})
     n = 1280
     audio = torch.cat([example_clip, example_clip.flip(0), example_clip])  # 222 frames
-    # Inductor's C++ step is built once (~2 min), then each frame costs about what aot_eager's does: 80 frames
-    # (past the encoder's 70-frame left context and the talker's 48-position window) where aot_eager runs 200
-    frames = FRAMES if compiler == "aot_eager" else 80
+    frames = 80
     chunks = (torch.stack([audio[t * n: (t + 1) * n], audio[(t + 7) * n: (t + 8) * n]]) for t in range(frames))
     worst, flips = _teacher_forced(st, lambda chunk: eager(slots, chunk, forced),
                                    lambda chunk: graphs(slots, chunk, forced), chunks, check_int_state=True)
