@@ -5,9 +5,9 @@ running inside a Ray Serve replica with one GPU (`num_gpus=1`; on the CPU, none)
 route on serve.host:serve.port and hands each request, a WebSocket for the whole life of its call, to one
 replica; the call's state never leaves that replica's device.
 
-- Routing (server/routing.py, `MostFreePlaces`): every live replica is a candidate and the one with the fewest requests in
-  flight takes the call. Every replica has the same engine.max_calls, so that is the one with the most free
-  places. Serve's own limit (`max_ongoing_requests`) sits above serve.max_connections, so Serve never
+- Routing (server/routing.py, `MostFreePlaces`): every live replica is a candidate and the one with the
+  fewest requests in flight takes the call. Every replica has the same engine.max_calls, so that is the one
+  with the most free places. Serve's own limit (`max_ongoing_requests`) sits above serve.max_connections, so Serve never
   queues a call: a full replica refuses it with `busy` itself, and it is only chosen when all are full.
 - /health and /metrics speak for the whole deployment (`Registry`): each replica reports its readiness and
   its Prometheus text every second; /health is 200 when every replica is ready, /metrics is every replica's
@@ -147,7 +147,8 @@ def registry_class():
             now = time.monotonic()
             self.reports = {r: (t, rep) for r, (t, rep) in self.reports.items() if now - t < FORGET_AFTER_S}
             return {"expected": self.expected,
-                    "replicas": {r: {**rep, "fresh": now - t < STALE_AFTER_S} for r, (t, rep) in self.reports.items()}}
+                    "replicas": {r: {**rep, "fresh": now - t < STALE_AFTER_S}
+                                 for r, (t, rep) in self.reports.items()}}
 
     return Registry
 
@@ -307,7 +308,8 @@ def run(cfg, overrides: list[str]) -> None:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": path, "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}
     os.environ.update(env)
-    ray.init(address=scfg.ray_address or "local", namespace=APP_NAME, include_dashboard=False, runtime_env={"env_vars": env})
+    ray.init(address=scfg.ray_address or "local", namespace=APP_NAME, include_dashboard=False,
+             runtime_env={"env_vars": env})
     serve.start(http_options=HTTPOptions(host=scfg.host, port=int(scfg.port)))
     registry = registry_class().options(name=REGISTRY, namespace=APP_NAME).remote(n)
     max_connections = scfg.max_connections if scfg.max_connections is not None else cfg.engine.max_calls + 16

@@ -126,7 +126,7 @@ class Call:
         self._text_due: InFlight | None = None
         self._speech_due: InFlight | None = None
         self.admitted = False
-        self.cohort = None        # engine.admission_thread: the calls admitted with it (engine.Cohort)
+        self.cohort = None        # engine.admission_thread: the calls admitted with it (admitter.Cohort)
         self.in_admission = False  # ... and while the thread admits it (its slot is the thread's)
         self.opened_at = time.monotonic()   # its rhythm's phase until its first frame (opened_together)
 
