@@ -14,7 +14,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 # what only the extras (and the tests) install
-OPTIONAL = ("wandb", "soundfile", "jiwer", "pocketsphinx", "matplotlib", "transformers", "openai", "pytest")
+OPTIONAL = ("wandb", "soundfile", "jiwer", "pocketsphinx", "matplotlib", "transformers", "openai", "pytest", "ray")
 
 RUN_WITHOUT = """
 import runpy, sys
@@ -40,7 +40,16 @@ def test_the_extras_hold_what_the_evaluation_imports():
     for name in ("wandb", "soundfile", "jiwer", "pocketsphinx", "matplotlib"):
         assert name in " ".join(extras["eval"]) and name not in base, name
     assert {"matplotlib", "wandb"} <= set(extras["bench"])
-    assert "nemo-duplex[eval,bench]" in extras["dev"]
+    assert any(d.startswith("ray[serve]") for d in extras["cluster"]) and "ray" not in base
+    assert "nemo-duplex[eval,bench,cluster]" in extras["dev"]
+
+
+def test_replicas_without_ray_name_the_extra(tmp_path):
+    """serve.replicas > 1 needs Ray Serve (the `cluster` extra): without it the refusal says how to get it."""
+    done = subprocess.run(without_extras("scripts/serve.py", "serve.replicas=2", f"hydra.run.dir={tmp_path}"),
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "pip install -e '.[cluster]'" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
 
 
 def test_the_main_command_runs_without_the_extras(tmp_path):

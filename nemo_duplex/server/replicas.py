@@ -300,9 +300,13 @@ def run(cfg, overrides: list[str]) -> None:
     # (An embedded checkpoint is generated here once, not by every replica.)
     check_replicas_fit(cfg, runtime.resolve_model(cfg, overrides), n)
 
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions, RequestRouterConfig
+    try:
+        import ray
+        from ray import serve
+        from ray.serve.config import HTTPOptions, RequestRouterConfig
+    except ImportError as e:
+        raise runtime.SettingsError(f"serve.replicas={n} runs on Ray Serve, which is not installed here ({e}): "
+                                    "pip install -e '.[cluster]'") from None
 
     # the proxy and the replicas import this package; a local cluster's processes inherit this environment
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
