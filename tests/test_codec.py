@@ -50,20 +50,15 @@ def _spec_keys() -> dict[str, tuple[int, ...]]:
                      f"{prefix}.pwconv1.weight": (4 * d, d, 1), f"{prefix}.pwconv1.bias": (4 * d,),
                      f"{prefix}.pwconv2.weight": (d, 4 * d, 1), f"{prefix}.pwconv2.bias": (d,)})
 
-    keys["encoder.layers.0.weight"] = (384, 18, 1)
-    keys["encoder.layers.4.weight"] = (768, 384, 7)
-    keys["encoder.layers.8.weight"] = (1536, 768, 7)
-    keys["encoder.layers.12.weight"] = (512, 1536, 9)
-    for first, d in ((1, 384), (5, 768), (9, 1536)):
-        for i in range(first, first + 3):
-            convnext(f"encoder.layers.{i}", d)
-    keys["decoder.layers.0.weight"] = (512, 1536, 9)
-    keys["decoder.layers.4.weight"] = (1536, 768, 7)
-    keys["decoder.layers.8.weight"] = (768, 384, 7)
-    keys["decoder.layers.12.weight"] = (18, 384, 1)
-    for first, d in ((1, 1536), (5, 768), (9, 384)):
-        for i in range(first, first + 3):
-            convnext(f"decoder.layers.{i}", d)
+    # layers 0, 4, 8, 12: the convs between stages; 1-3, 5-7, 9-11: each stage's three ConvNeXt blocks
+    for side, convs, widths in (
+            ("encoder", [(384, 18, 1), (768, 384, 7), (1536, 768, 7), (512, 1536, 9)], (384, 768, 1536)),
+            ("decoder", [(512, 1536, 9), (1536, 768, 7), (768, 384, 7), (18, 384, 1)], (1536, 768, 384))):
+        for layer, shape in zip((0, 4, 8, 12), convs):
+            keys[f"{side}.layers.{layer}.weight"] = shape
+        for first, d in zip((1, 5, 9), widths):
+            for i in range(first, first + 3):
+                convnext(f"{side}.layers.{i}", d)
     for i in range(31):
         keys[f"prvq.mus_list.{i}"] = (1024, 512)
         keys[f"prvq._variance_list.{i}.variance"] = ()
