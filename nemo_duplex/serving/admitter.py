@@ -28,7 +28,8 @@ class Admitter:
     admission (prompt prefill, talker warm-up) whole, on CUDA on a stream of its own, while the engine thread
     steps the live calls; a finished call joins the next step. The slot being admitted is in no step's batch
     until then, and its previous call's last step finished before its place was given back (a step ends
-    with its outputs on the host), so the two threads never touch the same rows. The admission's kernels
+    with its outputs on the host), and a call that ends while here keeps its slot until the thread is done
+    with it (Engine._end), so the two threads never touch the same rows. The admission's kernels
     start after the engine stream's work queued when it was submitted, and the call is handed back only once
     they are done. Host time of a 500-token admission on the H200 is ~0.2-0.3 s (docs/performance.md):
     on the engine thread it stalled every live call that long."""
