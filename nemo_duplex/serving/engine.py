@@ -251,7 +251,7 @@ class Engine:
             self._to_admit.clear()
         for call, (reason, message) in ending:
             self._end(call, reason, message)
-        cohort = Cohort() if self.admitter is not None else None   # the calls submitted in this tick
+        cohort = Cohort() if self.admitter is not None and admitting else None   # the calls submitted now
         for call in admitting:
             if not call.closed:
                 self._admit(call, cohort)
@@ -269,15 +269,14 @@ class Engine:
             if not call.admitted or call.closed or self._held_for_cohort(call, now):
                 continue
             last = call._text_due or call._speech_due   # the frame in flight that stepped last
-            if call.frames_stepped >= self.max_frames and last is None and not call.input_ended:
-                # at the limit, the call ends with "limit" only once audio past it arrives: input of
-                # exactly max_call_s whose end-of-input is still on its way completes normally
+            if call.frames_stepped >= self.max_frames and last is None:
+                # at the limit, the call ends with "limit" only once audio past it arrives; input of exactly
+                # max_call_s completes, also when its end-of-input is still on its way (it waits for it)
                 if call.has_pending_audio:
                     self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
-                continue
-            if call.frames_stepped >= self.max_frames and last is None and call.pending_frames:
-                self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
-                continue
+                    continue
+                if not call.input_ended:
+                    continue
             item = call._take_frame() if call.frames_stepped < self.max_frames else None
             if item is not None:
                 batch.append((call, *item))
