@@ -124,8 +124,6 @@ class Server:
     async def lifespan(self, app):
         # capture and warm-up run in the background: the port answers at once, /health says 503 until done
         self._tasks = [asyncio.create_task(self._start_engine()), asyncio.create_task(self._sample_metrics())]
-        if self.cluster is not None:
-            self._tasks.append(asyncio.create_task(self.cluster.report_forever(self)))
         try:
             yield
         finally:
@@ -192,6 +190,8 @@ class Server:
     async def _sample_metrics(self) -> None:
         while True:
             self.metrics.sample_engine(self.engine, len(self.sessions))
+            if self.cluster is not None:   # a Ray Serve replica: what the deployment's /health and /metrics show
+                await self.cluster.report(self)
             await asyncio.sleep(1.0)
 
     def healthy(self) -> bool:
@@ -232,8 +232,11 @@ class Server:
     async def prometheus(self, request: Request) -> Response:
         if (refused := self._refused(request.headers, "http")) is not None:
             return refused
-        self.metrics.sample_engine(self.engine, len(self.sessions))
-        text = self.metrics.render() if self.cluster is None else await self.cluster.metrics()
+        if self.cluster is not None:
+            text = await self.cluster.metrics()
+        else:
+            self.metrics.sample_engine(self.engine, len(self.sessions))
+            text = self.metrics.render()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _refuse_ws(self, socket: Socket, refusal: Refusal, realtime: bool) -> None:

@@ -19,7 +19,6 @@ replica; the call's state never leaves that replica's device.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -36,8 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 APP_NAME = "nemo_duplex"
 REGISTRY = "nemo_duplex_registry"
 PROXY_CALLBACK = "nemo_duplex.server.replicas.proxy_middlewares"
-REPORT_EVERY_S = 1.0
-STALE_AFTER_S = 3.0          # a replica not heard from for this long is not ready (dead or stuck)
+STALE_AFTER_S = 3.0          # a replica not heard from for this long is not ready (dead or stuck; it reports each second)
 FORGET_AFTER_S = 60.0        # ... and after this long it is no longer listed (Serve replaces a dead replica)
 CALL_ROUTES = ("/v1/realtime", "/generate/ws")
 UPLOAD_ROUTE = "/generate"
@@ -213,17 +211,16 @@ class ReplicaCluster:
         self.replica = replica
         self.registry = ray.get_actor(REGISTRY, namespace=APP_NAME)
 
-    async def report_forever(self, server) -> None:
-        while True:
-            server.metrics.sample_engine(server.engine, len(server.sessions))
-            report = {"ready": server.healthy(), "active_calls": server.engine.active_calls,
-                      "sessions": len(server.sessions), "max_calls": server.max_calls, "pid": os.getpid(),
-                      "metrics": server.metrics.render().decode()}
-            try:
-                await self.registry.report.remote(self.replica, report)
-            except Exception:   # the registry is gone: the deployment is stopping
-                log.warning("replica %s: the registry did not take the report", self.replica)
-            await asyncio.sleep(REPORT_EVERY_S)
+    async def report(self, server) -> None:
+        """This replica's readiness and metrics (just sampled), to the registry: Server._sample_metrics calls it
+        every second."""
+        report = {"ready": server.healthy(), "active_calls": server.engine.active_calls,
+                  "sessions": len(server.sessions), "max_calls": server.max_calls, "pid": os.getpid(),
+                  "metrics": server.metrics.render().decode()}
+        try:
+            await self.registry.report.remote(self.replica, report)
+        except Exception:   # the registry is gone: the deployment is stopping
+            log.warning("replica %s: the registry did not take the report", self.replica)
 
     async def health(self) -> tuple[dict, int]:
         return deployment_health(await self.registry.snapshot.remote())
