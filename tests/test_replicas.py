@@ -5,7 +5,6 @@ middleware and aggregation tests need no Ray."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import signal
@@ -19,12 +18,10 @@ import numpy as np
 import pytest
 
 from nemo_duplex.server.replicas import ReplicaGone, deployment_health, deployment_metrics, label_metrics
-from tests.server_support import free_port, tone
+from tests.server_support import NATIVE, b64, frames_of, free_port, tone
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAME_IN = 1280
-NATIVE = {"input_audio_format": {"type": "audio/pcm", "rate": 16000},
-          "output_audio_format": {"type": "audio/pcm", "rate": 22050}}
 
 
 # ---- without Ray ------------------------------------------------------------------------------------------
@@ -226,21 +223,19 @@ class Caller:
             pass
 
     async def say(self, audio: np.ndarray):
-        pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
-        for i in range(0, len(pcm), 2 * FRAME_IN):
-            await self.ws.send(json.dumps({"type": "input_audio_buffer.append",
-                                           "audio": base64.b64encode(pcm[i:i + 2 * FRAME_IN]).decode()}))
+        for i in range(0, audio.size, FRAME_IN):
+            await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(audio[i:i + FRAME_IN])}))
 
     async def finish(self, timeout: float = 60):
         await self.ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
         await asyncio.wait_for(self.reader, timeout)
         return self.ws.close_code
 
-    def codes(self, kind="error"):
-        return [e["error"]["code"] for e in self.events if e["type"] == kind]
+    def codes(self):
+        return [e["error"]["code"] for e in self.events if e["type"] == "error"]
 
     def frames(self) -> int:
-        return sum(1 for e in self.events if e["type"] == "response.output_audio.delta")
+        return len(frames_of(self.events))
 
 
 def test_health_and_metrics_speak_for_both_replicas(deployment):
