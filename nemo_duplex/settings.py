@@ -28,7 +28,10 @@ class EngineConfig:
     max_call_s: float = 160.0          # a call past this many seconds of input ends with reason "limit"
     max_pending_s: float = 30.0        # input received but not yet stepped, per call
     max_prompt_tokens: int = 512
-    prefix_cache_entries: int = 8      # admissions cached by (prompt, speaker); 0 turns the cache off
+    # admissions cached by (prompt, speaker), in MiB (state.PrefixCache; 0 turns the cache off): at full size
+    # an entry is 146-154 MiB (the fp32 SSM state, plus its prompt's KV: no prompt to 512 tokens), so
+    # 1280 MiB hold 8 prompts of 512 tokens
+    prefix_cache_mib: int = 1280
     # A new call's admission (its prompt's prefill, then the talker warm-up: ~0.2-0.3 s of host time at
     # 500 tokens on the H200) runs on the engine thread between steps, in pieces: prompts prefilled
     # prefill_chunk_tokens at a time (0: whole), at most admission_pieces_per_tick pieces between two steps

@@ -1,5 +1,7 @@
 """The batched engine: live == upload == offline, batch invariance, slot hygiene, prefix cache,
 tool-result injection, limits. Tiny model, CPU, fp32."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -141,15 +143,16 @@ def test_prefix_cache_copy_equals_fresh_admission(tiny, example_clip):
     drive(cached, clip_plans([clip], prompt="Say hello.", seed=2))                  # seen twice: now cached
     assert cached.prefix_cache.hits == 0 and len(cached.prefix_cache._entries) == 1
     third = drive(cached, clip_plans([clip], prompt="Say hello.", seed=2))[0]   # admitted from the cache
-    uncached = drive(_engine(tiny, prefix_cache_entries=0), clip_plans([clip], prompt="Say hello.", seed=2))[0]
+    uncached = drive(_engine(tiny, prefix_cache_mib=0), clip_plans([clip], prompt="Say hello.", seed=2))[0]
     assert cached.prefix_cache.hits == 1
     for r in (third, uncached):
         assert torch.equal(r.text_tokens, first.text_tokens) and torch.equal(r.codes, first.codes)
 
 
 def test_fresh_prompts_do_not_flush_the_prefix_cache(tiny, example_clip):
-    """A shared prompt cached, then 20 calls each with a prompt of its own (more than the 8 entries): the
-    shared prompt is still a hit after them, and none of the fresh ones took an entry."""
+    """A shared prompt cached, then 20 calls each with a prompt of its own: the shared prompt is still a hit
+    after them, and none of the fresh ones took an entry (the doorkeeper: a prompt enters on its second
+    admission)."""
     clip = example_clip[: 1280 * 2]
     eng = _engine(tiny)
     for _ in range(2):
@@ -171,10 +174,10 @@ def test_chunked_admission_equals_whole_and_never_stalls_live_calls(tiny, exampl
     prompt = "You are a helpful assistant who answers briefly and kindly. " * 3
     assert model.prompt_ids(tok, prompt).numel() > 40
     clip = example_clip[: 1280 * 12]
-    whole = drive(_engine(tiny, prefill_chunk_tokens=0, prefix_cache_entries=0, pipeline=pipeline),
+    whole = drive(_engine(tiny, prefill_chunk_tokens=0, prefix_cache_mib=0, pipeline=pipeline),
                   clip_plans([clip], prompt=prompt, seed=3))[0]
 
-    eng = _engine(tiny, prefill_chunk_tokens=4, admission_pieces_per_tick=2, prefix_cache_entries=0,
+    eng = _engine(tiny, prefill_chunk_tokens=4, admission_pieces_per_tick=2, prefix_cache_mib=0,
                   pipeline=pipeline)
     trace = []
     prefill, step_to_host = model.llm.prefill, eng.step_runner.step_to_host
@@ -321,7 +324,6 @@ def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip)
     """A CUDA error poisons the process's context, so the engine thread ends every call with the reason
     and stops (/health then says engine_down); later calls are refused with engine_down, not failed one
     by one. Any other exception only ends the calls of that step (the engine keeps serving)."""
-    import time
 
     from nemo_duplex.serving.calls import EngineDown
 
@@ -361,7 +363,6 @@ def _two_paced_calls(eng, frame, gap_s, last_step_s=1.0):
     coalescing bound is at most that; the tiny model's CPU steps take a few ms). Returns (a, b, stepped,
     batch sizes from the second frames on as a callable): stepped(n) waits until n frames have been
     stepped."""
-    import time
 
     eng.start()
     a, b = eng.open_call(), eng.open_call()
@@ -389,7 +390,6 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
     """engine.coalesce_ms: a frame waits (bounded) for the frames of live calls that are due, so two
     calls whose frames arrive 50 ms apart share one step; a call whose partner sends nothing more is
     stepped after the bound, never held forever."""
-    import time
 
     frame = example_clip[:1280].numpy()
     eng = _engine(tiny, max_calls=2, coalesce_ms=400.0)
@@ -422,7 +422,6 @@ def test_calls_opening_together_share_their_first_step(tiny, example_clip, quiet
     rhythm yet). With a 250 ms quiet time the first step waits for the openings (bound 1 s) and takes all
     four first frames; with 0 the first call's frame is stepped alone at once. With the admission thread the
     four are admitted one after another there, and the first admitted holds its frame for the others."""
-    import time
 
     frame = example_clip[:1280].numpy()
     eng = _engine(tiny, max_calls=4, coalesce_ms=1000.0, open_quiet_ms=quiet_ms, admission_thread=admission_thread)
@@ -449,7 +448,6 @@ def test_calls_opened_together_share_their_first_step(tiny, example_clip, open_g
     40 ms apart (no rhythm yet). Opened together, the first step waits for them (bound 200 ms) and takes
     all four; opened 300 ms apart (past the bound), or with engine.wait_opened_together off, the first
     call's frame is stepped alone at once."""
-    import time
 
     frame = example_clip[:1280].numpy()
     eng = _engine(tiny, max_calls=4, coalesce_ms=200.0, open_quiet_ms=0.0, wait_opened_together=wait)
@@ -553,7 +551,6 @@ def test_duty_hold_waits_for_idle_calls_within_its_bounds(tiny, example_clip):
     as soon as b's frame arrives (every live call has one: nothing more to wait for); the cap bounds it
     by a's frame's age; with max_duty 0 there is no wait."""
     import threading
-    import time
 
     frame = example_clip[:1280].numpy()
 
@@ -580,7 +577,6 @@ def test_duty_hold_waits_for_idle_calls_within_its_bounds(tiny, example_clip):
 def test_engine_survives_a_failing_coalesce(tiny, example_clip, monkeypatch):
     """A bug in the coalescing rule costs that step its wait, not the engine thread: the call is still
     stepped and completes."""
-    import time
 
     eng = _engine(tiny, max_calls=1, coalesce_ms=15.0)
     broken = {"n": 0}
@@ -639,13 +635,12 @@ def test_admission_thread_keeps_live_calls_stepping(tiny, example_clip, monkeypa
     0.6 s (slowed here) does not hold the live call, which is stepped all the while; the admitted call then
     gives the tokens of the same call admitted inline (serving/drive.py)."""
     import threading
-    import time
 
     from nemo_duplex.serving import engine as engine_mod
 
     model, tok, *_ = tiny
     clip = example_clip[: 1280 * 10]
-    inline = drive(_engine(tiny, prefix_cache_entries=0), clip_plans([clip], prompt="Be brief.", seed=3))[0]
+    inline = drive(_engine(tiny, prefix_cache_mib=0), clip_plans([clip], prompt="Be brief.", seed=3))[0]
 
     admission = engine_mod.admission
 
@@ -654,7 +649,7 @@ def test_admission_thread_keeps_live_calls_stepping(tiny, example_clip, monkeypa
         yield from admission(*args, **kwargs)
 
     monkeypatch.setattr(engine_mod, "admission", slow_admission)
-    eng = _engine(tiny, prefix_cache_entries=0, admission_thread=True)
+    eng = _engine(tiny, prefix_cache_mib=0, admission_thread=True)
     eng.start()
     try:
         live_frames = []
@@ -689,7 +684,6 @@ def test_a_call_ended_while_the_thread_admits_it_keeps_its_slot_until_then(tiny,
     only once the thread is done with it; given back at once, the next call could be admitted into the same
     rows by the thread while the first admission still wrote them."""
     import threading
-    import time
 
     from nemo_duplex.serving import engine as engine_mod
 
@@ -701,7 +695,7 @@ def test_a_call_ended_while_the_thread_admits_it_keeps_its_slot_until_then(tiny,
         yield from admission(*args, **kwargs)
 
     monkeypatch.setattr(engine_mod, "admission", slow_admission)
-    eng = _engine(tiny, max_calls=1, prefix_cache_entries=0, admission_thread=True)
+    eng = _engine(tiny, max_calls=1, prefix_cache_mib=0, admission_thread=True)
     eng.start()
     try:
         ended = threading.Event()
@@ -725,3 +719,58 @@ def test_a_call_ended_while_the_thread_admits_it_keeps_its_slot_until_then(tiny,
 def test_admission_settings_that_could_never_admit_are_refused(tiny, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         _engine(tiny, **bad)
+
+
+@pytest.mark.gpu
+def test_admission_thread_on_cuda_equals_inline_admission(tiny, example_clip):
+    """On CUDA the admission thread prefills on a low-priority stream of its own while the engine thread
+    replays the captured steps on a high-priority one (Engine._step_stream). A missed ordering between them
+    (a step reading a slot before its admission's kernels are done, an admission writing rows a step still
+    reads) would show as tokens or codes that differ from the same calls admitted inline: 2 live calls, then
+    4 calls with prompts of their own opened while they are stepped; one capture bucket (8 rows) on both
+    sides, so every row runs the same kernels whatever shares its step; fp32 tiny model, bit for bit."""
+    import copy
+    import threading
+
+    model = copy.deepcopy(tiny[0]).to("cuda")
+    tok = tiny[1]
+    clips = _clips(example_clip, 6, 16, seed=4)
+    prompts = [None, None] + [f"Answer in {w} words." for w in ("two", "three", "four", "five")]
+    kw = dict(max_calls=8, max_call_s=20.0, capture_buckets=[8], graphs=True, prefix_cache_mib=0)
+    inline = build_engine(model, tok, EngineConfig(**kw))
+    want = [drive(inline, clip_plans([c], prompt=p, seed=10 + i))[0] for i, (c, p) in enumerate(zip(clips, prompts))]
+    del inline
+
+    eng = build_engine(model, tok, EngineConfig(**kw, admission_thread=True))
+    eng.start()
+    try:
+        events = [[] for _ in clips]
+        done = [threading.Event() for _ in clips]
+
+        def listener(i):
+            def on_event(ev):
+                events[i].append(ev)
+                if isinstance(ev, EndedEvent):
+                    done[i].set()
+            return on_event
+        calls = [eng.open_call(CallOptions(prompt=prompts[i], seed=10 + i), on_event=listener(i)) for i in (0, 1)]
+        for k in range(16):
+            for c, clip in zip(calls, clips[:2]):
+                c.append(clip[1280 * k: 1280 * (k + 1)].numpy())
+            if k == 4:   # the live calls are being stepped: the others open now, their audio whole
+                for i in range(2, 6):
+                    c = eng.open_call(CallOptions(prompt=prompts[i], seed=10 + i), on_event=listener(i))
+                    c.append(clips[i].numpy())
+                    c.end_input()
+            time.sleep(0.02)
+        for c in calls:
+            c.end_input()
+        assert all(d.wait(60) for d in done)
+    finally:
+        eng.stop()
+    for i, evs in enumerate(events):
+        ended = [e for e in evs if isinstance(e, EndedEvent)]
+        assert [e.reason for e in ended] == ["completed"], (i, ended)
+        frames = [e for e in evs if isinstance(e, FrameEvent)]
+        assert [f.text for f in frames] == want[i].text_tokens.tolist(), i
+        assert torch.equal(torch.from_numpy(np.stack([f.codes for f in frames])), want[i].codes), i

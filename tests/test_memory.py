@@ -201,12 +201,40 @@ def test_an_app_refuses_a_model_that_does_not_fit_the_cpu_before_allocating(tmp_
     assert "20.00 GiB" in out and "memory.device_gib" in out, out
 
 
-def test_prefix_cache_bytes_match_a_snapshot():
-    from nemo_duplex.serving.memory import prefix_cache_bytes
+def test_prefix_entry_bytes_match_a_snapshot():
+    from nemo_duplex.serving.memory import prefix_entry_bytes
     from nemo_duplex.serving.state import PrefixCache
 
     cfg = tiny_config()
     model = VoiceChat(cfg).cast_for_inference()
     st = allocate_call_state(model, 2, frames_per_call(cfg, 1.0), torch.device("cpu"), 16)
     snap = PrefixCache.snapshot(st, 0, 16, cfg.prompt_frames)
-    assert prefix_cache_bytes(cfg, 3, 16) == 3 * sum(t.numel() * t.element_size() for t in snap.values())
+    assert prefix_entry_bytes(cfg, 16) == sum(t.numel() * t.element_size() for t in snap.values())
+    assert PrefixCache.entry_bytes(snap) == prefix_entry_bytes(cfg, 16)
+
+
+def test_prefix_cache_is_bounded_in_bytes_not_entries():
+    """engine.prefix_cache_mib: a long prompt's entry takes the room of several short ones (least recently
+    used out first), the bytes held never exceed the bound, and an entry larger than the bound is not kept."""
+    from nemo_duplex.serving.state import PrefixCache
+
+    def snap(tokens: int) -> dict:   # an entry's shape: a fixed state plus the prompt's K/V (1 KiB a token)
+        return {"ssm": torch.zeros(1024, dtype=torch.uint8), "k": torch.zeros(tokens, 512, dtype=torch.uint8),
+                "v": torch.zeros(tokens, 512, dtype=torch.uint8)}
+
+    short, long = PrefixCache.entry_bytes(snap(4)), PrefixCache.entry_bytes(snap(40))
+    assert (short, long) == (5 * 1024, 41 * 1024)
+    cache = PrefixCache(max_bytes=4 * short)
+    for key in "abcd":
+        cache.put((key,), snap(4))
+    assert len(cache._entries) == 4 and cache.bytes == 4 * short
+    assert cache.get(("a",)) is not None                 # a is now the most recently used
+    cache.put(("big",), snap(40))                        # larger than the bound: not kept, nothing evicted
+    assert cache.bytes == 4 * short and cache.get(("big",)) is None
+    cache.put(("mid",), snap(12))                        # 13 KiB: needs the room of three short entries
+    assert set(cache._entries) == {("a",), ("mid",)}     # b, c, d (least recently used) made room
+    assert cache.bytes == short + 13 * 1024 <= cache.max_bytes
+    cache.put(("mid",), snap(4))                         # the same key again replaces its entry
+    assert cache.bytes == 2 * short and len(cache._entries) == 2
+    off = PrefixCache(max_bytes=0)
+    assert not off.wants(("a",)) and not off.wants(("a",))

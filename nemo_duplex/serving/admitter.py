@@ -41,7 +41,8 @@ class Admitter:
         self.device = engine.model.stt_model.embed_tokens.weight.device   # (as build_engine finds it)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.done: deque[tuple[Call, BaseException | None]] = deque()
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # the lowest priority (0); the engine thread steps on the highest (Engine._step_stream)
+        self.stream = torch.cuda.Stream(self.device, priority=0) if self.device.type == "cuda" else None
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:

@@ -9,6 +9,7 @@ formats. Calls join and leave between ticks; a call's slot is returned when it e
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -97,7 +98,7 @@ class Engine:
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)
         self.stats = EngineStats()
-        self.prefix_cache = PrefixCache(self.cfg.prefix_cache_entries)
+        self.prefix_cache = PrefixCache(self.cfg.prefix_cache_mib * 2**20)
         self._last_step: tuple[float, float] | None = None  # (monotonic start, seconds) of the last step
         self._last_open: float | None = None  # monotonic time of the last open_call (engine.open_quiet_ms)
         self.longest_token = max(len(t) for t in tokenizer.token_strings())   # characters (prompt_ids)
@@ -222,6 +223,18 @@ class Engine:
             now = time.monotonic()
 
     def _run(self) -> None:
+        with self._step_stream():
+            self._loop()
+
+    def _step_stream(self):
+        """With the admission thread on CUDA, the engine thread steps on a stream of the highest priority
+        (the admission's has the lowest): when both have kernels waiting, the GPU's block scheduler starts
+        the step's first, so an admission's prefill fills only what the live calls' steps leave idle."""
+        if self.admitter is None or self.admitter.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.Stream(self.admitter.device, priority=-100))   # clamped to the highest
+
+    def _loop(self) -> None:
         while self._running:
             try:
                 self._coalesce()

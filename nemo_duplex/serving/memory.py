@@ -99,12 +99,12 @@ def bytes_per_call(cfg: ModelConfig, max_call_s: float, max_prompt_tokens: int =
                      scalars)
 
 
-def prefix_cache_bytes(cfg: ModelConfig, entries: int, max_prompt_tokens: int = 512) -> int:
-    """The engine's prefix cache (state.PrefixCache) at its fullest: per entry the Mamba states after the
-    prompt, the prompt's LLM K/V (at most max_prompt_tokens) and the talker K/V of the speaker warm-up."""
-    llm_only = bytes_per_call(cfg, 0.0, max_prompt_tokens)
+def prefix_entry_bytes(cfg: ModelConfig, prompt_tokens: int = 512) -> int:
+    """One entry of the engine's prefix cache (state.PrefixCache, sized in bytes by engine.prefix_cache_mib):
+    the Mamba states after the prompt, the prompt's LLM K/V and the talker K/V of the speaker warm-up."""
+    llm_only = bytes_per_call(cfg, 0.0, prompt_tokens)
     talker_warmup = bytes_per_call(cfg, 0.0, 0).talker_kv   # prompt_frames positions, both streams
-    return entries * (llm_only.mamba_ssm + llm_only.mamba_conv + llm_only.llm_kv + talker_warmup)
+    return llm_only.mamba_ssm + llm_only.mamba_conv + llm_only.llm_kv + talker_warmup
 
 
 def weight_bytes(cfg: ModelConfig, max_token_chars: int = 1, device: str | torch.device = "cuda") -> int:
@@ -219,12 +219,12 @@ def max_call_s_that_fits(cfg: ModelConfig, max_calls: int, device_memory: int, f
 
 def plan(cfg: ModelConfig, max_calls: int, max_call_s: float, device_memory: int, *,
          max_prompt_tokens: int = 512, reserve: int = DEFAULT_RESERVE_BYTES, weights: int | None = None,
-         prefix_cache_entries: int = 0) -> MemoryPlan:
+         prefix_cache_mib: int = 0) -> MemoryPlan:
     """The memory of a server with these limits; raises MemoryPlanError naming engine.max_calls and
     engine.max_call_s, the numbers, and what would fit, when it exceeds device_memory."""
     weights = weight_bytes(cfg) if weights is None else weights   # served on CUDA (derived_table_bytes)
     p = MemoryPlan(max_calls, max_call_s, bytes_per_call(cfg, max_call_s, max_prompt_tokens), weights, reserve,
-                   device_memory, prefix_cache_bytes(cfg, prefix_cache_entries, max_prompt_tokens))
+                   device_memory, prefix_cache_mib * 2**20)
     if p.fits:
         return p
     fixed = weights + p.prefix_cache + reserve
@@ -236,7 +236,7 @@ def plan(cfg: ModelConfig, max_calls: int, max_call_s: float, device_memory: int
         f"{device_memory / GiB:.2f} GiB of device memory: {max_calls} calls + 1 sink row x "
         f"{p.per_call.total / 2**20:.1f} MiB per call = {p.pools / GiB:.2f} GiB of call state, plus "
         f"{weights / GiB:.2f} GiB of weights, {p.prefix_cache / GiB:.2f} GiB of prefix cache "
-        f"(engine.prefix_cache_entries) and {reserve / GiB:.2f} GiB reserved (memory.reserve_gib) = "
+        f"(engine.prefix_cache_mib) and {reserve / GiB:.2f} GiB reserved (memory.reserve_gib) = "
         f"{p.total / GiB:.2f} GiB. Per call: "
         + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in big)
         + (f". The weights, prefix cache and reserve alone ({fixed / GiB:.2f} GiB) exceed it." if fixed >= device_memory
@@ -267,7 +267,7 @@ def available_bytes(device: str | torch.device) -> tuple[int, str]:
 
 def check_fits(cfg: ModelConfig, device: str | torch.device, *, check: bool = True, device_gib: float | None = None,
                reserve_gib: float | None = None, calls: tuple[int, float] | None = None, max_prompt_tokens: int = 512,
-               prefix_cache_entries: int = 0) -> MemoryPlan | None:
+               prefix_cache_mib: int = 0) -> MemoryPlan | None:
     """Before anything is allocated: do the weights (at cfg's dtypes on `device`), and with `calls` =
     (max_calls, max_call_s) the call pools and prefix cache, fit the device? Raises MemoryPlanError with
     the numbers (needed, available) when they do not. The budget is `device_gib` (memory.device_gib) when
@@ -289,7 +289,7 @@ def check_fits(cfg: ModelConfig, device: str | torch.device, *, check: bool = Tr
     if calls is not None:
         try:
             return plan(cfg, calls[0], calls[1], budget, max_prompt_tokens=max_prompt_tokens, reserve=reserve,
-                        weights=weights, prefix_cache_entries=prefix_cache_entries)
+                        weights=weights, prefix_cache_mib=prefix_cache_mib)
         except MemoryPlanError as e:
             raise MemoryPlanError(f"{cfg.name} on {device} ({dtypes}), budget {where}: {e}") from None
     p = MemoryPlan(0, 0.0, CallBytes(0, 0, 0, 0, 0, 0, 0, 0, 0), weights, reserve, budget)
@@ -313,9 +313,9 @@ def inference_config(cfg: ModelConfig, compute: str = "bf16") -> ModelConfig:
 
 
 def markdown_table(cfg: ModelConfig, call_seconds=(30.0, 60.0, 160.0), max_prompt_tokens: int = 512,
-                   reserve: int = DEFAULT_RESERVE_BYTES, prefix_cache_entries: int = 8) -> str:
+                   reserve: int = DEFAULT_RESERVE_BYTES, prefix_cache_mib: int = 1280) -> str:
     weights = weight_bytes(cfg)
-    prefix = prefix_cache_bytes(cfg, prefix_cache_entries, max_prompt_tokens)
+    prefix = prefix_cache_mib * 2**20
     rows = [bytes_per_call(cfg, s, max_prompt_tokens) for s in call_seconds]
     lines = ["| component (MiB per call) | " + " | ".join(f"max_call_s = {s:g}" for s in call_seconds) + " |",
              "|---|" + "---:|" * len(call_seconds)]
@@ -323,7 +323,8 @@ def markdown_table(cfg: ModelConfig, call_seconds=(30.0, 60.0, 160.0), max_promp
         lines.append(f"| {name} | " + " | ".join(f"{getattr(r, name) / 2**20:.2f}" for r in rows) + " |")
     lines.append("| **total** | " + " | ".join(f"**{r.total / 2**20:.1f}**" for r in rows) + " |")
     lines += ["", f"Fixed: weights {weights / GiB:.2f} GiB, prefix cache {prefix / GiB:.2f} GiB "
-              f"({prefix_cache_entries} entries), reserve {reserve / GiB:.0f} GiB (activations, graph pools, CUDA "
+              f"(engine.prefix_cache_mib: {prefix // prefix_entry_bytes(cfg, max_prompt_tokens)} prompts of "
+              f"{max_prompt_tokens} tokens), reserve {reserve / GiB:.0f} GiB (activations, graph pools, CUDA "
               f"context). The pools hold max_calls + 1 rows (the sink).", "",
               "| device | " + " | ".join(f"max calls at {s:g} s" for s in call_seconds) + " |",
               "|---|" + "---:|" * len(call_seconds)]

@@ -131,21 +131,28 @@ class SlotAllocator:
 class PrefixCache:
     """Admission results by (system prompt ids, speaker): the LLM's Mamba and attention state after the
     prompt prefill and the talker's KV after the speaker warm-up. A call whose prompt and speaker were
-    seen before gets them copied into its slot instead of recomputed. Bounded (LRU): at full size one
-    entry holds the fp32 SSM state (~141 MB) plus the prompt's KV.
+    seen before gets them copied into its slot instead of recomputed. Bounded in bytes, least recently
+    used out first (engine.prefix_cache_mib): an entry's size is what it holds, at full size the fp32 SSM
+    state (~141 MB) plus its prompt's KV, so a long prompt takes the room of more than one short one; an
+    entry larger than the whole cache is not kept.
 
     A prompt enters only on its second admission (a doorkeeper of the last 4096 keys' hashes): a stream of
     calls each with a fresh prompt would otherwise evict every shared prompt in turn, for entries that are
     never used again; the prompts that recur (a deployment's system prompts) are kept."""
     DOORKEEPER = 4096
 
-    def __init__(self, max_entries: int = 8):
+    def __init__(self, max_bytes: int):
         from collections import OrderedDict
-        self.max_entries = max_entries
+        self.max_bytes = int(max_bytes)
         self._entries: "OrderedDict[tuple, dict]" = OrderedDict()
         self._seen: "OrderedDict[int, None]" = OrderedDict()   # hashes of keys admitted once
+        self.bytes = 0
         self.hits = 0
         self.misses = 0
+
+    @staticmethod
+    def entry_bytes(snap: dict) -> int:
+        return sum(t.numel() * t.element_size() for t in snap.values())
 
     def get(self, key: tuple) -> dict | None:
         snap = self._entries.get(key)
@@ -158,7 +165,7 @@ class PrefixCache:
 
     def wants(self, key: tuple) -> bool:
         """Whether an admission of `key` should be snapshotted: it was admitted before (else remember it)."""
-        if self.max_entries <= 0:
+        if self.max_bytes <= 0:
             return False
         h = hash(key)
         if h in self._seen:
@@ -169,12 +176,15 @@ class PrefixCache:
         return False
 
     def put(self, key: tuple, snap: dict) -> None:
-        if self.max_entries <= 0:
+        size = self.entry_bytes(snap)
+        if size > self.max_bytes:
             return
+        if key in self._entries:
+            self.bytes -= self.entry_bytes(self._entries.pop(key))
+        while self._entries and self.bytes + size > self.max_bytes:
+            self.bytes -= self.entry_bytes(self._entries.popitem(last=False)[1])
         self._entries[key] = snap
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self.bytes += size
 
     @staticmethod
     def snapshot(st: CallState, slot: int, prompt_len: int, warmup_len: int) -> dict:
