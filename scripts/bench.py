@@ -193,6 +193,8 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
         ok = [a for a in arrival_records if a.error is None and a.first_packet is not None]
         row["arrivals"] = {"started": len(arrival_records), "failed": len(arrival_records) - len(ok),
                            "first_packet_ms": pct([1000 * (a.first_packet - a.started) for a in ok], (50, 99)),
+                           # x real time, first packet to last (its audio came in at once: a backlog)
+                           "catch_up_x": pct([x for a in ok if (x := a.catch_up()) is not None], (0, 50)),
                            "errors": sorted({a.error or "no packet" for a in arrival_records if a not in ok})}
     row["timeline"] = tl
     row["records"] = records
@@ -215,7 +217,8 @@ def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
     if "arrivals" in row:
         a = row["arrivals"]
         extra = (f", arrivals {a['started'] - a['failed']}/{a['started']} admitted, first packet p50/p99 "
-                 f"{a['first_packet_ms'].get('p50')}/{a['first_packet_ms'].get('p99')} ms")
+                 f"{a['first_packet_ms'].get('p50')}/{a['first_packet_ms'].get('p99')} ms, catch-up min/p50 "
+                 f"{a['catch_up_x'].get('p0')}/{a['catch_up_x'].get('p50')}x real time")
     if row.get("lag_p99_vs_without_arrivals") is not None:
         extra += f", live lag p99 {row['lag_p99_vs_without_arrivals']}x the run without"
     print(f"{row['start']:>9} N={row['n_calls']:<4} real time {'yes' if row['real_time'] else 'NO '} failed "

@@ -174,3 +174,13 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
     assert (out / "lag_vs_n.png").stat().st_size > 0 and (out / "step_vs_n.png").stat().st_size > 0
     assert "Sustained" in (out / "summary.md").read_text()
     assert "starting the server" in r.stdout
+
+
+def test_arrival_catch_up_is_audio_out_per_wall_second():
+    """An arrival whose 2 s of audio came in at once: 25 packets, the first at 0.5 s and the last 0.6 s
+    later = 24 frames of 80 ms in 0.6 s, 3.2x real time; under 2 packets there is no rate."""
+    from nemo_duplex.loadtest.callers import ArrivalRecord
+
+    rec = ArrivalRecord(started=0.0, first_packet=0.5, last_packet=1.1, packets=25)
+    assert rec.catch_up() == pytest.approx(3.2)
+    assert ArrivalRecord(started=0.0, first_packet=0.5, last_packet=0.5, packets=1).catch_up() is None

@@ -574,6 +574,52 @@ def test_duty_hold_waits_for_idle_calls_within_its_bounds(tiny, example_clip):
     assert held_for(0.0, 1000.0) < 0.02
 
 
+def test_backlog_hold_rule():
+    """backlog_hold on made-up times (seconds; frames every 0.08 s): paced call p stepped its last frame,
+    which arrived at 9.95, so its next is due at 10.03; call u has a backlog of 25 frames."""
+    from nemo_duplex.serving.pacing import backlog_hold
+
+    F, p, u = 0.08, (None, 9.95, 0), (8.0, 9.9, 25)
+    assert backlog_hold([p, u], 10.000, F, 0.020) == 0.0                      # ends at 10.02: step it now
+    assert backlog_hold([p, u], 10.000, F, 0.040) == pytest.approx(0.030)     # would end past 10.03: hold
+    assert backlog_hold([p, u], 10.025, F, 0.010) == pytest.approx(0.005)
+    assert backlog_hold([(10.0, 10.0, 1), u], 10.001, F, 0.040) == 0.0        # a paced frame is pending
+    assert backlog_hold([p], 10.000, F, 0.040) == 0.0                         # no backlog
+    assert backlog_hold([u, (None, None, 0)], 10.000, F, 0.040) == 0.0        # no paced call
+    assert backlog_hold([(None, 9.9, 0), u], 10.000, F, 0.040) == 0.0         # p's frame is overdue
+
+
+def test_backlog_hold_in_the_engine(tiny, example_clip):
+    """Engine._hold_backlog: call a was stepped, its next frame is due 80 ms after its last arrived; call b
+    has a backlog. With a backlog step estimated at 0.5 s (the engine's last step of that many rows) the
+    step waits for a's next frame: until it is due (~80 ms), or less when it arrives sooner (30 ms here);
+    estimated at 1 ms, or with coalescing off (engine.coalesce_ms = 0), b is stepped at once."""
+    import threading
+
+    frame = example_clip[:1280].numpy()
+
+    def held_for(estimate, a_after=None, coalesce_ms=15.0):
+        eng = _engine(tiny, max_calls=2, coalesce_ms=coalesce_ms)
+        eng._running = True  # the hold's loop runs while the engine does
+        a, b = eng.open_call(), eng.open_call()
+        eng.tick()  # admits both
+        a.append(frame)
+        eng.tick()  # a's frame stepped: a has none pending, its next is due 80 ms after this one arrived
+        a.last_ready = time.monotonic()   # (arrived now: however long the step took on this machine)
+        b.append(example_clip[: 1280 * 10].numpy())
+        eng._step_seconds = {1: estimate}
+        if a_after is not None:
+            threading.Timer(a_after, lambda: a.append(frame)).start()
+        t0 = time.monotonic()
+        eng._hold_backlog()
+        return time.monotonic() - t0
+
+    assert 0.06 < held_for(0.5) < 0.2
+    assert 0.02 < held_for(0.5, a_after=0.03) < 0.07
+    assert held_for(0.001) < 0.01
+    assert held_for(0.5, coalesce_ms=0.0) < 0.01
+
+
 def test_engine_survives_a_failing_coalesce(tiny, example_clip, monkeypatch):
     """A bug in the coalescing rule costs that step its wait, not the engine thread: the call is still
     stepped and completes."""
@@ -774,3 +820,4 @@ def test_admission_thread_on_cuda_equals_inline_admission(tiny, example_clip):
         frames = [e for e in evs if isinstance(e, FrameEvent)]
         assert [f.text for f in frames] == want[i].text_tokens.tolist(), i
         assert torch.equal(torch.from_numpy(np.stack([f.codes for f in frames])), want[i].codes), i
+

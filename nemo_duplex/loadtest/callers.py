@@ -145,8 +145,17 @@ class UploadRecord:
 class ArrivalRecord:
     started: float
     first_packet: float | None = None
+    last_packet: float | None = None
+    packets: int = 0
     finished: float | None = None
     error: str | None = None
+
+    def catch_up(self, frame_s: float = 0.08) -> float | None:
+        """Audio out per second of wall time from the first packet to the last: how much faster than real
+        time an arrival whose audio came in at once (a backlog) was served; None under 2 packets."""
+        if self.packets < 2 or self.last_packet == self.first_packet:
+            return None
+        return (self.packets - 1) * frame_s / (self.last_packet - self.first_packet)
 
 
 async def periodically(every_s: float, until: asyncio.Event, records: list, new_record, request) -> None:
@@ -219,8 +228,10 @@ async def arrival_loop(http, ws_url: str, pcm: bytes, every_s: float, until: asy
             await ws.send_bytes(pcm)
             await ws.send_json({"type": "end_input"})
             async for msg in ws:
-                if msg.type == aiohttp.WSMsgType.BINARY and rec.first_packet is None:
-                    rec.first_packet = time.monotonic()
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    rec.last_packet = time.monotonic()
+                    rec.first_packet = rec.first_packet or rec.last_packet
+                    rec.packets += 1
                 elif msg.type == aiohttp.WSMsgType.TEXT:
                     ev = json.loads(msg.data)
                     if ev["type"] == "error" and rec.error is None:

@@ -56,7 +56,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             ratio = r.get("lag_p99_vs_without_arrivals")
             lines.append(f"Arrivals in the {r['start']} run at N={r['n_calls']}: {a['started']} started, {a['failed']} "
                          f"failed, first packet p50 / p99 {a['first_packet_ms'].get('p50')} / "
-                         f"{a['first_packet_ms'].get('p99')} ms"
+                         f"{a['first_packet_ms'].get('p99')} ms, catch-up (audio out per second, first packet to "
+                         f"last) min / p50 {a['catch_up_x'].get('p0')} / {a['catch_up_x'].get('p50')}x real time"
                          + (f"; live lag p99 {ratio}x the same N without arrivals" if ratio is not None else "")
                          + (f"; errors: {a['errors']}" if a["errors"] else ""))
     return "\n".join(lines)

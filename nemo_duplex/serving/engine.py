@@ -38,6 +38,7 @@ from nemo_duplex.serving.calls import (
 )
 from nemo_duplex.serving.frame_step import admission, special_ids
 from nemo_duplex.serving.pacing import (
+    backlog_hold,
     coalesce_deadline,
     coalesce_limit,
     coalesce_wait,
@@ -100,6 +101,7 @@ class Engine:
         self.stats = EngineStats()
         self.prefix_cache = PrefixCache(self.cfg.prefix_cache_mib * 2**20)
         self._last_step: tuple[float, float] | None = None  # (monotonic start, seconds) of the last step
+        self._step_seconds: dict[int, float] = {}   # rows -> seconds of the last step of that many rows
         self._last_open: float | None = None  # monotonic time of the last open_call (engine.open_quiet_ms)
         self.longest_token = max(len(t) for t in tokenizer.token_strings())   # characters (prompt_ids)
 
@@ -163,6 +165,33 @@ class Engine:
         for call in list(self._calls.values()):
             self._end(call, "shutdown", "the engine stopped")
 
+    def _live_calls(self) -> list[Call]:
+        """The calls that may still send frames (those still to be admitted too: admission runs in the
+        same tick as their step); a call at its limit gets no more frames."""
+        with self._lock:
+            return [c for c in self._calls.values() if not c.closed and not c.input_ended
+                    and c.frames_stepped < self.max_frames]
+
+    def _hold_backlog(self) -> None:
+        """Hold a step that would take only backlogs while `backlog_hold` says it would run into the paced
+        calls' next frames: until one of those arrives (then `_coalesce` gathers the rest) or is due."""
+        if self.cfg.coalesce_ms <= 0:
+            return
+        live = self._live_calls()
+        pacing = [c._pacing() for c in live]
+        backlogs = sum(pending > 1 for _, _, pending in pacing)
+        if not backlogs:
+            return
+        longer = [s for rows, s in self._step_seconds.items() if rows >= backlogs]
+        estimate = min(longer) if longer else (self._last_step[1] if self._last_step else 0.0)
+        now = time.monotonic()
+        end = now + backlog_hold(pacing, now, self.frame_seconds, estimate)
+        paced = [c for c, (_, last, pending) in zip(live, pacing) if pending == 0 and last is not None]
+        while self._running and now < end and not any(c._frames or c.closed or c.input_ended for c in paced):
+            with self._lock:
+                self._work.wait(timeout=min(end - now, self.cfg.idle_wait_s))
+            now = time.monotonic()
+
     def _coalesce(self) -> None:
         """Hold the step while `coalesce_wait` says a live call's frame is due soon (engine.coalesce_ms),
         while a call opened together with one whose first frame is pending has none yet (opened_together)
@@ -171,9 +200,7 @@ class Engine:
         decides how long and for whom; each wake-up (every append notifies) then only looks at the calls
         still awaited, so a burst of N appends costs O(N^2) cheap checks, not N scans with a lock per call
         (the event loop needs the GIL meanwhile)."""
-        with self._lock:   # calls still to be admitted too: admission runs in the same tick as their step
-            live = [c for c in self._calls.values() if not c.closed and not c.input_ended
-                    and c.frames_stepped < self.max_frames]   # a call at its limit gets no more frames
+        live = self._live_calls()
         limit = coalesce_limit(self.cfg.coalesce_ms / 1e3,
                                self._last_step if self.cfg.coalesce_at_most_step else None)
         quiet = self.cfg.open_quiet_ms / 1e3
@@ -237,6 +264,7 @@ class Engine:
     def _loop(self) -> None:
         while self._running:
             try:
+                self._hold_backlog()
                 self._coalesce()
             except Exception:  # noqa: BLE001 - coalescing only times the step: a bug in it must not stop the engine
                 traceback.print_exc()
@@ -442,6 +470,7 @@ class Engine:
             hand_out(call, spoken, i)
         done = time.perf_counter()
         self._last_step = (started, done - t0)
+        self._step_seconds[n] = done - t0
         self.stats.record_step(n, done - t0, gather=t0 - gathered, prep=launched - t0, device=waited - launched,
                                dispatch=done - waited, padded=host.padded_rows)
 
