@@ -35,7 +35,7 @@ class EngineConfig:
     # A new call's admission (its prompt's prefill, then the talker warm-up: ~0.2-0.3 s of host time at
     # 500 tokens on the H200) runs on a thread of its own (serving/admitter.py; on CUDA on a stream of the
     # lowest priority) beside the live calls' steps. H200, 128 lockstep calls while calls with fresh
-    # 500-token prompts arrive twice a second: live lag p99 74-77 ms against 57-59 without arrivals; on the
+    # 500-token prompts arrive twice a second: live lag p99 74-82 ms against 57-59 without arrivals; on the
     # engine thread, 8.3 s (docs/performance.md). false: on the engine thread between steps, in pieces:
     # prompts prefilled prefill_chunk_tokens at a time (0: whole), at most admission_pieces_per_tick pieces
     # between two steps while calls are live (an engine driven tick by tick, serving/drive.py, always does).
