@@ -1,8 +1,18 @@
 """uvicorn's HTTP and WebSocket protocols (server/app.py `uvicorn_config`) with two changes: a TCP half-close is
 not a hang-up, and connections reset before their request or upgrade completed are counted in /metrics
-(`duplex_connection_resets{stage}`) instead of reaching the log. Behind Ray Serve (serve.replicas > 1) the
-proxy's own uvicorn serves the connections, without these."""
+(`duplex_connection_resets{stage}`) and logged in one line each, instead of a traceback. Behind Ray Serve
+(serve.replicas > 1) the proxy's own uvicorn serves the connections, without these."""
 from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("nemo_duplex.server")
+
+
+def reset(metrics, stage: str, client) -> None:
+    metrics.connection_resets.labels(stage).inc()
+    where = f"{client[0]}:{client[1]}" if client else "a client"
+    log.info("connection from %s reset before its %s was complete (duplex_connection_resets)", where, stage)
 
 
 def http_protocol(metrics):
@@ -34,7 +44,7 @@ def http_protocol(metrics):
 
         def connection_lost(self, exc) -> None:
             if exc is not None and self.cycle is None:
-                metrics.connection_resets.labels("request").inc()
+                reset(metrics, "request", getattr(self, "client", None))
             super().connection_lost(exc)
 
     return HTTPProtocol
@@ -48,7 +58,7 @@ def websocket_protocol(metrics):
     class WebSocketProtocol(WebSocketsSansIOProtocol):
         def connection_lost(self, exc) -> None:
             if not self.handshake_complete:
-                metrics.connection_resets.labels("upgrade").inc()
+                reset(metrics, "upgrade", getattr(self, "client", None))
             super().connection_lost(exc)
 
     return WebSocketProtocol
