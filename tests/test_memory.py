@@ -238,3 +238,11 @@ def test_prefix_cache_is_bounded_in_bytes_not_entries():
     assert cache.bytes == 2 * short and len(cache._entries) == 2
     off = PrefixCache(max_bytes=0)
     assert not off.wants(("a",)) and not off.wants(("a",))
+
+
+def test_a_negative_prefix_cache_size_is_refused(tiny):
+    from nemo_duplex.serving.engine import build_engine
+    from nemo_duplex.settings import EngineConfig
+
+    with pytest.raises(ValueError, match=r"engine.prefix_cache_mib = -1: .*>= 0"):
+        build_engine(tiny[0], tiny[1], EngineConfig(max_calls=1, max_call_s=1.0, prefix_cache_mib=-1))

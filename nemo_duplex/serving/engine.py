@@ -71,6 +71,9 @@ class Engine:
     def __init__(self, model, tokenizer, cfg: EngineConfig, state, runner):
         self.model, self.tokenizer = model, tokenizer
         self.cfg = cfg
+        if cfg.prefix_cache_mib < 0:
+            raise ValueError(f"engine.prefix_cache_mib = {cfg.prefix_cache_mib}: MiB the prefix cache may hold, "
+                             ">= 0 (0 turns it off)")
         if cfg.admission_pieces_per_tick < 1 or cfg.prefill_chunk_tokens < 0:
             raise ValueError(f"engine.admission_pieces_per_tick = {cfg.admission_pieces_per_tick} (>= 1) and "
                              f"engine.prefill_chunk_tokens = {cfg.prefill_chunk_tokens} (>= 0, 0: whole): an "

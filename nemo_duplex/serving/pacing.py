@@ -92,10 +92,11 @@ def backlog_hold(calls: list[tuple[float | None, float | None, int]], now: float
     many rows). Between two steps of the paced calls the backlogs step on their own, a frame each per step
     (catching up faster than real time whenever such a step is shorter than a frame period), but only
     while one ends before the first paced call's next frame is due: started later, it makes that frame
-    wait for it, and the paced frames that arrive meanwhile are split over the next steps (H200, 128
-    lockstep calls while calls with 2 s of audio were admitted: 35 rows a step on average, live lag p99
-    1.32x the run without; docs/performance.md). Held, the backlogs ride along in the paced calls' step.
-    No hold while a paced frame is pending (coalesce_wait decides then) or with no paced call."""
+    wait for it, and the paced frames that arrive meanwhile are split over the next steps. Held, the
+    backlogs ride along in the paced calls' step. No hold while a paced frame is pending (coalesce_wait
+    decides then) or with no paced call. (H200, 128 lockstep calls while calls with 2 s of audio in are
+    admitted twice a second: live lag p99 1.32x the run without arrivals before this rule, 1.27-1.40x in
+    three runs with it: no effect beyond the runs' spread; docs/performance.md.)"""
     if any(pending == 1 for _, _, pending in calls) or not any(pending > 1 for _, _, pending in calls):
         return 0.0
     due = [last + frame_s for _, last, pending in calls if pending == 0 and last is not None]
