@@ -783,7 +783,7 @@ def test_admission_thread_on_cuda_equals_inline_admission(tiny, example_clip):
     clips = _clips(example_clip, 6, 16, seed=4)
     prompts = [None, None] + [f"Answer in {w} words." for w in ("two", "three", "four", "five")]
     kw = dict(max_calls=8, max_call_s=20.0, capture_buckets=[8], graphs=True, prefix_cache_mib=0)
-    inline = build_engine(model, tok, EngineConfig(**kw))
+    inline = build_engine(model, tok, EngineConfig(**kw, admission_thread=False))   # driven tick by tick: inline
     want = [drive(inline, clip_plans([c], prompt=p, seed=10 + i))[0] for i, (c, p) in enumerate(zip(clips, prompts))]
     del inline
 
