@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 . .venv/bin/activate
-# The suite on every core (pytest-xdist, test by test: 794 s against 860 s one module at a time on this
-# 2-core machine; the fixtures a worker builds again are cheap), then the tests that time a
-# real-time server or browser on their own: on a 2-core machine a busy neighbour would make their clients late.
+# The suite on every core (pytest-xdist, test by test, faster than one module at a time: the fixtures a
+# worker builds again are cheap; on a 2-core machine 533 s with Inductor's compile cache warm, 734 s with
+# it empty), then the tests that time a real-time server or browser on their own (123 s): on a 2-core
+# machine a busy neighbour would make their clients late.
 SERIAL=(tests/test_server.py tests/test_server_fuzz.py tests/test_server_model.py tests/test_browser.py tests/test_bench.py
         tests/test_replicas.py)
 if [ $# -gt 0 ]; then   # a selection of one's own (paths, -k, ...): one plain run
