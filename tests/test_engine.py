@@ -611,7 +611,8 @@ def test_backlog_hold_in_the_engine(tiny, example_clip):
         if a_after is not None:
             threading.Timer(a_after, lambda: a.append(frame)).start()
         t0 = time.monotonic()
-        eng._hold_backlog()
+        live = eng._live_calls()
+        eng._hold_backlog(live, [c._pacing() for c in live])
         return time.monotonic() - t0
 
     assert 0.06 < held_for(0.5) < 0.2

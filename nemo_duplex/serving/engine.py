@@ -176,31 +176,34 @@ class Engine:
             return [c for c in self._calls.values() if not c.closed and not c.input_ended
                     and c.frames_stepped < self.max_frames]
 
-    def _hold_backlog(self) -> None:
+    def _hold_backlog(self, live: list[Call], pacing: list[tuple]) -> bool:
         """Hold a step that would take only backlogs while `backlog_hold` says it would run into the paced
-        calls' next frames: until one of those arrives (then `_coalesce` gathers the rest) or is due."""
+        calls' next frames: until one of those arrives (then `_coalesce` gathers the rest) or is due.
+        live, pacing: the live calls and their `_pacing()`, as `_coalesce` read them. Whether it held."""
         if self.cfg.coalesce_ms <= 0:
-            return
-        live = self._live_calls()
-        pacing = [c._pacing() for c in live]
+            return False
         backlogs = sum(pending > 1 for _, _, pending in pacing)
         if not backlogs:
-            return
+            return False
         longer = [s for rows, s in self._step_seconds.items() if rows >= backlogs]
         estimate = min(longer) if longer else (self._last_step[1] if self._last_step else 0.0)
         now = time.monotonic()
         end = now + backlog_hold(pacing, now, self.frame_seconds, estimate)
+        if now >= end:
+            return False
         paced = [c for c, (_, last, pending) in zip(live, pacing) if pending == 0 and last is not None]
         while self._running and now < end and not any(c._frames or c.closed or c.input_ended for c in paced):
             with self._lock:
                 self._work.wait(timeout=min(end - now, self.cfg.idle_wait_s))
             now = time.monotonic()
+        return True
 
     def _coalesce(self) -> None:
         """Hold the step while `coalesce_wait` says a live call's frame is due soon (engine.coalesce_ms),
         while a call opened together with one whose first frame is pending has none yet (opened_together)
         or calls are opening (engine.open_quiet_ms), both within the same bound, and while `duty_wait` says
-        the engine would exceed engine.max_duty and some live call has no frame yet. One scan of the calls
+        the engine would exceed engine.max_duty and some live call has no frame yet; first, a step of backlogs
+        only waits for the paced calls' next frames where `_hold_backlog` says so. One scan of the calls
         decides how long and for whom; each wake-up (every append notifies) then only looks at the calls
         still awaited, so a burst of N appends costs O(N^2) cheap checks, not N scans with a lock per call
         (the event loop needs the GIL meanwhile)."""
@@ -210,8 +213,11 @@ class Engine:
         quiet = self.cfg.open_quiet_ms / 1e3
         if limit <= 0 and self.cfg.max_duty <= 0:
             return
-        now = time.monotonic()
         pacing = [c._pacing() for c in live]
+        if self._hold_backlog(live, pacing):   # it waited: what it saw is old
+            live = self._live_calls()
+            pacing = [c._pacing() for c in live]
+        now = time.monotonic()
         deadline = coalesce_deadline(pacing, limit) if limit > 0 else None
         wait = coalesce_wait(pacing, now, limit, self.frame_seconds) if limit > 0 else 0.0
         # the duty hold: calls without a frame are what a held step would gain
@@ -268,7 +274,6 @@ class Engine:
     def _loop(self) -> None:
         while self._running:
             try:
-                self._hold_backlog()
                 self._coalesce()
             except Exception:  # noqa: BLE001 - coalescing only times the step: a bug in it must not stop the engine
                 traceback.print_exc()
