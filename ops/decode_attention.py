@@ -15,6 +15,9 @@ than one split, partial (max, sum, acc) go to fp32 scratch and a third kernel me
   share each K/V tile through tl.dot (head dim padded to a power of two with masks).
 Each split covers an equal share of its row's visible keys, computed in the kernel from the row's
 length, so a pool sized for long calls costs nothing while calls are short. The cache is never padded.
+Paged (`pages` given, ops/kv_pages.py): the pool is `[num_pages, kv_heads, page_len, D]` and row b's
+position p is at page `pages[slots[b], p // page_len]`, offset `p % page_len`. Key blocks start at multiples
+of the block size, which divides page_len, so each block reads one page, looked up a block ahead.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ops import interpreting, sm_count, use_triton
+from ops.kv_pages import kv_gather, kv_max_len
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -32,13 +36,15 @@ from ops import interpreting, sm_count, use_triton
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                slots: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               window: int | None = None) -> torch.Tensor:
+                               window: int | None = None, pages: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch: gather each row's slot, mask by position, softmax in fp32. q [B, Hq, D] -> [B, Hq, D]."""
     batch, num_heads, head_dim = q.shape
-    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[1]
+    max_len = kv_max_len(k_cache, pages)
     group = num_heads // kv_heads
-    k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [B, Hq, L, D]; head h reads kv head h // group
-    v = v_cache[slots].float().repeat_interleave(group, dim=1)
+    # [B, Hq, L, D]; head h reads kv head h // group
+    k = kv_gather(k_cache, pages, slots).float().repeat_interleave(group, dim=1)
+    v = kv_gather(v_cache, pages, slots).float().repeat_interleave(group, dim=1)
     pos = torch.arange(max_len, device=q.device)
     valid = pos[None, :] < seq_lens[:, None]  # [B, L]
     if window is not None:
@@ -77,19 +83,39 @@ def _split_range(slots_ptr, seq_lens_ptr, row, split, window,
 
 
 @triton.jit
-def _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i, acc_a, acc_b, end,
+def _block_page(page_row, n0, valid, slot, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr):
+    """The pool row that holds keys [n0, n0 + BLOCK_N): paged, the page the row's table names for them (one
+    scalar load: blocks are aligned to BLOCK_N, which divides PAGE_LEN, so a block never straddles pages);
+    unpaged, the row's slot."""
+    if PAGED:
+        return tl.load(page_row + n0 // PAGE_LEN, mask=valid, other=0).to(tl.int64)
+    else:
+        return slot
+
+
+@triton.jit
+def _key_rows(n0, page, stride_ks, stride_kl, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets from the head's base of the BLOCK_N keys from n0, in pool row `page` (_block_page)."""
+    within = n0 % PAGE_LEN if PAGED else n0
+    return page * stride_ks + (within + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kl
+
+
+@triton.jit
+def _vector_block(n0, page, k_base, v_base, stride_ks, stride_kl, stride_vs, stride_vl, q_a, q_b, m_i, l_i, acc_a,
+                  acc_b, start, end,
                   HEAD_DIM: tl.constexpr, HAS_TAIL: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
+                  PAGED: tl.constexpr, PAGE_LEN: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr):
     """One block of BLOCK_N keys for one query head (no GQA sharing, so no matrix product: q.k and p.v are
-    elementwise products and reductions). The head dim is cut into a power-of-two part BLOCK_DA and a tail
-    (72 = 64 + 8) so no lane loads or multiplies padding."""
+    elementwise products and reductions), those in [start, end) visible. The head dim is cut into a
+    power-of-two part BLOCK_DA and a tail (72 = 64 + 8) so no lane loads or multiplies padding."""
     pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = pos < end
+    n_mask = (pos >= start) & (pos < end)
     offs_a = tl.arange(0, BLOCK_DA)
     offs_b = BLOCK_DA + tl.arange(0, BLOCK_DB)
     b_mask = n_mask[:, None] & (offs_b < HEAD_DIM)[None, :]
-    k_rows = pos.to(tl.int64) * stride_kl
-    v_rows = pos.to(tl.int64) * stride_vl
+    k_rows = _key_rows(n0, page, stride_ks, stride_kl, PAGED, PAGE_LEN, BLOCK_N)
+    v_rows = _key_rows(n0, page, stride_vs, stride_vl, PAGED, PAGE_LEN, BLOCK_N)
     if ROWS_ALIGNED:
         # Triton only knows an integer argument's divisibility when it is a multiple of 16, and the talker's
         # key stride is 72: without the hint every element is its own 2-byte load (the PTX: 75 `ld.global.b16`
@@ -119,14 +145,15 @@ def _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i, 
 
 @triton.jit
 def _decode_attention_vector_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, pages_ptr,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kl,
     stride_vs, stride_vh, stride_vl,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_pages,
     qk_scale, window,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_TAIL: tl.constexpr, ROWS_ALIGNED: tl.constexpr, PIPELINED: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_LEN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
 ):
     """Program (row, head, split) when every query head has its own kv head (the talker, spec 4.1)."""
@@ -141,8 +168,9 @@ def _decode_attention_vector_kernel(
     q_row = q_ptr + row * stride_qb + head * stride_qh
     q_a = tl.load(q_row + offs_a).to(tl.float32) * qk_scale
     q_b = tl.load(q_row + offs_b, mask=b_mask, other=0.0).to(tl.float32) * qk_scale
-    k_offset = slot * stride_ks + head * stride_kh
-    v_offset = slot * stride_vs + head * stride_vh
+    page_row = pages_ptr + slot * stride_pages
+    k_offset = head * stride_kh   # the block's pool row (its slot, or its page) comes with its key offsets
+    v_offset = head * stride_vh
     if ROWS_ALIGNED:  # (the pool's max_len, e.g. 37 + 2000 frames, need not make these multiples of 16)
         k_offset = tl.multiple_of(k_offset, 8)
         v_offset = tl.multiple_of(v_offset, 8)
@@ -155,19 +183,30 @@ def _decode_attention_vector_kernel(
     l_i = 0.0
     acc_a = tl.zeros([BLOCK_DA], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_DB], dtype=tl.float32)
+    # Blocks start at multiples of BLOCK_N (a window's first key need not: the keys before it are masked),
+    # so paged each lies in one page. The next block's page is looked up a block ahead: its load is not in
+    # the way of this block's K and V loads (looked up in the same block, the talker's step was 1.2x slower).
+    first = start - start % BLOCK_N
+    page = _block_page(page_row, first, first < end, slot, PAGED, PAGE_LEN)
     if PIPELINED:  # compiled: a counted loop, which Triton software-pipelines
-        for n0 in tl.range(start, end, BLOCK_N):
-            m_i, l_i, acc_a, acc_b = _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i,
-                                                   acc_a, acc_b, end, HEAD_DIM, HAS_TAIL, ROWS_ALIGNED, BLOCK_N, BLOCK_DA,
+        for n0 in tl.range(first, end, BLOCK_N):
+            following = _block_page(page_row, n0 + BLOCK_N, n0 + BLOCK_N < end, slot, PAGED, PAGE_LEN)
+            m_i, l_i, acc_a, acc_b = _vector_block(n0, page, k_base, v_base, stride_ks, stride_kl, stride_vs,
+                                                   stride_vl, q_a, q_b, m_i, l_i, acc_a, acc_b, start, end, HEAD_DIM,
+                                                   HAS_TAIL, ROWS_ALIGNED, PAGED, PAGE_LEN, BLOCK_N, BLOCK_DA,
                                                    BLOCK_DB)
+            page = following
     else:
         # Triton 3.6's interpreter cannot take loaded (device) loop bounds under numpy >= 2.4 (int() of a
         # 1-element array): the same blocks as a while loop.
-        n0 = start
+        n0 = first
         while n0 < end:
-            m_i, l_i, acc_a, acc_b = _vector_block(n0, k_base, v_base, stride_kl, stride_vl, q_a, q_b, m_i, l_i,
-                                                   acc_a, acc_b, end, HEAD_DIM, HAS_TAIL, ROWS_ALIGNED, BLOCK_N, BLOCK_DA,
+            following = _block_page(page_row, n0 + BLOCK_N, n0 + BLOCK_N < end, slot, PAGED, PAGE_LEN)
+            m_i, l_i, acc_a, acc_b = _vector_block(n0, page, k_base, v_base, stride_ks, stride_kl, stride_vs,
+                                                   stride_vl, q_a, q_b, m_i, l_i, acc_a, acc_b, start, end, HEAD_DIM,
+                                                   HAS_TAIL, ROWS_ALIGNED, PAGED, PAGE_LEN, BLOCK_N, BLOCK_DA,
                                                    BLOCK_DB)
+            page = following
             n0 += BLOCK_N
 
     if NUM_SPLITS == 1:
@@ -187,16 +226,19 @@ def _decode_attention_vector_kernel(
 
 
 @triton.jit
-def _group_block(n0, k_base, v_base, stride_kl, stride_vl, q, m_i, l_i, acc, end,
-                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _group_block(n0, page, k_base, v_base, stride_ks, stride_kl, stride_vs, stride_vl, q, m_i, l_i, acc, start, end,
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One block of BLOCK_N keys for the GROUP query heads sharing a kv head: two small matrix products."""
     pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = pos < end
+    n_mask = (pos >= start) & (pos < end)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k_rows = _key_rows(n0, page, stride_ks, stride_kl, PAGED, PAGE_LEN, BLOCK_N)
+    v_rows = _key_rows(n0, page, stride_vs, stride_vl, PAGED, PAGE_LEN, BLOCK_N)
     # Tiles are upcast to fp32 before the dots: bf16 values are exact in tf32, so q.k loses nothing, and
     # p keeps 10 mantissa bits instead of bf16's 8 (Triton 3.6's interpreter also mis-computes bf16 dots).
-    k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kl + offs_d[None, :], mask=kv_mask,
+    k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask,
                 other=0.0).to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -204,7 +246,7 @@ def _group_block(n0, k_base, v_base, stride_kl, stride_vl, q, m_i, l_i, acc, end
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :], mask=kv_mask,
+    v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask,
                 other=0.0).to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -212,14 +254,15 @@ def _group_block(n0, k_base, v_base, stride_kl, stride_vl, q, m_i, l_i, acc, end
 
 @triton.jit
 def _decode_attention_group_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, pages_ptr,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kl,
     stride_vs, stride_vh, stride_vl,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_pages,
     qk_scale, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINED: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_LEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program (row, kv head, split) for GQA (the LLM, spec 3.4: 5 query heads per kv head): the group's
@@ -236,21 +279,30 @@ def _decode_attention_group_kernel(
     heads = kv_head * GROUP + offs_g
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * qk_scale
-    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
-    v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+    page_row = pages_ptr + slot * stride_pages
+    k_base = k_ptr + kv_head * stride_kh   # the block's pool row comes with its key offsets (see the vector kernel)
+    v_base = v_ptr + kv_head * stride_vh
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    first = start - start % BLOCK_N   # aligned blocks, each page looked up a block ahead (see the vector kernel)
+    page = _block_page(page_row, first, first < end, slot, PAGED, PAGE_LEN)
     if PIPELINED:
-        for n0 in tl.range(start, end, BLOCK_N):
-            m_i, l_i, acc = _group_block(n0, k_base, v_base, stride_kl, stride_vl, q, m_i, l_i, acc, end,
-                                         HEAD_DIM, DOT_PRECISION, BLOCK_N, BLOCK_D)
+        for n0 in tl.range(first, end, BLOCK_N):
+            following = _block_page(page_row, n0 + BLOCK_N, n0 + BLOCK_N < end, slot, PAGED, PAGE_LEN)
+            m_i, l_i, acc = _group_block(n0, page, k_base, v_base, stride_ks, stride_kl, stride_vs, stride_vl, q, m_i,
+                                         l_i, acc, start, end, HEAD_DIM, DOT_PRECISION, PAGED, PAGE_LEN, BLOCK_N,
+                                         BLOCK_D)
+            page = following
     else:  # the interpreter (see the vector kernel)
-        n0 = start
+        n0 = first
         while n0 < end:
-            m_i, l_i, acc = _group_block(n0, k_base, v_base, stride_kl, stride_vl, q, m_i, l_i, acc, end,
-                                         HEAD_DIM, DOT_PRECISION, BLOCK_N, BLOCK_D)
+            following = _block_page(page_row, n0 + BLOCK_N, n0 + BLOCK_N < end, slot, PAGED, PAGE_LEN)
+            m_i, l_i, acc = _group_block(n0, page, k_base, v_base, stride_ks, stride_kl, stride_vs, stride_vl, q, m_i,
+                                         l_i, acc, start, end, HEAD_DIM, DOT_PRECISION, PAGED, PAGE_LEN, BLOCK_N,
+                                         BLOCK_D)
+            page = following
             n0 += BLOCK_N
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -312,11 +364,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window: int | None = None, num_splits: int | None = None,
                             precision: str | None = None, block_n: int | None = None,
                             num_warps: int | None = None, pipelined: bool | None = None,
-                            num_stages: int | None = None) -> torch.Tensor:
+                            num_stages: int | None = None, pages: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path. `num_splits`, `block_n`, `num_warps`, `pipelined`, `num_stages` override the tuned choices
     (scripts/dev/bench_ops.py sweeps them); `precision` is the group kernel's tl.dot input precision."""
     batch, num_heads, head_dim = q.shape
-    num_slots, kv_heads, max_len, cache_head_dim = k_cache.shape
+    _, kv_heads, page_len, cache_head_dim = k_cache.shape
+    max_len = kv_max_len(k_cache, pages)
+    if pages is not None:
+        assert pages.dtype == torch.int32 and pages.stride(-1) == 1
     assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape and num_heads % kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert q.dtype == k_cache.dtype == v_cache.dtype
@@ -337,6 +392,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_n = block_n or (64 if head_dim <= 128 else 32)
         num_warps = num_warps or 4
         programs, min_splits = batch * kv_heads, 1
+    if pages is not None:   # a block must lie in one page (both are powers of two); tl.dot takes 16 or more
+        block_n = min(block_n, page_len)
+        assert page_len % block_n == 0 and (group == 1 or block_n >= 16), f"page_len {page_len}, block_n {block_n}"
     if num_splits is None:
         num_splits = pick_num_splits(programs, max_len, block_n, sm_count(q.device), num_warps, min_splits)
     out = torch.empty_like(q)
@@ -348,16 +406,19 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     strides = (q.stride(0), q.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-               out.stride(0), out.stride(1))
+               out.stride(0), out.stride(1), pages.stride(0) if pages is not None else 0)
+    paging = {"PAGED": pages is not None, "PAGE_LEN": page_len if pages is not None else 1}
+    pages_arg = pages if pages is not None else slots   # unpaged: never read
     qk_scale = scale * LOG2E
     window_arg = window if window is not None else 0
     if group == 1:
         block_da = 1 << (head_dim.bit_length() - 1)  # largest power of two <= head_dim
         tail = head_dim - block_da
         _decode_attention_vector_kernel[(batch, num_heads, num_splits)](
-            q, k_cache, v_cache, slots, seq_lens, out, part_acc, part_ml, *strides, qk_scale, window_arg,
+            q, k_cache, v_cache, slots, seq_lens, out, part_acc, part_ml, pages_arg, *strides, qk_scale, window_arg,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None,
             HAS_TAIL=tail > 0, ROWS_ALIGNED=_rows_aligned(k_cache) and _rows_aligned(v_cache), PIPELINED=pipelined,
+            **paging,
             BLOCK_N=block_n, BLOCK_DA=block_da, BLOCK_DB=max(2, triton.next_power_of_2(max(tail, 1))),
             num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         )
@@ -367,9 +428,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if precision is None:
             precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
         _decode_attention_group_kernel[(batch, kv_heads, num_splits)](
-            q, k_cache, v_cache, slots, seq_lens, out, part_acc, part_ml, *strides, qk_scale, window_arg,
+            q, k_cache, v_cache, slots, seq_lens, out, part_acc, part_ml, pages_arg, *strides, qk_scale, window_arg,
             NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, DOT_PRECISION=precision, PIPELINED=pipelined,
+            **paging,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             num_warps=num_warps,
@@ -394,21 +456,24 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 @torch.library.custom_op("nemo_duplex::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, window: Optional[int],
-                        num_splits: Optional[int]) -> torch.Tensor:
-    return decode_attention_triton(q, k_cache, v_cache, slots, seq_lens, scale, window, num_splits)
+                        num_splits: Optional[int], pages: Optional[torch.Tensor]) -> torch.Tensor:
+    return decode_attention_triton(q, k_cache, v_cache, slots, seq_lens, scale, window, num_splits, pages=pages)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, seq_lens, scale, window, num_splits):
+def _(q, k_cache, v_cache, slots, seq_lens, scale, window, num_splits, pages):
     return torch.empty_like(q)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                     window: int | None = None, num_splits: int | None = None,
+                     pages: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] (one new query per row), k_cache/v_cache [S, KV, max_len, D], slots [B] int64,
     seq_lens [B] (keys per row, the new one included), scale (softmax scale), window (None or keys with
-    pos > seq_len - 1 - window). Returns [B, Hq, D] in q's dtype. Query head h reads kv head h // (Hq/KV)."""
+    pos > seq_len - 1 - window). Returns [B, Hq, D] in q's dtype. Query head h reads kv head h // (Hq/KV).
+    Paged: k_cache/v_cache [num_pages, KV, page_len, D] and pages [R, max_pages] int32, row b's keys in the
+    pages of table row slots[b] (ops/kv_pages.py)."""
     if use_triton(q):
-        return decode_attention_op(q, k_cache, v_cache, slots, seq_lens, float(scale), window, num_splits)
-    return decode_attention_reference(q, k_cache, v_cache, slots, seq_lens, scale, window)
+        return decode_attention_op(q, k_cache, v_cache, slots, seq_lens, float(scale), window, num_splits, pages)
+    return decode_attention_reference(q, k_cache, v_cache, slots, seq_lens, scale, window, pages)

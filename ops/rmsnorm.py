@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
+from ops.kv_pages import kv_write
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -74,12 +75,14 @@ def rms_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, c
 
 def rms_norm_rope_store_reference(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                                   sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                                  rows: torch.Tensor, positions: torch.Tensor, offset: float = 1.0) -> None:
+                                  rows: torch.Tensor, positions: torch.Tensor, offset: float = 1.0,
+                                  pages: torch.Tensor | None = None) -> None:
     """A decode step's k/v into its KV pools: k [B, 1, heads, D] normed and rotated (rms_norm_rope), v
-    [B, 1, heads, D] as it is, written at pool[rows[b], :, positions[b]] of pool_k / pool_v [R, heads, L, D]."""
+    [B, 1, heads, D] as it is, written at pool[rows[b], :, positions[b]] of pool_k / pool_v [R, heads, L, D]
+    (paged: in the page of table row rows[b] that holds positions[b], ops/kv_pages.py)."""
     k = rms_norm_rope_reference(k, weight, eps, cos, sin, offset)
-    pool_k[rows, :, positions] = k[:, 0].to(pool_k.dtype)
-    pool_v[rows, :, positions] = v[:, 0].to(pool_v.dtype)
+    kv_write(pool_k, pages, rows, positions, k[:, 0])
+    kv_write(pool_v, pages, rows, positions, v[:, 0])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,8 +177,9 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 def _norm_rope_rows(
     pid, x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o, eps, offset,
     v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps, stride_ph, stride_pl,
+    pages_ptr, stride_pages,
     D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr,
 ):
     """Block `pid` = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row, and x's
     row sits at token * stride_xt + head * stride_xh (so x may be a column slice of a fused q/k/v GEMM's
@@ -183,7 +187,8 @@ def _norm_rope_rows(
     columns (c +- D/2), so no shuffle.
     STORE (one token per batch row): the result goes to out_ptr[rows[token], head, pos[token]] of a KV
     pool [R, heads, L, D] (strides stride_ps / ph / pl) instead of out_ptr[row], and v's row (strides
-    stride_vt / vh) is copied to the same place of the v pool (v_out_ptr)."""
+    stride_vt / vh) is copied to the same place of the v pool (v_out_ptr). PAGED: the pool is
+    [pages, heads, PAGE_LEN, D] and the place is page pages[rows[token], pos // PAGE_LEN], pos % PAGE_LEN."""
     HALF: tl.constexpr = D // 2
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_D)
@@ -208,6 +213,9 @@ def _norm_rope_rows(
     if STORE:
         slot = tl.load(rows_ptr + tok, mask=r < R, other=0).to(tl.int64)
         pos = tl.load(pos_ptr + tok, mask=r < R, other=0).to(tl.int64)
+        if PAGED:
+            slot = tl.load(pages_ptr + slot * stride_pages + pos // PAGE_LEN, mask=r < R, other=0).to(tl.int64)
+            pos = pos % PAGE_LEN
         dst = slot[:, None] * stride_ps + head[:, None].to(tl.int64) * stride_ph + pos[:, None] * stride_pl
         tl.store(out_ptr + dst + c[None, :], out, mask=mask)
         v_row = (tok.to(tl.int64) * stride_vt + head * stride_vh)[:, None]
@@ -221,9 +229,10 @@ def _norm_rope_rows(
 def _rms_norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o, eps, offset,
     v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps, stride_ph, stride_pl,
+    pages_ptr, stride_pages,
     q_ptr, qw_ptr, q_out_ptr, RQ, stride_qt, stride_qh, x_programs,
     D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr,
 ):
     """`_norm_rope_rows` over x's rows in the first `x_programs` programs; the programs after them (if the
     grid has any) do the same for q (RQ rows, its own weight, written to q_out_ptr [RQ, D]) in the same
@@ -232,11 +241,13 @@ def _rms_norm_rope_kernel(
     if pid >= x_programs:
         _norm_rope_rows(pid - x_programs, q_ptr, qw_ptr, cos_ptr, sin_ptr, q_out_ptr, RQ, stride_qt, stride_qh,
                         stride_cs, D, eps, offset, v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh,
-                        stride_ps, stride_ph, stride_pl, D, HEADS, BLOCK_R, BLOCK_D, BF16, False)
+                        stride_ps, stride_ph, stride_pl, pages_ptr, stride_pages, D, HEADS, BLOCK_R, BLOCK_D, BF16,
+                        False, PAGED, PAGE_LEN)
     else:
         _norm_rope_rows(pid, x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o,
                         eps, offset, v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps,
-                        stride_ph, stride_pl, D, HEADS, BLOCK_R, BLOCK_D, BF16, STORE)
+                        stride_ph, stride_pl, pages_ptr, stride_pages, D, HEADS, BLOCK_R, BLOCK_D, BF16, STORE,
+                        PAGED, PAGE_LEN)
 
 
 def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -252,9 +263,10 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
         block_r = max(1, min(16, 2048 // block_d))
         _rms_norm_rope_kernel[(triton.cdiv(rows, block_r),)](
             x, weight, cos2, sin2, out, rows, stride_xt, stride_xh, cos2.stride(0), out.stride(0), float(eps),
-            float(offset), out, out, cos2, cos2, 0, 0, 0, 0, 0,  # no store
+            float(offset), out, out, cos2, cos2, 0, 0, 0, 0, 0, cos2, 0,  # no store
             x, weight, out, 0, 0, 0, triton.cdiv(rows, block_r),  # no q
             D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=x.dtype == torch.bfloat16, STORE=False,
+            PAGED=False, PAGE_LEN=1,
         )
     return out.view(b, t, heads, d)
 
@@ -262,8 +274,8 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
 def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                                sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
                                rows: torch.Tensor, positions: torch.Tensor, offset: float = 1.0,
-                               q: torch.Tensor | None = None, q_weight: torch.Tensor | None = None
-                               ) -> torch.Tensor | None:
+                               q: torch.Tensor | None = None, q_weight: torch.Tensor | None = None,
+                               pages: torch.Tensor | None = None) -> torch.Tensor | None:
     """With q [B, 1, heads, D] (as many heads as k) and its norm weight: also rms_norm_rope(q), returned, in
     the same launch."""
     b, t, heads, d = k.shape
@@ -286,9 +298,11 @@ def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float
         _rms_norm_rope_kernel[(k_programs * (2 if q is not None else 1),)](
             k, weight, cos2, sin2, pool_k, n, stride_kt, stride_kh, cos2.stride(0), 0, float(eps), float(offset),
             v, pool_v, rows, positions, stride_vt, stride_vh, pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
+            pages if pages is not None else rows, pages.stride(0) if pages is not None else 0,
             q if q is not None else k, q_weight if q is not None else weight, q_out if q is not None else k, n,
             stride_qt, stride_qh, k_programs,
             D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=k.dtype == torch.bfloat16, STORE=True,
+            PAGED=pages is not None, PAGE_LEN=pool_k.shape[2] if pages is not None else 1,
         )
     return q_out
 
@@ -377,27 +391,29 @@ def _(x, weight, eps, cos, sin, offset):
 def rms_norm_rope_qk_store_op(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, weight: torch.Tensor,
                               eps: float, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
                               pool_v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                              offset: float) -> torch.Tensor:
-    return rms_norm_rope_store_triton(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset, q, q_weight)
+                              offset: float, pages: Optional[torch.Tensor]) -> torch.Tensor:
+    return rms_norm_rope_store_triton(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset, q, q_weight,
+                                      pages)
 
 
 @rms_norm_rope_qk_store_op.register_fake
-def _(q, q_weight, k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset):
+def _(q, q_weight, k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset, pages):
     return q.new_empty(q.shape)
 
 
 def rms_norm_rope_qk_store(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, weight: torch.Tensor, eps: float,
                            cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
                            pool_v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                           offset: float = 1.0) -> torch.Tensor:
+                           offset: float = 1.0, pages: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention inputs in one launch: rms_norm_rope(q) [B, 1, heads, D] returned, and k
     [B, 1, heads, D] normed and rotated with v written in place at pool[rows[b], :, positions[b]] of pool_k /
     pool_v [R, heads, L, D] (no k output, no index_put launches; q with its own norm weight, as many heads
-    as k, the same eps). The kernel on CUDA or under TRITON_INTERPRET=1, else the torch statements."""
+    as k, the same eps; paged pools with their page table `pages`, ops/kv_pages.py). The kernel on CUDA or
+    under TRITON_INTERPRET=1, else the torch statements."""
     if use_triton(k):
         return rms_norm_rope_qk_store_op(q, q_weight, k, weight, float(eps), cos, sin, v, pool_k, pool_v, rows,
-                                         positions, float(offset))
-    rms_norm_rope_store_reference(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset)
+                                         positions, float(offset), pages)
+    rms_norm_rope_store_reference(k, weight, eps, cos, sin, v, pool_k, pool_v, rows, positions, offset, pages)
     return rms_norm_rope_reference(q, q_weight, eps, cos, sin, offset)
 
 

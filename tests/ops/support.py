@@ -20,3 +20,24 @@ def assert_norm_output(out, ref, exact, dtype, bf16_exact_rtol=2 ** -7):
         torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-5)
         assert (out == ref).float().mean().item() >= 0.99
         torch.testing.assert_close(out.double(), exact, rtol=bf16_exact_rtol, atol=1e-5)
+
+
+
+def paginate(pools: tuple[torch.Tensor, ...], page_len: int, gen: torch.Generator, spare: int = 3):
+    """Contiguous pools [R, heads, L, D] (the K and V of one layer) as paged ones (ops/kv_pages.py): each
+    row cut into pages of page_len positions, the pages shuffled into pools with `spare` pages of noise
+    besides, and the one table that finds them again. Returns (paged pools, pages [R, ceil(L / page_len)]
+    int32); the positions past L of a row's last page are noise."""
+    rows, heads, length, d = pools[0].shape
+    per_row = -(-length // page_len)
+    total = rows * per_row + spare
+    order = torch.randperm(total, generator=gen)[: rows * per_row]
+    paged = []
+    for pool in pools:
+        padded = torch.randn(rows, heads, per_row * page_len, d, generator=gen).to(pool.device, pool.dtype)
+        padded[:, :, :length] = pool
+        blocks = padded.unflatten(2, (per_row, page_len)).permute(0, 2, 1, 3, 4).flatten(0, 1)
+        out = torch.randn(total, heads, page_len, d, generator=gen).to(pool.device, pool.dtype)
+        out[order.to(pool.device)] = blocks
+        paged.append(out)
+    return tuple(paged), order.view(rows, per_row).to(torch.int32).to(pools[0].device)

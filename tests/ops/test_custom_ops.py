@@ -30,7 +30,7 @@ def _inputs(gen):
     L = 24
     decode = dict(q=r(B, 8, 16), k_cache=r(S, 2, L, 16), v_cache=r(S, 2, L, 16),
                   slots=torch.tensor([1, 3, 4], device=DEVICE), seq_lens=torch.tensor([5, 24, 1], device=DEVICE),
-                  scale=0.25, window=None, num_splits=None)
+                  scale=0.25, window=None, num_splits=None, pages=None)
     W, H, D = 6, 2, 16
     bounded = dict(q=r(B, H, D), k_new=r(B, H, D), v_new=r(B, H, D), keys=r(S, W, H, D), values=r(S, W, H, D),
                    pos=r(W + 1, H, D), pos_bias_u=r(H, D), pos_bias_v=r(H, D),
@@ -45,7 +45,14 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(0)
     mamba, decode, bounded, linear, dft = _inputs(gen)
     split = split_tf32(linear["weight"])
-    for op, kwargs in ((mamba_step_op, mamba), (decode_attention_op, decode), (bounded_attention_op, bounded),
+    # the decode pools paged: 2 pages of 16 positions per row (the last 8 never read), in shuffled order
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 8))  # noqa: E731
+    paged = dict(decode, k_cache=pad(decode["k_cache"]).unflatten(2, (2, 16)).transpose(1, 2).flatten(0, 1),
+                 v_cache=pad(decode["v_cache"]).unflatten(2, (2, 16)).transpose(1, 2).flatten(0, 1),
+                 pages=torch.randperm(decode["k_cache"].shape[0] * 2, generator=gen).view(-1, 2).to(DEVICE,
+                                                                                                  torch.int32))
+    for op, kwargs in ((mamba_step_op, mamba), (decode_attention_op, decode), (decode_attention_op, paged),
+                       (bounded_attention_op, bounded),
                        (fp32_linear_op, linear), (fp32_linear_op, dict(linear, presplit=True)),
                        (fp32_linear_op, dict(linear, gelu=False, presplit=True,
                                              residual=torch.randn(2, 5, 16, generator=gen).to(DEVICE))),

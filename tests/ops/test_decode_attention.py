@@ -206,3 +206,32 @@ def test_gpu_loop_forms_and_tunings_agree(num_heads, kv_heads, head_dim):
         out = decode_attention_triton(q, k, v, slots, seq_lens, 0.1, window=1500, **kw)
         # both read the same bf16 values and compute in fp32; the output's bf16 rounding dominates
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2, msg=str(kw))
+
+
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,window,num_splits,page_len", [
+    (4, 4, 18, None, 1, 8),   # the vector kernel, blocks of 16 keys over pages of 8
+    (3, 3, 72, 13, 3, 16),    # the talker's head dim, a window whose start is not page aligned, splits
+    (10, 2, 24, None, 3, 32),  # GQA (the group kernel), pages of 32, blocks of 64
+    (4, 2, 24, 9, 2, 16),     # GQA with a window (tl.dot takes blocks of 16 or more: pages of 16 at least)
+])
+def test_paged_pool_gives_the_unpaged_answer(num_heads, kv_heads, head_dim, window, num_splits, page_len):
+    """The same keys in shuffled pages (ops/kv_pages.py) with a page table: the kernel gives bit for bit what
+    it gives on the unpaged pool with the same key blocks (the launcher keeps a block within a page), the
+    reference agrees with it, and the rows read only their own pages (the noise pages beside them never
+    enter: any would move the answer)."""
+    from tests.ops.support import paginate
+    gen = torch.Generator().manual_seed(num_heads + head_dim + page_len)
+    q, k, v = _make(5, num_heads, kv_heads, head_dim, 40, 6, torch.float32, DEVICE, gen)
+    slots = torch.tensor([2, 0, 4, 5, 5], dtype=torch.int64, device=DEVICE)
+    seq_lens = torch.tensor([1, 17, 40, 1, 3], dtype=torch.int64, device=DEVICE)
+    (k_paged, v_paged), pages = paginate((k, v), page_len, gen)
+    scale = 1.0 / math.sqrt(head_dim)
+    block_n = min(page_len, 16 if kv_heads == num_heads else 64)   # what the launcher takes for these pages
+    flat = decode_attention_triton(q, k, v, slots, seq_lens, scale, window, num_splits=num_splits, block_n=block_n)
+    paged = decode_attention_triton(q, k_paged, v_paged, slots, seq_lens, scale, window, num_splits=num_splits,
+                                    pages=pages)
+    ref = decode_attention_reference(q, k_paged, v_paged, slots, seq_lens, scale, window, pages=pages)
+    assert torch.equal(paged, flat)
+    torch.testing.assert_close(ref, decode_attention_reference(q, k, v, slots, seq_lens, scale, window),
+                               rtol=0, atol=0)   # the reference gathers the same values in the same order
+    torch.testing.assert_close(paged, ref, rtol=1e-5, atol=1e-5)  # fp32, summation order only

@@ -193,7 +193,7 @@ def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
     k2, w2, cos2, sin2, v2, pool_k2, pool_v2, rows2, positions2 = _kv_store_inputs(
         torch.Generator().manual_seed(9), 2, 2, 8, 4, 5, torch.float32, DEVICE)
     torch.library.opcheck(rms_norm_rope_qk_store_op, (k2.clone(), w2, k2, w2, 1e-6, cos2, sin2, v2, pool_k2, pool_v2,
-                                                      rows2, positions2, 1.0), test_utils=OPCHECK_TESTS)
+                                                      rows2, positions2, 1.0, None), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.parametrize("t", [1, 3])
@@ -307,3 +307,30 @@ def test_gpu_add_rms_norm_full_shapes(rows, width, offset, norm_delta):
     for out, ref in ((s, s_ref), (y, y_ref)):
         torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
         assert (out == ref).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_store_into_pages(dtype):
+    """The store with a page table (ops/kv_pages.py): every row's positions, gathered back through the table,
+    equal what the unpaged store writes, bit for bit, and the pages no row owns are untouched; the torch
+    statements (the CPU path) write the same places."""
+    from ops.kv_pages import kv_gather
+    from ops.rmsnorm import rms_norm_rope_store_reference, rms_norm_rope_store_triton
+    from tests.ops.support import paginate
+    gen = torch.Generator().manual_seed(12)
+    k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 4, 3, 18, 7, 11, dtype, DEVICE)
+    (paged_k, paged_v), pages = paginate((pool_k, pool_v), 4, gen)
+    owned = torch.zeros(paged_k.shape[0], dtype=torch.bool, device=DEVICE)
+    owned[pages.flatten().long()] = True
+    spare_k = paged_k[~owned].clone()
+    ref_k, ref_v = paged_k.clone(), paged_v.clone()
+    rms_norm_rope_store_triton(k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
+    rms_norm_rope_store_triton(k, w, 1e-6, cos, sin, v, paged_k, paged_v, rows, positions, pages=pages)
+    rms_norm_rope_store_reference(k, w, 1e-6, cos, sin, v, ref_k, ref_v, rows, positions, pages=pages)
+    every = torch.arange(pool_k.shape[0], device=DEVICE)
+    assert torch.equal(kv_gather(paged_k, pages, every)[:, :, :11], pool_k)
+    assert torch.equal(kv_gather(paged_v, pages, every)[:, :, :11], pool_v)
+    assert torch.equal(paged_k[~owned], spare_k)
+    assert torch.equal(ref_v, paged_v)
+    tolerance = 4 * 2 ** -8 * 8 if dtype == torch.bfloat16 else 2e-6
+    torch.testing.assert_close(ref_k.float(), paged_k.float(), rtol=0, atol=tolerance)

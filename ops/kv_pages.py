@@ -1,0 +1,53 @@
+"""KV pools in pages: where a row's key at a position lives, in plain torch.
+
+A paged pool is `[num_pages, kv_heads, page_len, D]` with a page table `pages [R, max_pages]` (int32): row
+r's position p lives at `pool[pages[r, p // page_len], :, p % page_len]`. A table entry a row has not been
+given points at a sink page, so every address stays inside the pool (nemo_duplex/serving/pages.py hands
+pages out). With `pages=None` the pool is the unpaged `[R, kv_heads, max_len, D]` and row r is pool row r:
+the same functions serve both, and the kernels (ops/decode_attention.py, ops/rmsnorm.py's store) read the
+same addresses these do.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def page_address(pages: torch.Tensor, page_len: int, rows: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool page, offset in it) of each (row, position); rows and positions broadcast together."""
+    page = pages[rows, torch.div(positions, page_len, rounding_mode="floor")].to(torch.int64)
+    return page, positions % page_len
+
+
+def kv_places(pages: torch.Tensor | None, page_len: int, rows: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool row, offset) of each (row, position), paged or not (pages None: the row itself, the position):
+    an index pair for pool[..., row, :, offset] over every layer of a stacked pool at once."""
+    if pages is None:
+        return torch.broadcast_tensors(rows, positions)
+    return page_address(pages, page_len, rows, positions)
+
+
+def kv_write(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor,
+             values: torch.Tensor) -> None:
+    """pool[row, :, position] = values for every (row, position): rows and positions broadcast to the
+    leading shape of values [..., kv_heads, D]."""
+    if pages is None:
+        pool[rows, :, positions] = values.to(pool.dtype)
+        return
+    page, offset = page_address(pages, pool.shape[2], rows, positions)
+    pool[page, :, offset] = values.to(pool.dtype)
+
+
+def kv_gather(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """Each row's keys by position: [len(rows), kv_heads, max_len, D] (max_len = max_pages x page_len paged)."""
+    if pages is None:
+        return pool[rows]
+    blocks = pool[pages[rows].to(torch.int64)]          # [b, max_pages, kv, page_len, D]
+    b, n, kv, page_len, d = blocks.shape
+    return blocks.permute(0, 2, 1, 3, 4).reshape(b, kv, n * page_len, d)
+
+
+def kv_max_len(pool: torch.Tensor, pages: torch.Tensor | None) -> int:
+    """The positions a row can hold."""
+    return pool.shape[2] if pages is None else pages.shape[1] * pool.shape[2]
