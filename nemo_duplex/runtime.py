@@ -244,7 +244,8 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device,
     return check_fits(mcfg, device, check=bool(m.get("check", True)), device_gib=m.get("device_gib"),
                       reserve_gib=m.get("reserve_gib"), calls=calls,
                       max_prompt_tokens=int(engine.get("max_prompt_tokens", 512)),
-                      prefix_cache_mib=int(engine.get("prefix_cache_mib", 0)) if calls else 0)
+                      prefix_cache_mib=int(engine.get("prefix_cache_mib", 0)) if calls else 0,
+                      kv_pool_gib=engine.get("kv_pool_gib") if calls else None)
 
 
 @dataclass

@@ -28,6 +28,13 @@ class EngineConfig:
     max_call_s: float = 160.0          # a call past this many seconds of input ends with reason "limit"
     max_pending_s: float = 30.0        # input received but not yet stepped, per call
     max_prompt_tokens: int = 512
+    # The LLM's and the talker's KV live in pages of kv_page_len positions (a power of two; 64 frames are
+    # 5.1 s), taken as a call grows and returned when it ends (serving/pages.py). kv_pool_gib: GiB of pages
+    # in all; null = enough for every call at max_call_s (no call is ever refused for pages). Set, a call is
+    # admitted only if the pages its limit (its own max_call_s, else this one) could need fit beside what
+    # the live calls could still need: refused at open_call, never cut mid-call. The memory plan counts it.
+    kv_page_len: int = 64
+    kv_pool_gib: Optional[float] = None
     # admissions cached by (prompt, speaker), in MiB (state.PrefixCache; 0 turns the cache off): at full size
     # an entry is 146-154 MiB (the fp32 SSM state, plus its prompt's KV: no prompt to 512 tokens), so
     # 1280 MiB hold 8 prompts of 512 tokens
@@ -205,6 +212,7 @@ class BenchConfig:
     warmup: int = 3
     compare_eager: bool = True
     cpu_bandwidth: float = 1.0e10     # bytes/s assumed for the floor on the CPU (no copy measurement there)
+    paged: bool = True                # the KV pools in pages of engine.kv_page_len, as the engine has them
 
 
 @dataclass
@@ -223,6 +231,11 @@ class LoadTestConfig:
     stagger_s: float = 2.0            # staggered: the N starts are spread over this
     lead_s: float = 1.0               # connect, then the schedule starts this much later
     duration_s: float = 20.0          # input per call (the clip looped); every call sends the same bytes
+    # [lo, hi] seconds: caller i's input is instead drawn uniform in [lo, hi] (a numpy Generator seeded by
+    # loadtest.seed: caller i has the same length at every N), rounded up to whole 80 ms frames, and the caller
+    # declares it, plus one frame, as its max_call_s (the engine holds memory for that long only). null: every
+    # caller sends duration_s and declares nothing
+    length_mix: Optional[list[float]] = None
     clip: Optional[str] = None        # null = eval/clips/example.wav
     seed: int = 0
     callers_per_process: int = 32     # above this the callers are sharded over processes (scripts/bench.py says why)

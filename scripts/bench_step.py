@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.serving.frame_step import special_ids  # noqa: E402
+from nemo_duplex.serving.memory import kv_bytes_per_position, kv_page_counts  # noqa: E402
+from nemo_duplex.serving.pages import KVPages  # noqa: E402
 from nemo_duplex.serving.state import allocate_call_state, state_tensors  # noqa: E402
 from nemo_duplex.serving.weight_reads import fixed_and_per_call  # noqa: E402
 
@@ -78,13 +80,12 @@ def state_bytes_per_call(model, st, position: int) -> dict[str, int]:
     S = st.max_calls + 1
     def row(t):  # bytes of one slot row of a pooled tensor whose slot dim is `dim`
         return t.numel() * t.element_size() // S
-    llm, tk, enc = st.llm, st.talker, st.encoder
+    llm, enc = st.llm, st.encoder
     ssm = 2 * row(llm.ssm)                                    # read + write the whole SSM state
     conv = 2 * row(llm.conv)
-    kv_tok = row(llm.k) // llm.k.shape[-2]                    # one token of one layer's K (all attn layers)
-    llm_kv = 2 * kv_tok * (position + 1) + 2 * kv_tok         # read K and V of every token, write one
-    t_tok = row(tk.k) // tk.k.shape[-2]
-    talker_kv = 2 * t_tok * (cfg.prompt_frames + position + 1) + 2 * t_tok
+    kv_pos, t_pos = kv_bytes_per_position(cfg)                # K and V of one position, every layer (and stream)
+    llm_kv = kv_pos * (position + 1) + kv_pos                 # read K and V of every token, write one
+    talker_kv = t_pos * (cfg.prompt_frames + position + 1) + t_pos
     enc_state = 2 * sum(row(t) for _, t in state_tensors(enc) if t.dim() > 1)
     return {"mamba_ssm": ssm, "mamba_conv": conv, "llm_kv": llm_kv, "talker_kv": talker_kv, "encoder": enc_state}
 
@@ -165,7 +166,13 @@ def main(cfg: DictConfig) -> None:
     model, tok, _, mcfg = loaded
     print(runtime.summary(cfg, loaded, "bench_step"), flush=True)
     print(f"model ready in {time.perf_counter() - t0:.0f} s; weights {weight_bytes(model) / 2**30:.1f} GiB", flush=True)
-    st = allocate_call_state(model, max_n, frames, device, max_prompt_tokens=0)
+    pages = kv_page_counts(mcfg, max_n, frames * mcfg.frame_length, 0, cfg.engine.kv_page_len) if b.paged else None
+    st = allocate_call_state(model, max_n, frames, device, max_prompt_tokens=0, kv_pages=pages)
+    if pages is not None:   # every call holds the pages of its whole length, as a call that long would
+        kv = KVPages(st, mcfg.prompt_frames, 0)
+        for slot in range(max_n):
+            assert kv.commit(slot, frames, mcfg.prompt_frames + frames)
+            kv.grow(slot, frames, mcfg.prompt_frames + frames)
     on_gpu = device.type == "cuda"
     if on_gpu:
         print(f"state pools for {max_n} calls: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)

@@ -64,8 +64,9 @@ class ScriptedModel:
         return torch.tensor([t.bos_id] + tokenizer.encode(prompt) + [t.eos_id])
 
     # engine hooks
-    def allocate(self, model, max_calls, max_frames, device, max_prompt_tokens=0):
-        return SimpleNamespace(sink=max_calls)   # as CallState: the padding rows' slot
+    def allocate(self, model, max_calls, max_frames, device, max_prompt_tokens=0, kv_pages=None):
+        # as CallState: the padding rows' slot, and unpaged KV pools (the engine keeps no pages for a script)
+        return SimpleNamespace(sink=max_calls, llm=SimpleNamespace(pages=None))
 
     def admit(self, model, st, slot, prompt_ids, seed, sampling, speaker=None, prefix_cache=None):
         if speaker not in (None, self.cfg.talker.speaker):

@@ -33,9 +33,24 @@ def _restore(st, snap):
         v.copy_(snap[k])
 
 
+def _paged_state(model, n_calls: int, max_frames: int, device, max_prompt_tokens: int, page_len: int = 16):
+    """Pools as the engine has them, KV in pages (page_len positions, small: a call crosses many), every slot
+    given the pages of its whole length."""
+    from nemo_duplex.serving.memory import kv_page_counts
+    from nemo_duplex.serving.pages import KVPages
+
+    counts = kv_page_counts(model.cfg, n_calls, max_frames * model.cfg.frame_length, max_prompt_tokens, page_len)
+    st = allocate_call_state(model, n_calls, max_frames, device, max_prompt_tokens, counts)
+    pages = KVPages(st, model.cfg.prompt_frames, max_prompt_tokens)
+    for s in range(n_calls):
+        assert pages.commit(s, max_prompt_tokens + max_frames, model.cfg.prompt_frames + max_frames)
+        pages.grow(s, max_prompt_tokens + max_frames, model.cfg.prompt_frames + max_frames)
+    return st
+
+
 def _admitted_state(model, n_calls: int, max_frames: int = 8, device=torch.device("cpu")):
-    """Pools for n_calls calls, every slot admitted (no prompt, seed = slot)."""
-    st = allocate_call_state(model, n_calls, max_frames, device, max_prompt_tokens=0)
+    """Paged pools for n_calls calls, every slot admitted (no prompt, seed = slot)."""
+    st = _paged_state(model, n_calls, max_frames, device, 0)
     for s in range(n_calls):
         admit(model, st, s, None, s, SamplingParams())
     return st
@@ -125,9 +140,10 @@ def slim():
 def test_graphs_match_eager_teacher_forced(tiny, slim, example_clip, compiler):
     """Both compilers over 80 frames of 2 calls (one with a prompt): past the encoder's 70-frame left
     context and the talker's 48-position window. aot_eager traces the tiny model's whole step; Inductor
-    compiles the slim one's (a layer of each kind: more layers of a kind add nothing to check)."""
+    compiles the slim one's (a layer of each kind: more layers of a kind add nothing to check). The KV pools
+    are paged, as the engine has them."""
     model, tok = slim if compiler == "inductor" else tiny[:2]
-    st = allocate_call_state(model, 2, FRAMES + 4, torch.device("cpu"), max_prompt_tokens=16)
+    st = _paged_state(model, 2, FRAMES + 4, torch.device("cpu"), max_prompt_tokens=16)
     admit(model, st, 0, None, 3, SamplingParams())
     admit(model, st, 1, model.prompt_ids(tok, "Be brief."), 4, SamplingParams())
     specials = special_ids(model, torch.device("cpu"))

@@ -246,3 +246,43 @@ def test_a_negative_prefix_cache_size_is_refused(tiny):
 
     with pytest.raises(ValueError, match=r"engine.prefix_cache_mib = -1: .*>= 0"):
         build_engine(tiny[0], tiny[1], EngineConfig(max_calls=1, max_call_s=1.0, prefix_cache_mib=-1))
+
+
+def test_paged_pools_hold_what_the_plan_counts_full_size_on_meta():
+    """engine.kv_pool_gib: the paged allocation (full size, bf16, on the meta device) holds, beside one row
+    per slot of everything but the KV, the GiB asked for in LLM and talker pages (less than a page of each
+    lost to the floor, plus each pool's sink page), split as one call of engine.max_call_s splits them; the
+    plan counts the same bytes. Unset, the pages are those of max_calls such calls."""
+    from nemo_duplex.serving.memory import kv_bytes_per_position, kv_page_counts, kv_pages_per_call
+
+    cfg = inference_config(ModelConfig(), "bf16")
+    with torch.device("meta"):
+        model = VoiceChat(cfg).cast_for_inference()
+    llm_position, talker_position = kv_bytes_per_position(cfg)
+    counts = kv_page_counts(cfg, 4, 160.0, 512, 64, pool_gib=2.5)
+    st = allocate_call_state(model, 4, frames_per_call(cfg, 160.0), torch.device("meta"), 512, counts)
+    kv = tensor_bytes(st.llm.k) + tensor_bytes(st.llm.v) + tensor_bytes(st.talker.k) + tensor_bytes(st.talker.v)
+    sinks = 64 * (llm_position + talker_position)
+    assert 2.5 * GiB - sinks <= kv - sinks <= 2.5 * GiB
+    llm_call, talker_call = kv_pages_per_call(cfg, 160.0, 512, 64)
+    assert abs(counts.llm / llm_call - counts.talker / talker_call) < 1 / talker_call   # as many calls' worth, to a page
+    planned = plan(cfg, 4, 160.0, 200 * GiB, weights=0, reserve=0, kv_pool_gib=2.5)
+    per = bytes_per_call(cfg, 160.0, 512)
+    assert planned.pools == 5 * (per.total - per.llm_kv - per.talker_kv) + int(2.5 * GiB)
+    whole = kv_page_counts(cfg, 4, 160.0, 512, 64)
+    assert (whole.llm, whole.talker) == (4 * llm_call, 4 * talker_call)
+
+
+def test_kv_pool_settings_that_cannot_work_are_refused():
+    from nemo_duplex.serving.memory import kv_page_counts
+
+    cfg = tiny_config()
+    for page_len in (8, 48):
+        with pytest.raises(ValueError, match="engine.kv_page_len"):
+            kv_page_counts(cfg, 2, 10.0, 16, page_len)
+    for pool in (0.0, -1.0):
+        with pytest.raises(ValueError, match="engine.kv_pool_gib"):
+            kv_page_counts(cfg, 2, 10.0, 16, 64, pool)
+    full = inference_config(ModelConfig(), "bf16")
+    with pytest.raises(MemoryPlanError, match=r"engine.kv_pool_gib = 200 GiB .* At most engine.kv_pool_gib = "):
+        plan(full, 16, 160.0, 140 * GiB, kv_pool_gib=200.0)

@@ -155,10 +155,11 @@ class Gemma3Attention(StackedProjections):
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
              rows: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-             lengths: torch.Tensor | None = None) -> torch.Tensor:
+             lengths: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row: x [N, H], positions [N]; writes k/v at (rows, positions) of the pools
         [R, kv_heads, L, D] in place, then attends over the row's cache. -> [N, H]. `lengths` =
-        positions + 1 if the caller has it (the backbone computes it once for all layers)."""
+        positions + 1 if the caller has it (the backbone computes it once for all layers). Paged pools with
+        their table `pages` (ops/kv_pages.py)."""
         n = x.shape[0]
         cos, sin = self.rotary(positions[:, None], rope)
         q, k, v = self.qkv(x)
@@ -167,9 +168,9 @@ class Gemma3Attention(StackedProjections):
         # (ops/rmsnorm.py; q and k share the config's eps and, here, the head count)
         q = rms_norm_rope_qk_store(q.view(n, 1, self.num_heads, self.head_dim), self.q_norm.weight, k.view(heads),
                                    self.k_norm.weight, self.k_norm.eps, cos, sin, v.view(heads), pool_k, pool_v,
-                                   rows, positions)
+                                   rows, positions, pages=pages)
         lengths = positions + 1 if lengths is None else lengths
-        out = decode_attention(q[:, 0], pool_k, pool_v, rows, lengths, self.scale, self.window)
+        out = decode_attention(q[:, 0], pool_k, pool_v, rows, lengths, self.scale, self.window, pages=pages)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -193,11 +194,11 @@ class Gemma3Layer(nn.Module):
         x = x + self.post_attention_layernorm(attn)
         return self.feed_forward(x), k, v
 
-    def step(self, x, h, following, positions, pool_k, pool_v, rows, rope=None, lengths=None):
+    def step(self, x, h, following, positions, pool_k, pool_v, rows, rope=None, lengths=None, pages=None):
         """x [N, H] the residual stream, h = input_layernorm(x) -> (the new x, following(x)): each residual
         add runs with the next norm (`add_to_then`); `following` is the next layer's input_layernorm or
         the backbone's final norm."""
-        attn = self.self_attn.step(h, positions, pool_k, pool_v, rows, rope, lengths)
+        attn = self.self_attn.step(h, positions, pool_k, pool_v, rows, rope, lengths, pages)
         x, h = self.post_attention_layernorm.add_to_then(x, attn, self.pre_feedforward_layernorm)
         return self.post_feedforward_layernorm.add_to_then(x, self.mlp(h), following)
 
@@ -205,16 +206,21 @@ class Gemma3Layer(nn.Module):
 @dataclass
 class TalkerCache:
     """Backbone KV pools: k, v [n_layers, 2, S, kv_heads, max_len, head_dim]; dim 1 is the CFG stream
-    (0 = conditional, 1 = unconditional), dim 2 the slot (the last slot is the sink)."""
+    (0 = conditional, 1 = unconditional), dim 2 the slot (the last slot is the sink). Paged: k, v
+    [n_layers, 2, pages, kv_heads, page_len, head_dim] and `pages` [2 * S, max_len / page_len] int32, the
+    table of each stream's row (row = stream * S + slot, as the unpaged views below number them) into the
+    layer's two streams' pages (stream 1's page p is entry p + pages per stream; serving/pages.py)."""
     k: torch.Tensor
     v: torch.Tensor
+    pages: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[2] if self.pages is None else self.pages.shape[0] // 2
 
     def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [2 * S, kv_heads, max_len, D] of one layer: row = stream * S + slot."""
+        """Views [2 * S, kv_heads, max_len, D] of one layer: row = stream * S + slot (paged: the two streams'
+        pages, [2 * pages, kv_heads, page_len, D])."""
         return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
 
 
@@ -265,5 +271,6 @@ class Gemma3Backbone(nn.Module):
             attn = layer.self_attn
             pool_k, pool_v = cache.layer_pools(i)
             following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer.step(x, h, following, positions, pool_k, pool_v, rows, ropes[attn.rope_theta], lengths)
+            x, h = layer.step(x, h, following, positions, pool_k, pool_v, rows, ropes[attn.rope_theta], lengths,
+                              cache.pages)
         return h

@@ -25,6 +25,7 @@ from nemo_duplex.models.config import LLMConfig
 from nemo_duplex.models.stacking import StackedProjections
 from ops.activation import relu_square
 from ops.decode_attention import decode_attention
+from ops.kv_pages import kv_gather, kv_max_len, kv_write
 from ops.mamba_step import mamba_step
 from ops.rmsnorm import add_rms_norm, rms_norm
 
@@ -34,11 +35,13 @@ MAMBA, ATTENTION, MLP_KIND = "M", "*", "-"  # hybrid_override_pattern letters (s
 @dataclass
 class LLMCache:
     """Slot pools for all layers. Mamba: the last K-1 raw (pre-conv) xBC columns and the SSM state;
-    attention: keys/values by absolute position (NoPE, so entries never need re-rotating)."""
+    attention: keys/values by absolute position (NoPE, so entries never need re-rotating), one row per slot
+    or, paged, in pages that a slot's row of `pages` names (ops/kv_pages.py; serving/pages.py hands them out)."""
     conv: torch.Tensor  # [n_mamba, S, conv_dim, K-1], compute dtype
     ssm: torch.Tensor   # [n_mamba, S, heads, head_dim, d_state], fp32 by default (spec 1.6)
-    k: torch.Tensor     # [n_attn, S, kv_heads, max_len, head_dim], compute dtype
-    v: torch.Tensor     # [n_attn, S, kv_heads, max_len, head_dim]
+    k: torch.Tensor     # [n_attn, S, kv_heads, max_len, head_dim], compute dtype; paged [n_attn, pages, kv, page_len, D]
+    v: torch.Tensor     # as k
+    pages: torch.Tensor | None = None   # paged: [S, max_len / page_len] int32, the pool page of each stretch
 
     @property
     def num_slots(self) -> int:
@@ -46,7 +49,7 @@ class LLMCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return kv_max_len(self.k[0], self.pages)
 
 
 def reset_slots(cache: LLMCache, slots: torch.Tensor) -> None:
@@ -233,19 +236,19 @@ class Attention(StackedProjections):
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
     def prefill(self, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                lengths: torch.Tensor) -> torch.Tensor:
+                lengths: torch.Tensor, pages: torch.Tensor | None = None) -> torch.Tensor:
         """x [b, T, H] at positions lengths[r] .. lengths[r] + T - 1 of slot slots[r]: write the new keys and
         values into the pools, then attend over each row's whole history (plain torch, fp32 softmax)."""
         b, T, _ = x.shape
         q, k, v = self._qkv(x)
         pos = lengths[:, None] + torch.arange(T, device=x.device)  # [b, T]
-        k_pool[slots[:, None], :, pos] = k.to(k_pool.dtype)        # [b, T, kv, d] into [S, kv, L, d]
-        v_pool[slots[:, None], :, pos] = v.to(v_pool.dtype)
+        kv_write(k_pool, pages, slots[:, None], pos, k)            # [b, T, kv, d] at (slot, :, position)
+        kv_write(v_pool, pages, slots[:, None], pos, v)
 
         group = self.num_heads // self.kv_heads
-        keys = k_pool[slots].float().repeat_interleave(group, dim=1)  # [b, heads, L, d]
-        values = v_pool[slots].float().repeat_interleave(group, dim=1)
-        valid = torch.arange(k_pool.shape[2], device=x.device)[None, None, :] <= pos[:, :, None]  # [b, T, L]
+        keys = kv_gather(k_pool, pages, slots).float().repeat_interleave(group, dim=1)  # [b, heads, L, d]
+        values = kv_gather(v_pool, pages, slots).float().repeat_interleave(group, dim=1)
+        valid = torch.arange(keys.shape[2], device=x.device)[None, None, :] <= pos[:, :, None]  # [b, T, L]
         scores = torch.einsum("bthd,bhld->bhtl", q.float(), keys) * self.scale
         probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
         values = values.masked_fill(~valid.any(1)[:, None, :, None], 0.0)  # never-written positions may hold junk
@@ -253,14 +256,14 @@ class Attention(StackedProjections):
         return self.o_proj(out.flatten(-2))
 
     def step(self, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-             lengths: torch.Tensor, use_kernels: bool) -> torch.Tensor:
+             lengths: torch.Tensor, use_kernels: bool, pages: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, H], one token per row at position lengths[r]."""
         if not use_kernels:
-            return self.prefill(x[:, None], k_pool, v_pool, slots, lengths)[:, 0]
+            return self.prefill(x[:, None], k_pool, v_pool, slots, lengths, pages)[:, 0]
         q, k, v = self._qkv(x)
-        k_pool[slots, :, lengths] = k.to(k_pool.dtype)  # [B, kv, d] at (slot, :, position)
-        v_pool[slots, :, lengths] = v.to(v_pool.dtype)
-        out = decode_attention(q.to(k_pool.dtype), k_pool, v_pool, slots, lengths + 1, self.scale)
+        kv_write(k_pool, pages, slots, lengths, k)  # [B, kv, d] at (slot, :, position)
+        kv_write(v_pool, pages, slots, lengths, v)
+        out = decode_attention(q.to(k_pool.dtype), k_pool, v_pool, slots, lengths + 1, self.scale, pages=pages)
         return self.o_proj(out.to(x.dtype).flatten(-2))
 
 
@@ -323,17 +326,23 @@ class NemotronH(nn.Module):
     # ---- slot pools ----
 
     def allocate_cache(self, num_slots: int, max_len: int, device: torch.device | str, dtype: torch.dtype,
-                       ssm_dtype: torch.dtype = torch.float32) -> LLMCache:
-        """Zeroed pools; num_slots = max_calls + 1 (the last row is the sink)."""
+                       ssm_dtype: torch.dtype = torch.float32, page_len: int | None = None,
+                       num_pages: int = 0) -> LLMCache:
+        """Zeroed pools; num_slots = max_calls + 1 (the last row is the sink). With page_len: the attention
+        pools hold num_pages pages of page_len positions and one more, the sink page, which every entry of
+        the table names until a page is given (serving/pages.py)."""
         cfg = self.cfg
         n_mamba, n_attn = len(cfg.layer_indices(MAMBA)), len(cfg.layer_indices(ATTENTION))
+        rows, length, pages = num_slots, max_len, None
+        if page_len is not None:
+            rows, length = num_pages + 1, page_len
+            pages = torch.full((num_slots, -(-max_len // page_len)), num_pages, dtype=torch.int32, device=device)
+        kv = (n_attn, rows, cfg.num_key_value_heads, length, cfg.head_dim)
         return LLMCache(
             conv=torch.zeros(n_mamba, num_slots, cfg.mamba_conv_dim, cfg.conv_kernel - 1, device=device, dtype=dtype),
             ssm=torch.zeros(n_mamba, num_slots, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
                             device=device, dtype=ssm_dtype),
-            k=torch.zeros(n_attn, num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim, device=device, dtype=dtype),
-            v=torch.zeros(n_attn, num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim, device=device, dtype=dtype),
-        )
+            k=torch.zeros(kv, device=device, dtype=dtype), v=torch.zeros(kv, device=device, dtype=dtype), pages=pages)
 
     def reset_slots(self, cache: LLMCache, slots: torch.Tensor) -> None:
         reset_slots(cache, slots)
@@ -350,7 +359,7 @@ class NemotronH(nn.Module):
                 cache.ssm[j][slots] = ssm_state.to(cache.ssm.dtype)
             elif layer.kind == ATTENTION:
                 j = self.pool_row[i]
-                h = layer.mixer.prefill(h, cache.k[j], cache.v[j], slots, lengths)
+                h = layer.mixer.prefill(h, cache.k[j], cache.v[j], slots, lengths, cache.pages)
             else:
                 h = layer.mixer(h)
             x = x + h
@@ -372,7 +381,7 @@ class NemotronH(nn.Module):
                 h = layer.mixer.step(h, cache.conv[j], cache.ssm[j], slots, use_kernels)
             elif layer.kind == ATTENTION:
                 j = self.pool_row[i]
-                h = layer.mixer.step(h, cache.k[j], cache.v[j], slots, lengths, use_kernels)
+                h = layer.mixer.step(h, cache.k[j], cache.v[j], slots, lengths, use_kernels, cache.pages)
             else:
                 h = layer.mixer(h)
             # the residual add and the next block's norm (or norm_f) in one kernel on CUDA: x + h, norm(x + h)

@@ -39,6 +39,7 @@ from nemo_duplex.models.text_conditioning import (
     SubwordFlagEmbedding,
 )
 from ops.codebook_sum import codebook_sum
+from ops.kv_pages import kv_write
 from ops.mog_latent import mog_latent
 from ops.top_p_sample import gumbel, top_p_gumbel_argmax
 
@@ -230,16 +231,27 @@ class EarTTS(nn.Module):
         p = x_cond.shape[0]
         positions = torch.arange(p, device=x_cond.device).expand(2, p)
         _, kv = self.backbone.prefill(torch.stack([x_cond, x_uncond]), positions)
+        rows = torch.stack([slots, slots + cache.num_slots])[:, :, None]   # [2 streams, slots, 1]
+        at = torch.arange(p, device=x_cond.device)
         for i, (k, v) in enumerate(kv):  # k, v [2 streams, kv_heads, P, D]
-            cache.k[i, :, slots, :, :p] = k[:, None].to(cache.k.dtype)
-            cache.v[i, :, slots, :, :p] = v[:, None].to(cache.v.dtype)
+            pool_k, pool_v = cache.layer_pools(i)
+            kv_write(pool_k, cache.pages, rows, at, k.transpose(1, 2)[:, None])   # [2, 1, P, kv, D] to every slot
+            kv_write(pool_v, cache.pages, rows, at, v.transpose(1, 2)[:, None])
 
-    def allocate_cache(self, num_slots: int, max_len: int, device, dtype) -> TalkerCache:
-        """num_slots counts the sink row."""
+    def allocate_cache(self, num_slots: int, max_len: int, device, dtype, page_len: int | None = None,
+                       num_pages: int = 0) -> TalkerCache:
+        """num_slots counts the sink row. With page_len: num_pages pages of page_len positions per stream
+        and one more, the sink page, which every table entry names until a page is given (serving/pages.py)."""
         b = self.cfg.backbone
-        shape = (b.num_hidden_layers, 2, num_slots, b.num_key_value_heads, max_len, b.head_dim)
+        rows, length, pages = num_slots, max_len, None
+        if page_len is not None:
+            rows, length = num_pages + 1, page_len
+            per_row = -(-max_len // page_len)
+            sink = torch.tensor([num_pages, 2 * num_pages + 1], dtype=torch.int32, device=device)  # each stream's
+            pages = sink.repeat_interleave(num_slots)[:, None].expand(2 * num_slots, per_row).contiguous()
+        shape = (b.num_hidden_layers, 2, rows, b.num_key_value_heads, length, b.head_dim)
         return TalkerCache(k=torch.zeros(shape, device=device, dtype=dtype),
-                           v=torch.zeros(shape, device=device, dtype=dtype))
+                           v=torch.zeros(shape, device=device, dtype=dtype), pages=pages)
 
     # --- one frame (spec 4.4) --------------------------------------------------------------------------
 

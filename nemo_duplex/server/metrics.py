@@ -48,6 +48,9 @@ class ServerMetrics:
                                          "(stage request) or WebSocket upgrade (stage upgrade) completed",
                                          ["stage"], registry=r)
         self.ready = Gauge("duplex_ready", "1 once warm-up (and graph capture) is done", registry=r)
+        self.kv_pages = Gauge("duplex_kv_pages", "KV pages of each pool (llm, talker): all of them, those free, and "
+                              "those neither taken nor committed to a live call (new calls are admitted by these)",
+                              ["pool", "state"], registry=r)
         self._seen_steps = 0
         self._seen_frames = 0
         self._fps = deque()        # (monotonic time, engine frames so far)
@@ -69,6 +72,10 @@ class ServerMetrics:
         stats = engine.stats
         self.active_calls.set(engine.active_calls)
         self.sessions.set(sessions)
+        if engine.pages is not None:
+            for key, value in engine.pages.usage().items():   # e.g. talker_pages_uncommitted
+                pool, _, state = key.partition("_pages")
+                self.kv_pages.labels(pool=pool, state=state.lstrip("_") or "total").set(value)
         new_steps = stats.steps - self._seen_steps
         if new_steps > 0:
             recent = list(stats.step_seconds)[-min(new_steps, len(stats.step_seconds)):]

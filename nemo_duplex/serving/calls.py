@@ -2,6 +2,7 @@
 and the errors it can get. Methods on `Call` are thread safe and never wait on the GPU."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -34,6 +35,10 @@ class InputBudgetExceeded(EngineError):
     code = "input_budget_exceeded"
 
 
+class CallLimitInvalid(EngineError):
+    code = "invalid_max_call_s"
+
+
 class CallClosed(EngineError):
     code = "call_closed"
 
@@ -49,6 +54,23 @@ def device_lost(e: BaseException) -> bool:
     return isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e)
 
 
+def call_max_frames(options: "CallOptions", engine_max_call_s: float, frame_s: float) -> int:
+    """The call's limit in frames: its own max_call_s, else the engine's; CallLimitInvalid outside (0, engine's]."""
+    limit = engine_max_call_s if options.max_call_s is None else options.max_call_s
+    if not 0 < limit <= engine_max_call_s:
+        raise CallLimitInvalid(f"max_call_s = {limit!r}: a call's own limit is > 0 and at most "
+                               f"engine.max_call_s = {engine_max_call_s:g} s")
+    return math.ceil(limit / frame_s)
+
+
+def limit_message(options: "CallOptions", engine_max_call_s: float) -> str:
+    """Why a call at its limit ended: the limit it declared, or the engine's."""
+    own = options.max_call_s
+    if own is not None and own < engine_max_call_s:
+        return f"the call reached its max_call_s = {own:g} s"
+    return f"the call reached engine.max_call_s = {engine_max_call_s:g} s"
+
+
 def forced_text(token: int) -> int:
     """A text token as a step's `forced` entry (frame_step: -1 none, >= 0 a function token, <= -2 text)."""
     return -2 - token
@@ -61,6 +83,10 @@ class CallOptions:
     seed: int = 0
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speaker: str | None = None
+    # the call's own limit in seconds of input (None: engine.max_call_s; more than that is refused at
+    # open_call). The call's KV pages are committed for this long (serving/pages.py), so a call that says it
+    # is short leaves room for more calls.
+    max_call_s: float | None = None
 
 
 @dataclass
@@ -111,6 +137,9 @@ class Call:
     def __init__(self, engine: "Engine", call_id: str, options: CallOptions, on_event: Callable):
         self.engine, self.id, self.options, self.on_event = engine, call_id, options, on_event
         self.slot: int | None = None
+        self.max_frames = 0       # the call's limit in frames (Engine.open_call: its max_call_s or the engine's)
+        self.prompt_tokens = 0    # its system prompt's length, known at admission
+        self.kv_frames = 0        # frames its KV pages cover so far (Engine._grow_pages)
         self._lock = threading.Lock()
         self._buf = np.zeros(0, dtype=np.float32)   # received samples not yet cut into frames
         self._frames: deque[tuple[np.ndarray, float]] = deque()

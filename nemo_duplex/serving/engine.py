@@ -34,9 +34,12 @@ from nemo_duplex.serving.calls import (
     FrameEvent,
     InFlight,
     PromptTooLong,
+    call_max_frames,
     device_lost,
+    limit_message,
 )
 from nemo_duplex.serving.frame_step import admission, special_ids
+from nemo_duplex.serving.memory import kv_page_counts
 from nemo_duplex.serving.pacing import (
     backlog_hold,
     coalesce_deadline,
@@ -46,6 +49,7 @@ from nemo_duplex.serving.pacing import (
     frame_due,
     opened_together,
 )
+from nemo_duplex.serving.pages import KVPages
 from nemo_duplex.serving.state import PrefixCache, SlotAllocator, allocate_call_state
 from nemo_duplex.serving.stats import EngineStats
 from nemo_duplex.settings import EngineConfig
@@ -59,7 +63,9 @@ def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torc
     cfg = cfg or EngineConfig()
     device = device or model.stt_model.embed_tokens.weight.device
     max_frames = math.ceil(cfg.max_call_s / model.cfg.frame_length)
-    state = allocate_call_state(model, cfg.max_calls, max_frames, device, cfg.max_prompt_tokens)
+    pages = kv_page_counts(model.cfg, cfg.max_calls, cfg.max_call_s, cfg.max_prompt_tokens, cfg.kv_page_len,
+                           cfg.kv_pool_gib)
+    state = allocate_call_state(model, cfg.max_calls, max_frames, device, cfg.max_prompt_tokens, pages)
     specials = special_ids(model, device)
     return Engine(model, tokenizer, cfg, state, engine_runner(model, state, specials, cfg))
 
@@ -87,6 +93,9 @@ class Engine:
         self.frame_seconds = mc.frame_length
         self.state = state
         self.slots = SlotAllocator(self.cfg.max_calls)
+        self.pages = None   # KV pages (serving/pages.py); None: unpaged pools (tests)
+        if state.llm.pages is not None:
+            self.pages = KVPages(state, mc.prompt_frames, cfg.max_prompt_tokens)
         self._calls: dict[str, Call] = {}
         self._to_admit: deque[Call] = deque()
         self._admitting: deque[tuple[Call, Iterator]] = deque()   # admissions under way, a piece per next()
@@ -117,11 +126,18 @@ class Engine:
         options = options or CallOptions()
         if self.down is not None:
             raise EngineDown(f"the engine stopped after a device error and needs a restart: {self.down}")
+        max_frames = min(call_max_frames(options, self.cfg.max_call_s, self.frame_seconds), self.max_frames)
         slot = self.slots.take()
         if slot is None:
             raise EngineBusy(f"all {self.cfg.max_calls} call slots are in use (engine.max_calls)")
+        if self.pages is not None and not self.pages.open_call(slot, max_frames):
+            self.slots.give(slot)
+            raise EngineBusy(f"the KV pages (engine.kv_pool_gib = {self.cfg.kv_pool_gib} GiB) are committed to "
+                             f"the live calls: a call of up to {max_frames * self.frame_seconds:g} s does not fit "
+                             "beside them")
         call = Call(self, call_id or f"call_{next(self._ids)}", options, on_event or (lambda ev: None))
         call.slot = slot
+        call.max_frames = max_frames
         with self._lock:
             self._calls[call.id] = call
             self._to_admit.append(call)
@@ -174,7 +190,7 @@ class Engine:
         same tick as their step); a call at its limit gets no more frames."""
         with self._lock:
             return [c for c in self._calls.values() if not c.closed and not c.input_ended
-                    and c.frames_stepped < self.max_frames]
+                    and c.frames_stepped < c.max_frames]
 
     def _hold_backlog(self, live: list[Call], pacing: list[tuple]) -> bool:
         """Hold a step that would take only backlogs while `backlog_hold` says it would run into the paced
@@ -319,18 +335,18 @@ class Engine:
             if not call.admitted or call.closed or self._held_for_cohort(call, now):
                 continue
             last = call._text_due or call._speech_due   # the frame in flight that stepped last
-            if call.frames_stepped >= self.max_frames and last is None:
+            if call.frames_stepped >= call.max_frames and last is None:
                 # at the limit, the call ends with "limit" only once audio past it arrives; input of exactly
                 # max_call_s completes, also when its end-of-input is still on its way (it waits for it)
                 if call.has_pending_audio:
-                    self._end(call, "limit", f"the call reached engine.max_call_s = {self.cfg.max_call_s:g} s")
+                    self._end(call, "limit", limit_message(call.options, self.cfg.max_call_s))
                     continue
                 if not call.input_ended:
                     continue
-            item = call._take_frame() if call.frames_stepped < self.max_frames else None
+            item = call._take_frame() if call.frames_stepped < call.max_frames else None
             if item is not None:
                 batch.append((call, *item))
-            elif last is not None and (call.input_ended or call.frames_stepped >= self.max_frames
+            elif last is not None and (call.input_ended or call.frames_stepped >= call.max_frames
                                        or now - last.stepped_at > self.frame_seconds):
                 # pipelined: the frames in flight go on in a row with no new frame (the sink on the
                 # listening half) once no next frame will carry them: the input ended, the call hit its
@@ -365,6 +381,9 @@ class Engine:
         except Exception as e:
             self._end(call, "error", str(e))
             return
+        call.prompt_tokens = 0 if prompt_ids is None else prompt_ids.numel()
+        if self.pages is not None:
+            self.pages.admitted(call)
         pieces = admission(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
                            call.options.speaker, self.prefix_cache, self.cfg.prefill_chunk_tokens)
         if self.admitter is not None:
@@ -382,7 +401,7 @@ class Engine:
             call.cohort.last_done = time.monotonic()
             call.in_admission = False
             if call.closed:   # ended while the thread admitted it: its slot comes back only now (_end)
-                self.slots.give(call.slot)
+                self._free_slot(call.slot)
             elif error is not None:
                 self._end(call, "error", str(error))
             else:
@@ -438,6 +457,9 @@ class Engine:
                               dtype=np.int64)
         else:
             forced = np.array([f for *_, f in batch], dtype=np.int64)
+        if self.pages is not None:
+            for call, *_ in batch:
+                self.pages.before_step(call)
         sampling = not all(call.options.sampling.greedy for call, *_ in batch)
         host = self.step_runner.step_to_host(slots, audio, forced, sampling, speech, text)  # numpy in and out
         waited = time.perf_counter()
@@ -483,13 +505,18 @@ class Engine:
         self.stats.record_step(n, done - t0, gather=t0 - gathered, prep=launched - t0, device=waited - launched,
                                dispatch=done - waited, padded=host.padded_rows)
 
+    def _free_slot(self, slot: int) -> None:
+        if self.pages is not None:
+            self.pages.release(slot)
+        self.slots.give(slot)
+
     def _end(self, call: Call, reason: str, message: str = "") -> None:
         with self._lock:
             if self._calls.pop(call.id, None) is None:
                 return
         call.closed = True
         if not call.in_admission:
-            self.slots.give(call.slot)
+            self._free_slot(call.slot)
         # else the admission thread may still be writing its rows: _take_admitted gives the slot back
         try:
             call.on_event(EndedEvent(call.id, reason, message))

@@ -60,19 +60,16 @@ def bytes_per_call(cfg: ModelConfig, max_call_s: float, max_prompt_tokens: int =
     """One slot row of every pool `allocate_call_state` makes, for calls of up to max_call_s seconds and
     system prompts of up to max_prompt_tokens tokens (the LLM KV holds both)."""
     d = cfg.dtype
-    enc_b, llm_b, talker_b, ssm_b = (dtype_bytes(d.encoder), dtype_bytes(d.llm), dtype_bytes(d.talker),
-                                     dtype_bytes(d.mamba_ssm_state))
+    enc_b, llm_b, ssm_b = dtype_bytes(d.encoder), dtype_bytes(d.llm), dtype_bytes(d.mamba_ssm_state)
     frames = frames_per_call(cfg, max_call_s)
 
     llm = cfg.llm
-    n_mamba, n_attn = len(llm.layer_indices("M")), len(llm.layer_indices("*"))
+    n_mamba = len(llm.layer_indices("M"))
     mamba_ssm = n_mamba * llm.mamba_num_heads * llm.mamba_head_dim * llm.ssm_state_size * ssm_b
     mamba_conv = n_mamba * llm.mamba_conv_dim * (llm.conv_kernel - 1) * llm_b
-    llm_kv = 2 * n_attn * llm.num_key_value_heads * (max_prompt_tokens + frames) * llm.head_dim * llm_b
-
-    tb = cfg.talker.backbone   # every layer keeps the whole call: sliding_window (7500) > any call we allow
-    talker_kv = 2 * tb.num_hidden_layers * 2 * tb.num_key_value_heads * (cfg.prompt_frames + frames) * tb.head_dim \
-        * talker_b
+    llm_position, talker_position = kv_bytes_per_position(cfg)
+    llm_kv = llm_position * (max_prompt_tokens + frames)
+    talker_kv = talker_position * (cfg.prompt_frames + frames)
 
     enc, fe = cfg.encoder, cfg.frontend
     encoder_window = 2 * enc.n_layers * enc.att_context_left * enc.n_heads * enc.head_dim * enc_b
@@ -97,6 +94,44 @@ def bytes_per_call(cfg: ModelConfig, max_call_s: float, max_prompt_tokens: int =
 
     return CallBytes(mamba_ssm, mamba_conv, llm_kv, talker_kv, encoder_window, encoder_other, rnnt, codec,
                      scalars)
+
+
+def kv_bytes_per_position(cfg: ModelConfig) -> tuple[int, int]:
+    """(LLM, talker) KV bytes of one position of one call: the LLM's NoPE attention layers' K and V (spec
+    3.4); the talker's Gemma3 K and V of both CFG streams (spec 4.5) in every layer (its sliding_window,
+    7500, is longer than any call we allow, so every layer keeps the whole call)."""
+    llm, tb = cfg.llm, cfg.talker.backbone
+    n_attn = len(llm.layer_indices("*"))
+    return (2 * n_attn * llm.num_key_value_heads * llm.head_dim * dtype_bytes(cfg.dtype.llm),
+            2 * tb.num_hidden_layers * 2 * tb.num_key_value_heads * tb.head_dim * dtype_bytes(cfg.dtype.talker))
+
+
+def kv_pages_per_call(cfg: ModelConfig, max_call_s: float, max_prompt_tokens: int, page_len: int) -> tuple[int, int]:
+    """(LLM, talker) pages a call of up to max_call_s seconds may need (serving/pages.py commits them): a
+    position for each prompt token (the talker: each warm-up frame) and each frame."""
+    frames = frames_per_call(cfg, max_call_s)
+    return (math.ceil((max_prompt_tokens + frames) / page_len), math.ceil((cfg.prompt_frames + frames) / page_len))
+
+
+def kv_page_counts(cfg: ModelConfig, max_calls: int, max_call_s: float, max_prompt_tokens: int, page_len: int,
+                   pool_gib: float | None = None):
+    """The paged KV pools' sizes (state.KVPageCounts): pages for max_calls calls of max_call_s, or with
+    pool_gib (engine.kv_pool_gib) as many pages as that many GiB hold, shared between the LLM and the talker
+    in the proportion one call of max_call_s takes them."""
+    from nemo_duplex.serving.state import KVPageCounts
+
+    if page_len < 16 or page_len & (page_len - 1):
+        raise ValueError(f"engine.kv_page_len = {page_len}: a power of two (the kernels divide by it), at least 16 "
+                         "(a block of keys lies in one page, and the LLM's attention kernel multiplies blocks of 16)")
+    llm_call, talker_call = kv_pages_per_call(cfg, max_call_s, max_prompt_tokens, page_len)
+    calls = float(max_calls)
+    if pool_gib is not None:
+        if not pool_gib > 0:
+            raise ValueError(f"engine.kv_pool_gib = {pool_gib}: GiB of KV pages, > 0 (null: enough for every call "
+                             "at engine.max_call_s)")
+        llm_position, talker_position = kv_bytes_per_position(cfg)
+        calls = pool_gib * GiB / (page_len * (llm_call * llm_position + talker_call * talker_position))
+    return KVPageCounts(page_len, math.floor(calls * llm_call), math.floor(calls * talker_call))
 
 
 def prefix_entry_bytes(cfg: ModelConfig, prompt_tokens: int = 512) -> int:
@@ -177,10 +212,14 @@ class MemoryPlan:
     reserve: int
     device_memory: int
     prefix_cache: int = 0
+    kv_pool: int | None = None   # engine.kv_pool_gib in bytes: the KV pages, whatever the calls' limits
 
     @property
     def pools(self) -> int:   # max_calls + 1 rows: the last is the sink (docs/design.md)
-        return (self.max_calls + 1) * self.per_call.total
+        if self.kv_pool is None:
+            return (self.max_calls + 1) * self.per_call.total
+        return (self.max_calls + 1) * (self.per_call.total - self.per_call.llm_kv - self.per_call.talker_kv) \
+            + self.kv_pool
 
     @property
     def total(self) -> int:
@@ -193,6 +232,12 @@ class MemoryPlan:
     def summary(self) -> str:
         if self.max_calls == 0:
             return (f"memory plan: weights {self.weights / GiB:.2f} GiB, reserve {self.reserve / GiB:.2f} GiB: "
+                    f"{self.total / GiB:.2f} GiB of {self.device_memory / GiB:.2f} GiB")
+        if self.kv_pool is not None:
+            return (f"memory plan: {self.max_calls} call slots + sink and {self.kv_pool / GiB:.2f} GiB of KV pages "
+                    f"(engine.kv_pool_gib) = {self.pools / GiB:.2f} GiB of state, "
+                    f"weights {self.weights / GiB:.2f} GiB, prefix cache {self.prefix_cache / GiB:.2f} GiB, "
+                    f"reserve {self.reserve / GiB:.2f} GiB: "
                     f"{self.total / GiB:.2f} GiB of {self.device_memory / GiB:.2f} GiB")
         return (f"memory plan: {self.max_calls} calls x {self.per_call.total / 2**20:.1f} MiB "
                 f"(max_call_s {self.max_call_s:g} s) + sink = {self.pools / GiB:.2f} GiB of state, "
@@ -219,15 +264,23 @@ def max_call_s_that_fits(cfg: ModelConfig, max_calls: int, device_memory: int, f
 
 def plan(cfg: ModelConfig, max_calls: int, max_call_s: float, device_memory: int, *,
          max_prompt_tokens: int = 512, reserve: int = DEFAULT_RESERVE_BYTES, weights: int | None = None,
-         prefix_cache_mib: int = 0) -> MemoryPlan:
+         prefix_cache_mib: int = 0, kv_pool_gib: float | None = None) -> MemoryPlan:
     """The memory of a server with these limits; raises MemoryPlanError naming engine.max_calls and
-    engine.max_call_s, the numbers, and what would fit, when it exceeds device_memory."""
+    engine.max_call_s (or engine.kv_pool_gib), the numbers, and what would fit, when it exceeds device_memory."""
     weights = weight_bytes(cfg) if weights is None else weights   # served on CUDA (derived_table_bytes)
     p = MemoryPlan(max_calls, max_call_s, bytes_per_call(cfg, max_call_s, max_prompt_tokens), weights, reserve,
-                   device_memory, prefix_cache_mib * 2**20)
+                   device_memory, prefix_cache_mib * 2**20,
+                   None if kv_pool_gib is None else int(float(kv_pool_gib) * GiB))
     if p.fits:
         return p
     fixed = weights + p.prefix_cache + reserve
+    if p.kv_pool is not None:
+        room = device_memory - fixed - (p.pools - p.kv_pool)
+        raise MemoryPlanError(
+            f"engine.kv_pool_gib = {kv_pool_gib:g} GiB of KV pages beside {max_calls} call slots (engine.max_calls) "
+            f"do not fit in {device_memory / GiB:.2f} GiB: {p.summary()}. "
+            + (f"At most engine.kv_pool_gib = {math.floor(room / GiB * 100) / 100:g} fits." if room > 0
+               else "The slots alone do not fit: fewer engine.max_calls."))
     calls_fit = max_calls_that_fit(cfg, max_call_s, device_memory, fixed, max_prompt_tokens)
     seconds_fit = max_call_s_that_fits(cfg, max_calls, device_memory, fixed, max_prompt_tokens)
     big = sorted(asdict(p.per_call).items(), key=lambda kv: -kv[1])[:3]
@@ -267,7 +320,7 @@ def available_bytes(device: str | torch.device) -> tuple[int, str]:
 
 def check_fits(cfg: ModelConfig, device: str | torch.device, *, check: bool = True, device_gib: float | None = None,
                reserve_gib: float | None = None, calls: tuple[int, float] | None = None, max_prompt_tokens: int = 512,
-               prefix_cache_mib: int = 0) -> MemoryPlan | None:
+               prefix_cache_mib: int = 0, kv_pool_gib: float | None = None) -> MemoryPlan | None:
     """Before anything is allocated: do the weights (at cfg's dtypes on `device`), and with `calls` =
     (max_calls, max_call_s) the call pools and prefix cache, fit the device? Raises MemoryPlanError with
     the numbers (needed, available) when they do not. The budget is `device_gib` (memory.device_gib) when
@@ -289,7 +342,7 @@ def check_fits(cfg: ModelConfig, device: str | torch.device, *, check: bool = Tr
     if calls is not None:
         try:
             return plan(cfg, calls[0], calls[1], budget, max_prompt_tokens=max_prompt_tokens, reserve=reserve,
-                        weights=weights, prefix_cache_mib=prefix_cache_mib)
+                        weights=weights, prefix_cache_mib=prefix_cache_mib, kv_pool_gib=kv_pool_gib)
         except MemoryPlanError as e:
             raise MemoryPlanError(f"{cfg.name} on {device} ({dtypes}), budget {where}: {e}") from None
     p = MemoryPlan(0, 0.0, CallBytes(0, 0, 0, 0, 0, 0, 0, 0, 0), weights, reserve, budget)

@@ -12,6 +12,16 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 
 from nemo_duplex.models.config import ModelConfig, torch_dtype
+from ops.kv_pages import kv_places
+
+
+@dataclass(frozen=True)
+class KVPageCounts:
+    """How big the paged KV pools are: pages of page_len positions, so many for the LLM's attention layers
+    and so many for the talker's (each stream), the sink page not counted (serving/pages.py sizes them)."""
+    page_len: int
+    llm: int
+    talker: int
 
 
 @dataclass
@@ -73,19 +83,26 @@ def state_tensors(obj, prefix: str = ""):
 
 
 def allocate_call_state(model, max_calls: int, max_frames: int, device: torch.device,
-                        max_prompt_tokens: int = 512) -> CallState:
-    """Allocate every pool once. `max_frames` bounds a call (the LLM and talker KV lengths)."""
+                        max_prompt_tokens: int = 512, kv_pages: "KVPageCounts | None" = None) -> CallState:
+    """Allocate every pool once. `max_frames` bounds a call (the LLM and talker KV lengths). With `kv_pages`
+    the LLM's and the talker's KV pools are paged (ops/kv_pages.py, serving/pages.py hands the pages out):
+    that many pages of page_len positions each, whatever max_calls and max_frames would take."""
     cfg: ModelConfig = model.cfg
     S = max_calls + 1
     d = cfg.dtype
     llm_dtype, talker_dtype = torch_dtype(d.llm), torch_dtype(d.talker)
     i64 = dict(dtype=torch.int64, device=device)
+    paged = dict(llm={}, talker={})
+    if kv_pages is not None:
+        paged = dict(llm=dict(page_len=kv_pages.page_len, num_pages=kv_pages.llm),
+                     talker=dict(page_len=kv_pages.page_len, num_pages=kv_pages.talker))
     return CallState(
         encoder=model.perception.allocate_stream_state(S, device, torch_dtype(d.encoder)),
         rnnt=model.stt_model.rnnt_decoder.allocate_stream_state(S, device) if model.has_rnnt else None,
         llm=model.llm.allocate_cache(S, max_prompt_tokens + max_frames, device, llm_dtype,
-                                     ssm_dtype=torch_dtype(d.mamba_ssm_state)),
-        talker=model.talker.allocate_cache(S, cfg.prompt_frames + max_frames, device, talker_dtype),
+                                     ssm_dtype=torch_dtype(d.mamba_ssm_state), **paged["llm"]),
+        talker=model.talker.allocate_cache(S, cfg.prompt_frames + max_frames, device, talker_dtype,
+                                           **paged["talker"]),
         codec=model.codec.allocate_stream_state(S, device),
         llm_len=torch.zeros(S, **i64), talker_pos=torch.zeros(S, **i64), frame=torch.zeros(S, **i64),
         speech_frame=torch.zeros(S, **i64), pending_text=torch.zeros(S, **i64),
@@ -187,20 +204,35 @@ class PrefixCache:
         self.bytes += size
 
     @staticmethod
-    def snapshot(st: CallState, slot: int, prompt_len: int, warmup_len: int) -> dict:
+    def _places(st: CallState, slot: int, prompt_len: int, warmup_len: int):
+        """Where the slot's first prompt_len LLM positions and warmup_len talker positions (both streams) live:
+        (row, offset) index pairs into every layer's pool at once (ops/kv_pages.py), so a snapshot or a
+        restore is one gather or scatter per pool, not one per layer."""
         llm, tk = st.llm, st.talker
+        dev = llm.conv.device
+        llm_at = kv_places(llm.pages, llm.k.shape[3], torch.tensor(slot, device=dev), torch.arange(prompt_len, device=dev))
+        rows = torch.tensor([slot, slot + tk.num_slots], device=dev)[:, None]   # the talker's two streams
+        talker_at = kv_places(tk.pages, tk.k.shape[4], rows, torch.arange(warmup_len, device=dev))
+        return llm_at, talker_at
+
+    @staticmethod
+    def snapshot(st: CallState, slot: int, prompt_len: int, warmup_len: int) -> dict:
+        """The slot's admission state: k, v [n_attn, kv, prompt_len, D]; talker_k, talker_v
+        [layers, 2 streams, kv, warmup_len, D] (the same shapes whether the pools are paged or not)."""
+        llm, tk = st.llm, st.talker
+        (lr, lo), (tr, to) = PrefixCache._places(st, slot, prompt_len, warmup_len)
+        talker = [pool.flatten(1, 2)[:, tr, :, to].permute(2, 0, 3, 1, 4) for pool in (tk.k, tk.v)]  # [L, 2, kv, w, D]
         return {"conv": llm.conv[:, slot].clone(), "ssm": llm.ssm[:, slot].clone(),
-                "k": llm.k[:, slot, :, :prompt_len].clone(), "v": llm.v[:, slot, :, :prompt_len].clone(),
-                "talker_k": tk.k[:, :, slot, :, :warmup_len].clone(),
-                "talker_v": tk.v[:, :, slot, :, :warmup_len].clone()}
+                "k": llm.k[:, lr, :, lo].permute(1, 2, 0, 3), "v": llm.v[:, lr, :, lo].permute(1, 2, 0, 3),
+                "talker_k": talker[0], "talker_v": talker[1]}
 
     @staticmethod
     def restore(st: CallState, slot: int, snap: dict) -> None:
         llm, tk = st.llm, st.talker
-        p, w = snap["k"].shape[-2], snap["talker_k"].shape[-2]
+        (lr, lo), (tr, to) = PrefixCache._places(st, slot, snap["k"].shape[-2], snap["talker_k"].shape[-2])
         llm.conv[:, slot] = snap["conv"]
         llm.ssm[:, slot] = snap["ssm"]
-        llm.k[:, slot, :, :p] = snap["k"]
-        llm.v[:, slot, :, :p] = snap["v"]
-        tk.k[:, :, slot, :, :w] = snap["talker_k"]
-        tk.v[:, :, slot, :, :w] = snap["talker_v"]
+        llm.k[:, lr, :, lo] = snap["k"].permute(2, 0, 1, 3)     # [n_attn, kv, p, D] -> [p, n_attn, kv, D]
+        llm.v[:, lr, :, lo] = snap["v"].permute(2, 0, 1, 3)
+        tk.k.flatten(1, 2)[:, tr, :, to] = snap["talker_k"].permute(1, 3, 0, 2, 4)   # -> [2, w, L, kv, D]
+        tk.v.flatten(1, 2)[:, tr, :, to] = snap["talker_v"].permute(1, 3, 0, 2, 4)
