@@ -12,7 +12,10 @@
 
 Every caller sends the same input (loadtest.clip looped to loadtest.duration_s; its sha256 is recorded)
 over the native protocol (/generate/ws: binary PCM both ways, the lightest of our protocols), one 80 ms
-append at a time on an absolute schedule (append k leaves at origin + k * 80 ms), then end_input. The
+append at a time on an absolute schedule (append k leaves at origin + k * 80 ms), then end_input. With
+loadtest.length_mix=[lo,hi] the calls differ in length: caller i sends the first L_i seconds of that input
+(the clip looped to hi), L_i drawn uniform in [lo, hi] from loadtest.seed and rounded up to whole frames,
+and declares L_i plus one frame as its max_call_s; each run records its calls' lengths. The
 callers start together ("lockstep") or spread over loadtest.stagger_s ("staggered"); optionally a
 loadtest.upload_s WAV is POSTed to /generate every loadtest.upload_every_s, sharing the GPU: in every run
 (loadtest.uploads=true), or after the sweep in one more staggered run per N of loadtest.upload_runs on the
@@ -64,13 +67,18 @@ from nemo_duplex.loadtest.callers import (  # noqa: E402
     FRAME_IN,
     FRAME_S,
     ArrivalRecord,
+    CallPlan,
     UploadRecord,
     arrival_loop,
     caller_groups,
     callers,
     callers_process,
+    check_length_mix,
+    declared_max_call_s,
     fresh_prompts,
+    mixed_lengths,
     upload_loop,
+    whole_frames,
 )
 from nemo_duplex.loadtest.judging import ARRIVALS_START, UPLOADS_START, judge, pct  # noqa: E402
 from nemo_duplex.loadtest.metrics import parse_metrics, poll_server, timeline  # noqa: E402
@@ -119,6 +127,10 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
     from nemo_duplex.audio import encode_wav, from_pcm16
 
     n_frames = len(pcm) // (2 * FRAME_IN)
+    mix = lt.length_mix is not None
+    # each caller's length in frames: with a length mix its own draw (it sends that much of the input, which
+    # is as long as the longest call can be), else the whole input
+    lengths = mixed_lengths(lt.length_mix, n, int(lt.seed)) if mix else [n_frames] * n
     ws_url = url.replace("http", "ws", 1).rstrip("/") + "/generate/ws"
     groups = caller_groups(n, int(lt.callers_per_process))
     pool = None
@@ -133,7 +145,7 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
     upload_records: list[UploadRecord] = []
     arrival_records: list[ArrivalRecord] = []
     stop_polling, stop_uploads = asyncio.Event(), asyncio.Event()
-    limit = float(lt.lead_s) + max(offsets) + n_frames * FRAME_S + float(lt.run_timeout_s)
+    limit = float(lt.lead_s) + max(offsets) + max(lengths) * FRAME_S + float(lt.run_timeout_s)
     connector = aiohttp.TCPConnector(limit=0)   # the default pool (100) would queue callers
     async with aiohttp.ClientSession(connector=connector) as http:
         poller = asyncio.create_task(poll_server(http, url, float(lt.metrics_every_s), stop_polling, server_pid,
@@ -153,7 +165,8 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
                 await arrival_loop(http, ws_url, apcm, float(lt.arrival_every_s), stop_uploads, prompts,
                                    int(lt.seed), arrival_records)
             arriver = asyncio.create_task(arrive())
-        plan = [[(i, t0 + offsets[i], origin + offsets[i]) for i in group] for group in groups]
+        plan = [[CallPlan(i, t0 + offsets[i], origin + offsets[i], lengths[i],
+                          declared_max_call_s(lengths[i]) if mix else None) for i in group] for group in groups]
         if pool is None:
             records = await callers(http, ws_url, plan[0], pcm, int(lt.seed), limit)
         else:
@@ -170,8 +183,14 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
                 await task
         stop_polling.set()
         await poller
-    row = {"start": start, "n_calls": n, "duration_s": n_frames * FRAME_S, **judge(records, n_frames,
-                                                                                   float(lt.jitter_buffer_ms))}
+    if mix:
+        seconds = [k * FRAME_S for k in lengths]
+        length = {"length_s": {"min": round(min(seconds), 3), "mean": round(sum(seconds) / n, 3),
+                               "max": round(max(seconds), 3)},
+                  "lengths_s": [round(x, 3) for x in seconds]}   # by caller index; each declared one frame more
+    else:
+        length = {"duration_s": n_frames * FRAME_S}
+    row = {"start": start, "n_calls": n, **length, **judge(records, float(lt.jitter_buffer_ms))}
     tl = timeline(samples, t0)
     busy = [x for x in tl if x["step_ms"] is not None and (x["active_calls"] or 0) > 0]
     row["step_ms"] = {"mean": _mean([x["step_ms"] * x["steps"] for x in busy], [x["steps"] for x in busy]),
@@ -210,15 +229,18 @@ def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
         run.log(wandb_scalars(row))
     s = row["server_lag_ms"]
     extra = ""
+    if "length_s" in row:
+        length = row["length_s"]
+        extra = f", call lengths min/mean/max {length['min']}/{length['mean']}/{length['max']} s"
     if "uploads" in row:
-        extra = f", uploads {row['uploads']['started'] - row['uploads']['failed']}/{row['uploads']['started']} done"
+        extra += f", uploads {row['uploads']['started'] - row['uploads']['failed']}/{row['uploads']['started']} done"
     if row.get("lag_p99_vs_without_uploads") is not None:
         extra += f", lag p99 {row['lag_p99_vs_without_uploads']}x the run without"
     if "arrivals" in row:
         a = row["arrivals"]
-        extra = (f", arrivals {a['started'] - a['failed']}/{a['started']} admitted, first packet p50/p99 "
-                 f"{a['first_packet_ms'].get('p50')}/{a['first_packet_ms'].get('p99')} ms, catch-up min/p50 "
-                 f"{a['catch_up_x'].get('p0')}/{a['catch_up_x'].get('p50')}x real time")
+        extra += (f", arrivals {a['started'] - a['failed']}/{a['started']} admitted, first packet p50/p99 "
+                  f"{a['first_packet_ms'].get('p50')}/{a['first_packet_ms'].get('p99')} ms, catch-up min/p50 "
+                  f"{a['catch_up_x'].get('p0')}/{a['catch_up_x'].get('p50')}x real time")
     if row.get("lag_p99_vs_without_arrivals") is not None:
         extra += f", live lag p99 {row['lag_p99_vs_without_arrivals']}x the run without"
     print(f"{row['start']:>9} N={row['n_calls']:<4} real time {'yes' if row['real_time'] else 'NO '} failed "
@@ -345,15 +367,24 @@ def main(cfg: DictConfig) -> None:
     began = time.monotonic()
     out = output_dir(cfg)
     sizes = sorted(int(n) for n in lt.n_calls)
-    pcm, digest = load_input(lt.clip, float(lt.duration_s))
+    if lt.length_mix is None:
+        calls_s, input_s, calls = float(lt.duration_s), float(lt.duration_s), f"duration_s {lt.duration_s}"
+    else:
+        try:
+            _, calls_s = check_length_mix(lt.length_mix, float(lt.max_call_s))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        # the input is as long as the longest call can be; each caller sends a prefix of it
+        input_s, calls = whole_frames(calls_s) * FRAME_S, f"length_mix {list(lt.length_mix)}"
+    pcm, digest = load_input(lt.clip, input_s)
     upload_runs = sorted(int(n) for n in (lt.upload_runs or []))
     arrival_runs = sorted(int(n) for n in (lt.arrival_runs or []))
     any_uploads = bool(lt.uploads) or bool(upload_runs) or bool(arrival_runs)
-    longest = max(float(lt.duration_s), float(lt.upload_s) if (lt.uploads or upload_runs) else 0.0,
+    longest = max(calls_s, float(lt.upload_s) if (lt.uploads or upload_runs) else 0.0,
                   float(lt.arrival_s) if arrival_runs else 0.0)
     if float(lt.max_call_s) < longest + 1:
-        raise SystemExit(f"loadtest.max_call_s = {lt.max_call_s} must exceed the calls (duration_s "
-                         f"{lt.duration_s}, upload_s {lt.upload_s}, arrival_s {lt.arrival_s}) by a second")
+        raise SystemExit(f"loadtest.max_call_s = {lt.max_call_s} must exceed the calls ({calls}, upload_s "
+                         f"{lt.upload_s}, arrival_s {lt.arrival_s}) by a second")
     server = None
     overrides: list[str] = []
     url = lt.url
@@ -390,6 +421,9 @@ def main(cfg: DictConfig) -> None:
             "planned_state_bytes_per_call": (bytes_per_call(model_cfg, float(lt.max_call_s)).total
                                              if model_cfg is not None else None),
             "server_max_call_s": float(lt.max_call_s)}
+    if lt.length_mix is not None:   # the input (input_sha256, duration_s) is then the longest call's
+        meta["length_mix"] = [float(x) for x in lt.length_mix]
+        meta["length_seed"] = int(lt.seed)
     rows: list[dict] = []
     run = None
     try:

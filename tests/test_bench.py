@@ -11,7 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nemo_duplex.loadtest.callers import CallRecord, caller_groups
+from nemo_duplex.loadtest.callers import (
+    CallRecord,
+    caller_groups,
+    check_length_mix,
+    declared_max_call_s,
+    mixed_lengths,
+    whole_frames,
+)
 from nemo_duplex.loadtest.judging import judge, sustained
 from nemo_duplex.loadtest.metrics import parse_metrics, timeline
 
@@ -19,20 +26,21 @@ REPO = Path(__file__).resolve().parent.parent
 FRAME_MS = 80.0
 
 
-def record(arrivals_ms, frames=None, ended="completed", error=None, lag_ms=10.0):
-    """A call whose append k left at k * 80 ms and whose packets arrived at arrivals_ms."""
+def record(arrivals_ms, frames=None, ended="completed", error=None, lag_ms=10.0, n_frames=None):
+    """A call of n_frames (default: as many as arrived) whose append k left at k * 80 ms and whose packets
+    arrived at arrivals_ms."""
     frames = list(range(len(arrivals_ms))) if frames is None else frames
     n = len(arrivals_ms)
-    return CallRecord(0, 0.0, sent=[k * FRAME_MS / 1000 for k in range(n)], frames=frames,
-                            arrival=[a / 1000 for a in arrivals_ms], server_lag_ms=[lag_ms] * n,
-                            drained_at=(arrivals_ms[-1] + 5) / 1000 if arrivals_ms else None, ended=ended, error=error)
+    return CallRecord(0, 0.0, n if n_frames is None else n_frames, sent=[k * FRAME_MS / 1000 for k in range(n)],
+                      frames=frames, arrival=[a / 1000 for a in arrivals_ms], server_lag_ms=[lag_ms] * n,
+                      drained_at=(arrivals_ms[-1] + 5) / 1000 if arrivals_ms else None, ended=ended, error=error)
 
 
 # ---- judging -------------------------------------------------------------------------------------------
 def test_steady_calls_are_real_time_even_with_a_large_constant_delay():
     on_time = record([50 + k * FRAME_MS for k in range(20)])
     delayed = record([400 + k * FRAME_MS for k in range(20)])   # a constant delay never underruns a buffer
-    v = judge([on_time, delayed], 20, 160.0)
+    v = judge([on_time, delayed], 160.0)
     assert v["real_time"] and v["failed_calls"] == 0 and v["late_packets"] == 0
     assert v["lateness_ms"]["max"] == pytest.approx(-160.0, abs=1e-6)
     assert v["client_lag_ms"]["p50"] == pytest.approx(225.0, abs=1e-6)   # half at 50 ms, half at 400 ms
@@ -44,9 +52,9 @@ def test_lag_after_the_first_frame_leaves_out_only_frame_0():
     step is no rhythm's), by frame index, so a reordered or missing frame 0 does not shift it."""
     a = record([50 + k * FRAME_MS for k in range(4)])
     a.server_lag_ms = [90.0, 10.0, 20.0, 30.0]
-    b = record([60 + k * FRAME_MS for k in range(3)], frames=[1, 0, 2])
+    b = record([60 + k * FRAME_MS for k in range(3)], frames=[1, 0, 2], n_frames=4)
     b.server_lag_ms = [40.0, 95.0, 50.0]
-    v = judge([a, b], 4, 160.0)
+    v = judge([a, b], 160.0)
     assert v["server_lag_ms"]["max"] == pytest.approx(95.0)
     assert v["server_lag_after_first_ms"]["max"] == pytest.approx(50.0)
     assert v["server_lag_after_first_ms"]["p50"] == pytest.approx(30.0)   # of 10, 20, 30, 40, 50
@@ -55,8 +63,8 @@ def test_lag_after_the_first_frame_leaves_out_only_frame_0():
 def test_a_packet_later_than_the_jitter_buffer_is_an_underrun():
     arrivals = [50 + k * FRAME_MS for k in range(20)]
     arrivals[10] += 170.0            # 10 ms past its playback slot
-    ok = judge([record(arrivals)], 20, 180.0)
-    late = judge([record(arrivals)], 20, 160.0)
+    ok = judge([record(arrivals)], 180.0)
+    late = judge([record(arrivals)], 160.0)
     assert ok["real_time"] and ok["late_packets"] == 0
     assert not late["real_time"] and late["late_packets"] == 1 and late["calls_with_late_packets"] == 1
     assert late["lateness_ms"]["max"] == pytest.approx(10.0, abs=1e-6)
@@ -66,12 +74,12 @@ def test_failed_calls_are_named():
     good = [50 + k * FRAME_MS for k in range(10)]
     survived = record(good)
     survived.errors.append("function_call_parse_error: the model's tool call did not parse")   # not fatal
-    v = judge([survived, record(good[:9]), record(good, ended="limit"),
-                     record(good, error="busy: all 2 call places are taken")], 10, 160.0)
+    v = judge([survived, record(good[:9], n_frames=10), record(good, ended="limit"),
+               record(good, error="busy: all 2 call places are taken")], 160.0)
     assert not v["real_time"] and v["failed_calls"] == 3
     assert v["failures"] == {"frames_missing_or_out_of_order": 1, "ended_limit": 1, "busy": 1}
     assert v["error_events"] == {"function_call_parse_error": 1}
-    assert judge([survived], 10, 160.0)["real_time"]
+    assert judge([survived], 160.0)["real_time"]
 
 
 def test_sustained_is_the_largest_n_below_the_first_failure():
@@ -79,6 +87,56 @@ def test_sustained_is_the_largest_n_below_the_first_failure():
             for n, ok in ((16, False), (1, True), (8, True), (32, True))]
     rows += [{"start": "staggered", "n_calls": 1, "real_time": False}]
     assert sustained(rows) == {"lockstep": 8, "staggered": 0}
+
+
+def test_calls_of_different_lengths_are_judged_each_over_its_own_frames():
+    """loadtest.length_mix: a 5-frame and a 12-frame call that both completed in full are real time; a call
+    is short of frames against its own length, not the run's longest."""
+    short = record([50 + k * FRAME_MS for k in range(5)])
+    long = record([60 + k * FRAME_MS for k in range(12)])
+    v = judge([short, long], 160.0)
+    assert v["real_time"] and v["failed_calls"] == 0
+    assert v["frames_expected"] == v["frames_received"] == 17
+    cut = record([50 + k * FRAME_MS for k in range(4)], n_frames=5)   # its last frame never came
+    v = judge([cut, long], 160.0)
+    assert v["failures"] == {"frames_missing_or_out_of_order": 1} and v["frames_expected"] == 17
+    assert v["frames_received"] == 16 and not v["real_time"]
+
+
+def test_length_mix_draw_is_seeded_per_caller_in_whole_frames():
+    """Caller i's length is the i-th uniform draw in [lo, hi] of numpy's Generator seeded by loadtest.seed,
+    rounded up to whole 80 ms frames: the same at every N and on every run, another seed another mix. It
+    declares one frame more as its max_call_s."""
+    lengths = mixed_lengths([1.0, 3.0], 64, 0)
+    assert lengths == mixed_lengths([1.0, 3.0], 64, 0) != mixed_lengths([1.0, 3.0], 64, 1)
+    assert mixed_lengths([1.0, 3.0], 8, 0) == lengths[:8]
+    drawn = np.random.default_rng(0).uniform(1.0, 3.0, 64)
+    assert lengths == [int(np.ceil(x / 0.08)) for x in drawn]
+    assert all(13 <= k <= 38 for k in lengths) and len(set(lengths)) > 10   # 1 s is 12.5 frames, 3 s 37.5
+    assert whole_frames(0.24) == 3 and whole_frames(0.2401) == 4 and whole_frames(3.0) == 38
+    assert mixed_lengths([2.4, 2.4], 3, 5) == [30, 30, 30]                # a mix of one length
+    assert declared_max_call_s(30) == 2.48 and declared_max_call_s(1) == 0.16
+
+
+@pytest.mark.parametrize("mix,max_call_s,why", [
+    ([0.0, 3.0], 10.0, "0 < lo <= hi"),
+    ([-1.0, 3.0], 10.0, "0 < lo <= hi"),
+    ([3.0, 2.0], 10.0, "0 < lo <= hi"),
+    ([float("nan"), 2.0], 10.0, "0 < lo <= hi"),
+    ([1.0, 9.5], 10.0, "a second under loadtest.max_call_s = 10"),
+    ([1.0], 10.0, "[lo, hi]"),
+    ([1.0, 2.0, 3.0], 10.0, "[lo, hi]"),
+    (["a", 2.0], 10.0, "[lo, hi]"),
+])
+def test_length_mix_is_checked(mix, max_call_s, why):
+    with pytest.raises(ValueError, match="loadtest.length_mix") as e:
+        check_length_mix(mix, max_call_s)
+    assert why in str(e.value)
+
+
+def test_a_length_mix_up_to_a_second_under_max_call_s_is_taken():
+    assert check_length_mix([1, 9], 10.0) == (1.0, 9.0)
+    assert check_length_mix([2.5, 2.5], 10.0) == (2.5, 2.5)
 
 
 def test_caller_groups_shard_round_robin():

@@ -355,3 +355,152 @@ def dechunk(stream: bytes) -> bytes:
             break
         out, stream = out + rest[:n], rest[n + 2:]
     return out
+
+
+# ---- a call's own limit: max_call_s (an extension of both protocols) ------------------------------------
+# each as JSON text, on a server whose engine.max_call_s is 2 s: a string, a bool, out of range, above the
+# server's limit, not finite (Python's JSON reads NaN and Infinity), not a number
+BAD_LIMITS = ['"1"', "true", "-1", "0", "2.5", "NaN", "Infinity", "[1]"]
+
+
+def spy_open_call(monkeypatch, srv) -> list:
+    """The CallOptions of every call the server opens on its engine, in order."""
+    engine = srv.server.engine
+    opened, real = [], engine.open_call
+
+    def open_call(options=None, *args, **kwargs):
+        opened.append(options)
+        return real(options, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "open_call", open_call)
+    return opened
+
+
+async def native_call(url: str, opening: str, pcm: bytes | None) -> tuple[list, int, int]:
+    """A /generate/ws call: the opening (JSON text), the audio, end_input -> (JSON messages, packets, close)."""
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"{url}/generate/ws") as ws:
+        await ws.send_str(opening)
+        if pcm is not None:
+            try:
+                for i in range(0, len(pcm), 2 * FRAME_IN):
+                    await ws.send_bytes(pcm[i:i + 2 * FRAME_IN])
+                    await asyncio.sleep(0.005)
+                await ws.send_json({"type": "end_input"})
+            except ConnectionError:   # the server ended the call (a limit)
+                pass
+        msgs, packets = [], 0
+        async for m in ws:
+            if m.type == aiohttp.WSMsgType.TEXT:
+                msgs.append(json.loads(m.data))
+            elif m.type == aiohttp.WSMsgType.BINARY:
+                packets += 1
+        return msgs, packets, ws.close_code
+
+
+def pcm16(x) -> bytes:
+    return (x * 32767).astype("<i2").tobytes()
+
+
+def test_a_realtime_max_call_s_out_of_type_or_range_is_refused_naming_it(server, monkeypatch):
+    """Each bad value gets invalid_event with param session.max_call_s (the range error names the server's
+    limit); the session keeps its settings and the call then runs on the server's limit."""
+    srv, _ = server(max_call_s=2.0)
+    opened = spy_open_call(monkeypatch, srv)
+    extra = ['{"type": "session.update", "session": {"max_call_s": ' + value + "}}" for value in BAD_LIMITS]
+    events, close = asyncio.run(realtime(srv.ws_url, tone(0.24), chunk=FRAME_IN, extra=extra))
+    errs = [e["error"] for e in events if e["type"] == "error"]
+    assert [(e["code"], e["param"]) for e in errs] == [("invalid_event", "session.max_call_s")] * len(BAD_LIMITS)
+    for value in ("-1", "0", "2.5"):
+        assert "0 < max_call_s <= engine.max_call_s = 2 s" in errs[BAD_LIMITS.index(value)]["message"]
+    assert "finite" in errs[BAD_LIMITS.index("NaN")]["message"]
+    assert close == 1000 and len(frames_of(events)) == 3
+    assert opened[0].max_call_s is None
+    srv.wait_idle()
+
+
+def test_a_native_max_call_s_out_of_type_or_range_is_refused_naming_it(server):
+    """The opening is refused (invalid_event, close 1008) with a message naming the field (and, for a value
+    out of range, the server's limit)."""
+    srv, _ = server(max_call_s=2.0)
+    messages = {}
+    for value in BAD_LIMITS:
+        msgs, _, close = asyncio.run(native_call(srv.ws_url, '{"type": "start", "max_call_s": ' + value + "}", None))
+        assert msgs[-1]["code"] == "invalid_event" and "max_call_s" in msgs[-1]["message"], (value, msgs)
+        assert close == 1008
+        messages[value] = msgs[-1]["message"]
+    assert "engine.max_call_s = 2 s" in messages["2.5"] and "engine.max_call_s = 2 s" in messages["0"]
+    srv.wait_idle()
+
+
+def test_an_upload_max_call_s_is_checked_and_its_audio_held_to_it(server):
+    """POST /generate: a max_call_s field that is not a number, or out of range, is 400 naming it; audio longer
+    than the upload's own max_call_s is refused up front (413 call_too_long naming that limit)."""
+    srv, _ = server(max_call_s=2.0)
+    body = wav_bytes(tone(1.0))
+
+    async def go():
+        out = []
+        async with aiohttp.ClientSession() as http:
+            for value in ("x", "0", "2.5", "nan"):
+                async with http.post(f"{srv.url}/generate", params={"max_call_s": value}, data=body) as r:
+                    out.append((r.status, await r.json()))
+            async with http.post(f"{srv.url}/generate", params={"max_call_s": "0.5"}, data=body) as r:
+                out.append((r.status, await r.json()))
+        return out
+
+    *bad, (status, too_long) = asyncio.run(go())
+    assert [(s, b["code"]) for s, b in bad] == [(400, "invalid_event")] * 4, bad
+    assert all("max_call_s" in b["param"] for _, b in bad)
+    assert status == 413 and too_long["code"] == "call_too_long", too_long
+    assert "own max_call_s = 0.5 s" in too_long["message"]
+    srv.wait_idle()
+
+
+@pytest.mark.parametrize("protocol", ["realtime", "native", "upload"])
+def test_a_declared_max_call_s_reaches_the_engine_call(server, monkeypatch, protocol):
+    """A number within the server's limit (an integer too) is the engine call's CallOptions.max_call_s; the
+    session echoes it (Realtime session.updated, native `started` limits) and the call completes."""
+    srv, _ = server(max_call_s=2.0)
+    opened = spy_open_call(monkeypatch, srv)
+    if protocol == "realtime":
+        events, close = asyncio.run(realtime(srv.ws_url, tone(0.4), chunk=FRAME_IN, session={"max_call_s": 1}))
+        assert errors(events) == [] and close == 1000 and len(frames_of(events)) == 5
+        assert "max_call_s" not in events[0]["session"]                          # session.created: not set
+        assert [e["session"].get("max_call_s") for e in events if e["type"] == "session.updated"] == [None, 1.0]
+        assert events[0]["session"]["capabilities"]["max_call_s"] == 2.0        # the server's limit, as before
+    elif protocol == "native":
+        msgs, packets, close = asyncio.run(native_call(srv.ws_url, '{"type": "start", "max_call_s": 1.5}',
+                                                       pcm16(tone(0.4))))
+        assert msgs[0]["type"] == "started" and msgs[0]["limits"]["max_call_s"] == 1.5
+        assert msgs[-1] == {"type": "ended", "reason": "completed"} and packets == 5 and close == 1000
+    else:
+        async def upload():
+            async with aiohttp.ClientSession() as http, \
+                    http.post(f"{srv.url}/generate?max_call_s=1.5", data=wav_bytes(tone(0.4))) as r:
+                return r.status, [json.loads(line) async for line in r.content if line.strip()]
+        status, lines = asyncio.run(upload())
+        assert status == 200 and lines[0]["limits"]["max_call_s"] == 1.5
+        assert lines[-1] == {"type": "ended", "reason": "completed"}
+    assert [o.max_call_s for o in opened] == [1.5 if protocol != "realtime" else 1.0]
+    assert isinstance(opened[0].max_call_s, float)
+    srv.wait_idle()
+
+
+@pytest.mark.parametrize("protocol", ["realtime", "native"])
+def test_call_too_long_names_the_limit_the_call_declared(server, protocol):
+    """A call that declared its own max_call_s and reached it is told that limit, not only the server's
+    (here both are 0.4 s, so the engine ends the call at 0.4 s however it applies the call's own limit)."""
+    srv, _ = server(max_call_s=0.4)
+    if protocol == "realtime":
+        events, close = asyncio.run(realtime(srv.ws_url, tone(1.5), chunk=FRAME_IN, pace=0.005,
+                                             session={"max_call_s": 0.4}))
+        assert errors(events) == ["call_too_long"] and len(frames_of(events)) == 5
+        message = refusal(events)["message"]
+    else:
+        msgs, packets, close = asyncio.run(native_call(srv.ws_url, '{"type": "start", "max_call_s": 0.4}',
+                                                       pcm16(tone(1.5))))
+        assert msgs[-1]["code"] == "call_too_long" and packets == 5
+        message = msgs[-1]["message"]
+    assert close == 1008
+    assert "own max_call_s = 0.4 s" in message and "engine.max_call_s is 0.4 s" in message, message
+    srv.wait_idle()

@@ -31,7 +31,7 @@ json_values = st.recursive(
 pcm_b64 = st.binary(max_size=3000).map(lambda b: base64.b64encode(b).decode())
 _session_fields = {k: json_values for k in ("instructions", "tools", "voice", "seed", "temperature", "top_p",
                                             "repetition_penalty", "output_modalities", "input_audio_format",
-                                            "output_audio_format")}
+                                            "output_audio_format", "max_call_s")}
 _audio = st.fixed_dictionaries({}, optional={
     "input": st.fixed_dictionaries({}, optional={"format": json_values}),
     "output": st.fixed_dictionaries({}, optional={"format": json_values, "voice": json_values})})
@@ -41,7 +41,7 @@ realtime_event = st.fixed_dictionaries({"type": st.sampled_from(REALTIME_TYPES)}
     "final": json_values, "event_id": json_values})
 opening = st.fixed_dictionaries({"type": st.just("start") | json_values}, optional={
     k: json_values for k in ("prompt", "tools", "seed", "temperature", "voice", "call_id", "sample_rate", "channels",
-                             "format", "output_format", "output_sample_rate", "tokens")})
+                             "format", "output_format", "output_sample_rate", "tokens", "max_call_s")})
 
 
 def _logged_errors(caplog) -> list[str]:
@@ -130,7 +130,8 @@ def test_hypothesis_fuzzes_both_protocols_and_uploads(monkeypatch, tok, caplog):
                lambda t: wav[:t[0]] + t[1] + wav[t[0] + len(t[1]):]),
            content_type=st.sampled_from(["audio/wav", "multipart/form-data", "multipart/form-data; boundary=x",
                                          "text/plain", "application/octet-stream"]),
-           query=st.dictionaries(st.sampled_from(["seed", "prompt", "call_id", "temperature", "tokens", "voice"]),
+           query=st.dictionaries(st.sampled_from(["seed", "prompt", "call_id", "temperature", "tokens", "voice",
+                                                  "max_call_s"]),
                                  st.text(max_size=20), max_size=3))
     def uploads(body, content_type, query):
         assert asyncio.run(run_upload(body, content_type, query)) in HTTP_STATUSES

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,10 +21,56 @@ HEADER_SIZE = 8   # <I frame, <f server lag ms (docs/protocol.md)
 
 
 @dataclass
+class CallPlan:
+    """One caller of a run: when it connects, when its append 0 is due, how many 80 ms frames of the input it
+    sends, and the max_call_s it declares in its opening (None: none, the server's limit holds)."""
+    index: int
+    connect_at: float
+    origin: float
+    n_frames: int
+    max_call_s: float | None = None
+
+
+def check_length_mix(length_mix, max_call_s: float) -> tuple[float, float]:
+    """loadtest.length_mix -> (lo, hi) seconds, or ValueError naming the rule it breaks: 0 < lo <= hi, and the
+    longest call a second under loadtest.max_call_s (the server's engine.max_call_s), as for duration_s."""
+    try:
+        lo, hi = (float(x) for x in length_mix)
+    except (TypeError, ValueError):
+        raise ValueError(f"loadtest.length_mix = {length_mix}: [lo, hi] in seconds") from None
+    if not 0 < lo <= hi:
+        raise ValueError(f"loadtest.length_mix = [{lo:g}, {hi:g}]: needs 0 < lo <= hi")
+    if not hi + 1 <= max_call_s:
+        raise ValueError(f"loadtest.length_mix = [{lo:g}, {hi:g}]: hi must be a second under loadtest.max_call_s "
+                         f"= {max_call_s:g} (the server's engine.max_call_s)")
+    return lo, hi
+
+
+def whole_frames(seconds: float) -> int:
+    """Seconds of input rounded up to whole 80 ms frames (a length that is whole frames in decimal stays so)."""
+    return max(1, math.ceil(round(seconds / FRAME_S, 6)))
+
+
+def mixed_lengths(length_mix, n: int, seed: int) -> list[int]:
+    """loadtest.length_mix: the n callers' input lengths in frames, drawn uniform in [lo, hi] seconds by a
+    numpy Generator seeded with `seed` and rounded up to whole frames. Caller i's is the i-th draw, so it
+    has the same length at every N."""
+    lo, hi = (float(x) for x in length_mix)
+    return [whole_frames(x) for x in np.random.default_rng(seed).uniform(lo, hi, size=n)]
+
+
+def declared_max_call_s(n_frames: int) -> float:
+    """The max_call_s a caller of n_frames declares: its length plus one frame of slack, so that no rounding
+    of the limit into frames can end the call before its last frame."""
+    return round((n_frames + 1) * FRAME_S, 6)
+
+
+@dataclass
 class CallRecord:
     """What one caller saw. Times are monotonic seconds of this process."""
     index: int
     origin: float                                     # when append 0 was due
+    n_frames: int = 0                                 # the frames it was to send (its length)
     sent: list[float] = field(default_factory=list)   # append k left at sent[k]
     frames: list[int] = field(default_factory=list)   # frame index of each packet, in arrival order
     arrival: list[float] = field(default_factory=list)
@@ -35,25 +82,28 @@ class CallRecord:
     output_sha256: str = ""
 
 
-async def paced_call(http, ws_url: str, index: int, pcm: bytes, connect_at: float, origin: float,
-                     seed: int) -> CallRecord:
-    """Connect at connect_at, send append k at origin + k * 80 ms (later if the connection was late),
-    then end_input; read every packet and event until the server closes."""
+async def paced_call(http, ws_url: str, plan: CallPlan, pcm: bytes, seed: int) -> CallRecord:
+    """Connect at plan.connect_at, send append k (of the input's first plan.n_frames frames) at plan.origin
+    + k * 80 ms (later if the connection was late), then end_input; read every packet and event until the
+    server closes."""
     import aiohttp
 
-    rec = CallRecord(index, origin)
-    n_frames = len(pcm) // (2 * FRAME_IN)
-    await asyncio.sleep(max(0.0, connect_at - time.monotonic()))
+    rec = CallRecord(plan.index, plan.origin, plan.n_frames)
+    n_frames = plan.n_frames
+    await asyncio.sleep(max(0.0, plan.connect_at - time.monotonic()))
     out = hashlib.sha256()
+    opening = {"type": "start", "seed": seed, "sample_rate": 16000}
+    if plan.max_call_s is not None:
+        opening["max_call_s"] = plan.max_call_s
     try:
         async with http.ws_connect(ws_url, max_msg_size=0, autoping=True) as ws:
-            await ws.send_json({"type": "start", "seed": seed, "sample_rate": 16000})
+            await ws.send_json(opening)
             first = await ws.receive()
             started = json.loads(first.data) if first.type == aiohttp.WSMsgType.TEXT else {}
             if started.get("type") != "started":
                 rec.error = f"{started.get('code', 'refused')}: {started.get('message', first.type)}"
                 return rec
-            rec.origin = max(origin, time.monotonic())
+            rec.origin = max(plan.origin, time.monotonic())
 
             async def send():
                 for k in range(n_frames):
@@ -96,18 +146,17 @@ async def paced_call(http, ws_url: str, index: int, pcm: bytes, connect_at: floa
     return rec
 
 
-async def callers(http, ws_url: str, calls: list[tuple[int, float, float]], pcm: bytes, seed: int,
+async def callers(http, ws_url: str, calls: list[CallPlan], pcm: bytes, seed: int,
                   limit: float) -> list[CallRecord]:
-    """Paced callers (index, connect_at, origin) on this event loop; one not done `limit` s after the
-    first connects fails with a timeout."""
-    tasks = [asyncio.create_task(paced_call(http, ws_url, i, pcm, connect_at, origin, seed))
-             for i, connect_at, origin in calls]
+    """Paced callers on this event loop; one not done `limit` s after the first connects fails with a
+    timeout."""
+    tasks = [asyncio.create_task(paced_call(http, ws_url, plan, pcm, seed)) for plan in calls]
     done, pending = await asyncio.wait(tasks, timeout=limit) if tasks else (set(), set())
     for task in pending:
         task.cancel()
     return [task.result() if task in done and task.exception() is None else
-            CallRecord(i, origin, error=f"timeout: not done {limit:.0f} s after start")
-            for task, (i, _, origin) in zip(tasks, calls)]
+            CallRecord(plan.index, plan.origin, plan.n_frames, error=f"timeout: not done {limit:.0f} s after start")
+            for task, plan in zip(tasks, calls)]
 
 
 # Real callers are separate machines, not one Python event loop taking 128 x 2 messages per 80 ms and
@@ -116,7 +165,7 @@ async def callers(http, ws_url: str, calls: list[tuple[int, float, float]], pcm:
 # pass for the server's. (Measured at lockstep 128: the client-side lag exceeded the server's by 14 ms at
 # p50 and 46 at p99; sharding did not close that gap, the server's event loop was the cause:
 # docs/performance.md, "Through the server (load)".)
-def callers_process(ws_url: str, calls: list[tuple[int, float, float]], pcm: bytes, seed: int,
+def callers_process(ws_url: str, calls: list[CallPlan], pcm: bytes, seed: int,
                     limit: float) -> list[CallRecord]:
     import aiohttp
 

@@ -30,22 +30,23 @@ def lateness_ms(rec: CallRecord, jitter_buffer_ms: float) -> list[float]:
     return ((arr - play) * 1000.0).tolist()
 
 
-def call_failure(rec: CallRecord, n_frames: int) -> str | None:
-    """Why a call failed (None if it did not): an error, an abnormal end, or missing or misordered frames."""
+def call_failure(rec: CallRecord) -> str | None:
+    """Why a call failed (None if it did not): an error, an abnormal end, or missing or misordered frames
+    (a call is judged over its own length, rec.n_frames: with loadtest.length_mix calls differ)."""
     if rec.error:
         return rec.error.split(":")[0]
     if rec.ended != "completed":
         return f"ended_{rec.ended}" if rec.ended else "no_end"
-    if rec.frames != list(range(n_frames)):
+    if rec.frames != list(range(rec.n_frames)):
         return "frames_missing_or_out_of_order"
     return None
 
 
-def judge(records: list[CallRecord], n_frames: int, jitter_buffer_ms: float) -> dict:
-    """The latency and real-time verdict of a run's calls."""
+def judge(records: list[CallRecord], jitter_buffer_ms: float) -> dict:
+    """The latency and real-time verdict of a run's calls, each over its own frames."""
     failures: dict[str, int] = {}
     for r in records:
-        why = call_failure(r, n_frames)
+        why = call_failure(r)
         if why:
             failures[why] = failures.get(why, 0) + 1
     late = [x for r in records for x in lateness_ms(r, jitter_buffer_ms)]
@@ -62,7 +63,7 @@ def judge(records: list[CallRecord], n_frames: int, jitter_buffer_ms: float) -> 
     ms = lambda xs: [1000.0 * x for x in xs]   # noqa: E731
     return {
         "calls": len(records), "failed_calls": failed, "failures": failures, "error_events": events,
-        "frames_expected": n_frames * len(records), "frames_received": sum(len(r.frames) for r in records),
+        "frames_expected": sum(r.n_frames for r in records), "frames_received": sum(len(r.frames) for r in records),
         "server_lag_ms": pct([x for r in records for x in r.server_lag_ms]),
         # the same without each call's first frame: a call with no frame yet has no rhythm for the engine's
         # coalescing, so first frames wait a step more, and in short calls they reach the top percentile

@@ -20,7 +20,12 @@ def _uploads_mode(meta: dict) -> str:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"input sha256 {meta['input_sha256'][:16]}, {meta['duration_s']:g} s per call, jitter buffer "
+    if meta.get("length_mix"):   # the input is the longest call's; each call sends a prefix of it
+        lo, hi = meta["length_mix"]
+        per_call = f"{lo:g} to {hi:g} s per call (uniform, seed {meta['length_seed']}, each its max_call_s)"
+    else:
+        per_call = f"{meta['duration_s']:g} s per call"
+    lines = [f"input sha256 {meta['input_sha256'][:16]}, {per_call}, jitter buffer "
              f"{meta['jitter_buffer_ms']:g} ms, uploads {_uploads_mode(meta)}; server: "
              f"{' '.join(meta['server_overrides']) or meta['url']}", "",
              "| start | N | real time | failed | server lag p50 / p95 / p99 ms | p99 after frame 0 | lateness p99 ms "

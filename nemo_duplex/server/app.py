@@ -347,6 +347,9 @@ class Server:
             if info.seconds > self.max_call_s:
                 raise Refusal("call_too_long", f"{info.seconds:.1f} s of audio; the limit is "
                               f"engine.max_call_s = {self.max_call_s:g} s", 413)
+            if settings.max_call_s is not None and info.seconds > settings.max_call_s:
+                raise Refusal("call_too_long", f"{info.seconds:.1f} s of audio; the limit is the upload's own "
+                              f"max_call_s = {settings.max_call_s:g} s", 413)
             pcm = decode_wav(wav, self.ctx.in_rate)
             bridge = self.reserve(call_id)
         except AudioFormatError as e:

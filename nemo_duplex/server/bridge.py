@@ -242,4 +242,4 @@ def call_options(settings: SessionSettings, voice: str | None) -> CallOptions:
     except ValueError as e:
         raise Refusal("invalid_sampling", str(e)) from None
     return CallOptions(prompt=render_tool_prompt(settings.instructions, settings.tools), seed=settings.seed,
-                       sampling=sampling, speaker=voice)
+                       sampling=sampling, speaker=voice, max_call_s=settings.max_call_s)

@@ -41,11 +41,12 @@ def native_opening(ctx: ServerContext, ev: dict, call_id: str | None) -> tuple[S
     if ev.get("sample_width", 2) != 2:
         raise ProtocolError("invalid_audio_format", f"sample_width {ev['sample_width']}: PCM is 16-bit (2) here; "
                             "8-bit audio is G.711 (format pcmu or pcma)", "sample_width")
+    # max_call_s: the call's own limit (an extension, as in session.update), checked by parse_session
     session = {k: ev[k] for k in ("instructions", "tools", "seed", "temperature", "top_p",
-                                  "repetition_penalty", "voice") if k in ev}
+                                  "repetition_penalty", "voice", "max_call_s") if k in ev}
     if "prompt" in ev:
         session["instructions"] = ev["prompt"]
-    settings = parse_session(session, ctx.session_defaults, ctx.cfg.max_tools)
+    settings = parse_session(session, ctx.session_defaults, ctx.cfg.max_tools, ctx.max_call_s)
     settings.input_format = wire_format(ev, "", ctx.in_rate, channels=True)
     settings.output_format = wire_format(ev, "output_", ctx.out_rate)
     ctx.check_voice(settings.voice)
@@ -81,7 +82,7 @@ def typed_fields(fields: dict) -> dict:
                 v = int(v)
             except ValueError:
                 raise ProtocolError("invalid_event", f"{k} must be an integer", k) from None
-        elif k in ("temperature", "top_p", "repetition_penalty"):
+        elif k in ("temperature", "top_p", "repetition_penalty", "max_call_s"):
             try:
                 v = float(v)
             except ValueError:
@@ -179,7 +180,8 @@ class NativeSession:
                 "output": {"format": fout.encoding, "sample_rate": fout.rate, "channels": 1,
                            "model_sample_rate": c.out_rate, "frame_samples": c.frame_out,
                            "header": "<If: frame, lag_ms"},
-                "limits": {"max_call_s": c.max_call_s, "max_pending_s": c.max_pending_s,
+                # the call's own max_call_s when it declared one, else the server's
+                "limits": {"max_call_s": c.call_limit(self.settings), "max_pending_s": c.max_pending_s,
                            "max_outbound_frames": c.cfg.max_outbound_frames}}
 
     def events(self, item) -> tuple[FrameOutputs | None, list[dict], Fatal | None, bool]:
@@ -220,7 +222,7 @@ class NativeSession:
             out = FrameOutputs(item.frames, tail, "", False, False, "") if tail else None
             return out, [{"type": "drained", "frames": item.frames}], None, False
         if isinstance(item, EndedEvent):
-            fatal = c.limit_message(item)
+            fatal = c.limit_message(item, self.settings)
             if fatal is not None:
                 c.metrics.refusal(fatal.code)
                 return None, [], fatal, True

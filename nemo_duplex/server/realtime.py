@@ -108,7 +108,7 @@ class RealtimeSession:
             self._ensure_call()
             b.append_audio(data)
         elif kind == "session.update":
-            new = parse_session(ev.get("session"), self.settings, s.cfg.max_tools)
+            new = parse_session(ev.get("session"), self.settings, s.cfg.max_tools, s.max_call_s)
             if new.voice in OPENAI_VOICES and new.voice not in s.voices:
                 new.voice = None   # a client's stock default: the checkpoint's voice (session.updated names it)
             if b.call is not None:
@@ -208,7 +208,7 @@ class RealtimeSession:
                     await ws.send_text(json.dumps(e))
                 await ws.send_text(json.dumps(self.out.ev("input_audio_buffer.drained", frames=item.frames)))
             elif isinstance(item, EndedEvent):
-                fatal = s.limit_message(item)
+                fatal = s.limit_message(item, self.settings)
                 if fatal is not None:
                     s.metrics.refusal(fatal.code)
                     for e in self.out.close("incomplete", None):

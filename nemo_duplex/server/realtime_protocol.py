@@ -178,6 +178,10 @@ class SessionSettings:
     input_format: AudioFormat = REALTIME_FORMAT
     output_format: AudioFormat = REALTIME_FORMAT
     output_modalities: tuple[str, ...] = ("audio",)   # ("text",): the agent's text only, no audio events
+    # the call's own limit in seconds of input, at most the server's engine.max_call_s (None: that limit). An
+    # extension (OpenAI's Realtime has no such field): a call that says it is short holds less of the
+    # engine's memory, which leaves room for more calls
+    max_call_s: float | None = None
 
 
 def parse_format(fmt: object, param: str) -> AudioFormat:
@@ -217,8 +221,9 @@ def parse_modalities(value: object, param: str) -> tuple[str, ...]:
     return ("audio",) if "audio" in value else ("text",)
 
 
-def parse_session(session: object, current: SessionSettings, max_tools: int) -> SessionSettings:
-    """Apply a `session.update` body (GA or beta shape) to `current`; unknown fields are ignored."""
+def parse_session(session: object, current: SessionSettings, max_tools: int, max_call_s: float) -> SessionSettings:
+    """Apply a `session.update` body (GA or beta shape) to `current`; unknown fields are ignored. `max_call_s`
+    is the server's engine.max_call_s, the most a call may declare as its own limit."""
     if not isinstance(session, dict):
         raise ProtocolError("invalid_event", "session must be an object", "session")
     s = {k: v for k, v in session.items() if v is not None}
@@ -251,6 +256,12 @@ def parse_session(session: object, current: SessionSettings, max_tools: int) -> 
         if not 0 <= seed < SEED_LIMIT:
             raise ProtocolError("invalid_event", f"session.seed {seed}: the limit is 0 <= seed < 2^63", "session.seed")
         new.seed = seed
+    if "max_call_s" in s:
+        limit = field_of(s, "max_call_s", float, "session")
+        if not 0 < limit <= max_call_s:
+            raise ProtocolError("invalid_event", f"session.max_call_s {limit:g}: the limit is 0 < max_call_s <= "
+                                f"engine.max_call_s = {max_call_s:g} s", "session.max_call_s")
+        new.max_call_s = limit
     # voice: GA audio.output.voice (a name or {"id": name}), beta voice
     if "voice" in s:
         new.voice = field_of(s, "voice", str, "session")
@@ -291,6 +302,7 @@ def session_object(call_id: str, model_name: str, settings: SessionSettings, voi
                   "output": {"format": format_object(settings.output_format), "voice": voice}},
         "seed": settings.seed, "temperature": settings.temperature, "top_p": settings.top_p,
         "repetition_penalty": settings.repetition_penalty,
+        **({"max_call_s": settings.max_call_s} if settings.max_call_s is not None else {}),
         "capabilities": capabilities,
     }
 
