@@ -275,7 +275,7 @@ def check_replicas_fit(cfg, resolved, n: int) -> None:
     engine = cfg.engine
     plan = check_fits(resolved.cfg, "cpu", device_gib=cfg.memory.device_gib, reserve_gib=cfg.memory.reserve_gib,
                       calls=(engine.max_calls, engine.max_call_s), max_prompt_tokens=int(engine.max_prompt_tokens),
-                      prefix_cache_mib=int(engine.prefix_cache_mib))
+                      prefix_cache_mib=int(engine.prefix_cache_mib), kv_pool_gib=engine.kv_pool_gib)
     if plan.total * n > plan.device_memory:
         raise MemoryPlanError(f"serve.replicas={n} on the CPU: {n} x {plan.total / GiB:.2f} GiB needed, "
                               f"{plan.device_memory / GiB:.2f} GiB available")
