@@ -23,6 +23,15 @@ class Cohort:
         self.last_done = time.monotonic()
 
 
+def held_for_cohort(call: Call, now: float, coalesce_s: float) -> bool:
+    """With the admission thread: a call admitted together with others (the same tick) holds its first
+    frame until they are all admitted, so calls that open together share their first step as they do on the
+    engine thread; bounded by engine.coalesce_ms (coalesce_s) after the last of them came back."""
+    cohort = call.cohort
+    return (cohort is not None and call.frames_stepped == 0 and cohort.pending > 0
+            and now - cohort.last_done < coalesce_s)
+
+
 class Admitter:
     """Admissions off the engine thread (engine.admission_thread): a worker thread runs each new call's
     admission (prompt prefill, talker warm-up) whole, on CUDA on a stream of its own, while the engine thread

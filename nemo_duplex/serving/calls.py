@@ -71,6 +71,21 @@ def limit_message(options: "CallOptions", engine_max_call_s: float) -> str:
     return f"the call reached engine.max_call_s = {engine_max_call_s:g} s"
 
 
+def system_prompt_ids(model, tokenizer, prompt: str | None, limit: int, longest_token: int) -> torch.Tensor | None:
+    """The system prompt's ids (None for none), or PromptTooLong naming engine.max_prompt_tokens (`limit`). A
+    prompt of more characters than the limit's tokens can cover (`longest_token`: the tokenizer's longest
+    token, in characters) is refused without tokenizing it: a megabyte of instructions would hold the thread
+    doing it (the server's event loop, or the engine's) for the tokenizer."""
+    if prompt and len(prompt) > limit * longest_token:
+        raise PromptTooLong(f"the system prompt is {len(prompt)} characters, more than "
+                            f"engine.max_prompt_tokens = {limit} tokens can hold")
+    ids = model.prompt_ids(tokenizer, prompt)
+    if ids is not None and ids.numel() > limit:
+        raise PromptTooLong(f"the system prompt is {ids.numel()} tokens; the limit is "
+                            f"engine.max_prompt_tokens = {limit}")
+    return ids
+
+
 def forced_text(token: int) -> int:
     """A text token as a step's `forced` entry (frame_step: -1 none, >= 0 a function token, <= -2 text)."""
     return -2 - token

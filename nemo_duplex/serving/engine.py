@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from nemo_duplex.audio import to_pcm16
-from nemo_duplex.serving.admitter import Admitter, Cohort
+from nemo_duplex.serving.admitter import Admitter, Cohort, held_for_cohort
 from nemo_duplex.serving.calls import (
     Call,
     CallOptions,
@@ -33,10 +33,10 @@ from nemo_duplex.serving.calls import (
     EngineDown,
     FrameEvent,
     InFlight,
-    PromptTooLong,
     call_max_frames,
     device_lost,
     limit_message,
+    system_prompt_ids,
 )
 from nemo_duplex.serving.frame_step import admission, special_ids
 from nemo_duplex.serving.memory import kv_page_counts
@@ -93,9 +93,8 @@ class Engine:
         self.frame_seconds = mc.frame_length
         self.state = state
         self.slots = SlotAllocator(self.cfg.max_calls)
-        self.pages = None   # KV pages (serving/pages.py); None: unpaged pools (tests)
-        if state.llm.pages is not None:
-            self.pages = KVPages(state, mc.prompt_frames, cfg.max_prompt_tokens)
+        # the calls' KV pages (serving/pages.py); None: unpaged pools (tests that build their own state)
+        self.pages = KVPages(state, mc.prompt_frames, cfg.max_prompt_tokens) if state.llm.pages is not None else None
         self._calls: dict[str, Call] = {}
         self._to_admit: deque[Call] = deque()
         self._admitting: deque[tuple[Call, Iterator]] = deque()   # admissions under way, a piece per next()
@@ -121,8 +120,8 @@ class Engine:
     # ---- client API --------------------------------------------------------------------------------
     def open_call(self, options: CallOptions | None = None, on_event: Callable | None = None,
                   call_id: str | None = None) -> Call:
-        """Reserve a slot now (EngineBusy if none is free: never a queue that grows without bound);
-        the prompt prefill and talker warm-up run on the engine thread before the first frame."""
+        """Reserve a slot and commit the KV pages the call's limit could need now (EngineBusy if either is
+        short: never a queue that grows without bound); the prompt prefill and talker warm-up come later."""
         options = options or CallOptions()
         if self.down is not None:
             raise EngineDown(f"the engine stopped after a device error and needs a restart: {self.down}")
@@ -132,9 +131,8 @@ class Engine:
             raise EngineBusy(f"all {self.cfg.max_calls} call slots are in use (engine.max_calls)")
         if self.pages is not None and not self.pages.open_call(slot, max_frames):
             self.slots.give(slot)
-            raise EngineBusy(f"the KV pages (engine.kv_pool_gib = {self.cfg.kv_pool_gib} GiB) are committed to "
-                             f"the live calls: a call of up to {max_frames * self.frame_seconds:g} s does not fit "
-                             "beside them")
+            raise EngineBusy(f"the KV pages (engine.kv_pool_gib = {self.cfg.kv_pool_gib} GiB) are committed to the "
+                             f"live calls: a call of up to {max_frames * self.frame_seconds:g} s does not fit beside them")
         call = Call(self, call_id or f"call_{next(self._ids)}", options, on_event or (lambda ev: None))
         call.slot = slot
         call.max_frames = max_frames
@@ -332,7 +330,7 @@ class Engine:
             calls = list(self._calls.values())
         now = time.monotonic()
         for call in calls:
-            if not call.admitted or call.closed or self._held_for_cohort(call, now):
+            if not call.admitted or call.closed or held_for_cohort(call, now, self.cfg.coalesce_ms / 1e3):
                 continue
             last = call._text_due or call._speech_due   # the frame in flight that stepped last
             if call.frames_stepped >= call.max_frames and last is None:
@@ -360,20 +358,9 @@ class Engine:
         return bool(batch or ending or admitting or self._admitting or (self.admitter and self.admitter.done))
 
     def prompt_ids(self, prompt: str | None) -> torch.Tensor | None:
-        """The system prompt's ids (None for none), or PromptTooLong naming engine.max_prompt_tokens.
-        Admission asks, and the server asks when a client sets the prompt (so the client hears it then,
-        not as the call's end once its audio starts). A prompt of more characters than the limit's tokens
-        can cover is refused without tokenizing it: a megabyte of instructions would hold the thread
-        doing it (the server's event loop, or this engine's) for the tokenizer."""
-        limit = self.cfg.max_prompt_tokens
-        if prompt and len(prompt) > limit * self.longest_token:
-            raise PromptTooLong(f"the system prompt is {len(prompt)} characters, more than "
-                                f"engine.max_prompt_tokens = {limit} tokens can hold")
-        ids = self.model.prompt_ids(self.tokenizer, prompt)
-        if ids is not None and ids.numel() > limit:
-            raise PromptTooLong(f"the system prompt is {ids.numel()} tokens; the limit is "
-                                f"engine.max_prompt_tokens = {limit}")
-        return ids
+        """The system prompt's ids (calls.system_prompt_ids): admission asks, and the server asks when a
+        client sets the prompt (so the client hears it then, not as the call's end once its audio starts)."""
+        return system_prompt_ids(self.model, self.tokenizer, prompt, self.cfg.max_prompt_tokens, self.longest_token)
 
     def _admit(self, call: Call, cohort: "Cohort | None" = None) -> None:
         try:
@@ -406,14 +393,6 @@ class Engine:
                 self._end(call, "error", str(error))
             else:
                 call.admitted = True
-
-    def _held_for_cohort(self, call: Call, now: float) -> bool:
-        """With the admission thread: a call admitted together with others (the same tick) holds its first
-        frame until they are all admitted, so calls that open together share their first step as they do
-        on the engine thread; bounded by engine.coalesce_ms after the last of them came back."""
-        cohort = call.cohort
-        return (cohort is not None and call.frames_stepped == 0 and cohort.pending > 0
-                and now - cohort.last_done < self.cfg.coalesce_ms / 1e3)
 
     def _advance_admissions(self) -> None:
         """Run the admissions under way, oldest first: at most engine.admission_pieces_per_tick pieces (a

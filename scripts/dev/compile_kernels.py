@@ -25,7 +25,7 @@ from ops.argmax_top2 import _chunk_kernel, _merge_kernel  # noqa: E402
 from ops.argmin_residual import _argmin_residual_kernel  # noqa: E402
 from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
 from ops.codebook_sum import _codebook_sum_kernel  # noqa: E402
-from ops.decode_attention import _decode_attention_vector_kernel  # noqa: E402
+from ops.decode_attention import _decode_attention_group_kernel, _decode_attention_vector_kernel  # noqa: E402
 from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
 from ops.fp16x3_linear import _fp16x3_kernel, _split_rows_kernel  # noqa: E402
 from ops.fp16x3_linear import _split_k_sum_kernel as _fp16x3_split_k_sum_kernel  # noqa: E402
@@ -91,24 +91,31 @@ compile_(_fp16x3_split_k_sum_kernel, {n: t for n, t in fp16x3_ptrs.items() if no
 compile_(_split_rows_kernel, {"x_ptr": f32, "hi_ptr": f16, "lo_ptr": f16, "inv_ptr": f32}, {"BLOCK_M": 32, "SCALE": 64},
          num_warps=4)
 # The talker's decode attention with its rows known 16-byte aligned must load 16 bytes at a time (without
-# ROWS_ALIGNED its 72-element key stride gives 2-byte loads; docs/performance.md). Strides as runtime ints, as served.
-for aligned in (False, True):
-    ptx = compile_(_decode_attention_vector_kernel,
-                   {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "out_ptr": bf16, "slots_ptr": "*i64",
-                    "seq_lens_ptr": "*i64", "part_acc_ptr": f32, "part_ml_ptr": f32, "qk_scale": "fp32"},
+# ROWS_ALIGNED its 72-element key stride gives 2-byte loads; docs/performance.md), unpaged and paged (the
+# served pools: pages of 64). Strides as runtime ints, as served.
+attention_ptrs = {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "out_ptr": bf16, "slots_ptr": "*i64",
+                  "seq_lens_ptr": "*i64", "part_acc_ptr": f32, "part_ml_ptr": f32, "pages_ptr": "*i32", "qk_scale": "fp32"}
+for aligned, paged in ((False, False), (True, False), (True, True)):
+    ptx = compile_(_decode_attention_vector_kernel, attention_ptrs,
                    {"NUM_HEADS": 16, "HEAD_DIM": 72, "NUM_SPLITS": 2, "HAS_WINDOW": False, "HAS_TAIL": True,
-                    "ROWS_ALIGNED": aligned, "PIPELINED": True, "BLOCK_N": 16, "BLOCK_DA": 64, "BLOCK_DB": 8},
+                    "ROWS_ALIGNED": aligned, "PIPELINED": True, "PAGED": paged, "PAGE_LEN": 64 if paged else 1,
+                    "BLOCK_N": 16, "BLOCK_DA": 64, "BLOCK_DB": 8},
                    num_warps=1)
     wide = load_widths(ptx).get(16, 0)
     if aligned and wide < 8:
         raise SystemExit(f"decode attention with ROWS_ALIGNED: {wide} 16-byte loads in the PTX, want >= 8")
     print(f"  16-byte loads: {wide}", flush=True)
-for store in (False, True):
+# The LLM's (GQA: 5 query heads per kv head, head dim 128), paged: its tl.dot blocks of 64 keys in pages of 64
+compile_(_decode_attention_group_kernel, attention_ptrs,
+         {"NUM_HEADS": 40, "GROUP": 5, "HEAD_DIM": 128, "NUM_SPLITS": 2, "HAS_WINDOW": False, "DOT_PRECISION": "tf32",
+          "PIPELINED": True, "PAGED": True, "PAGE_LEN": 64, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128}, num_warps=4)
+for store, paged in ((False, False), (True, False), (True, True)):   # the talker's k/v store, into pages as served
     compile_(_rms_norm_rope_kernel, {"x_ptr": bf16, "w_ptr": bf16, "cos_ptr": bf16, "sin_ptr": bf16, "out_ptr": bf16,
                                      "eps": "fp32", "offset": "fp32", "v_ptr": bf16, "v_out_ptr": bf16,
-                                     "rows_ptr": "*i64", "pos_ptr": "*i64", "q_ptr": bf16, "qw_ptr": bf16,
-                                     "q_out_ptr": bf16},
-             {"D": 72, "HEADS": 16, "BLOCK_R": 16, "BLOCK_D": 128, "BF16": True, "STORE": store}, num_warps=4)
+                                     "rows_ptr": "*i64", "pos_ptr": "*i64", "pages_ptr": "*i32", "q_ptr": bf16,
+                                     "qw_ptr": bf16, "q_out_ptr": bf16},
+             {"D": 72, "HEADS": 16, "BLOCK_R": 16, "BLOCK_D": 128, "BF16": True, "STORE": store, "PAGED": paged,
+              "PAGE_LEN": 64 if paged else 1}, num_warps=4)
 compile_(_rnnt_commit_kernel, {"logits_ptr": bf16, "active_ptr": "*i1", "hn_ptr": bf16, "h_ptr": bf16, "cn_ptr": bf16,
                                "c_ptr": bf16, "last_ptr": "*i64", "tokens_ptr": "*i64"},
          {"LAYERS": 2, "BLOCK_V": 2048, "BLOCK_H": 1024}, num_warps=4)
