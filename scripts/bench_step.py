@@ -90,6 +90,20 @@ def state_bytes_per_call(model, st, position: int) -> dict[str, int]:
     return {"mamba_ssm": ssm, "mamba_conv": conv, "llm_kv": llm_kv, "talker_kv": talker_kv, "encoder": enc_state}
 
 
+def bench_state(model, calls: int, frames: int, device, page_len: int | None):
+    """The state pools of `calls` calls of `frames` frames (no prompt): with page_len the KV in pages as the
+    engine has them, every call holding the pages of its whole length, as a call that long would."""
+    cfg = model.cfg
+    pages = kv_page_counts(cfg, calls, frames * cfg.frame_length, 0, page_len) if page_len else None
+    st = allocate_call_state(model, calls, frames, device, max_prompt_tokens=0, kv_pages=pages)
+    if pages is not None:
+        kv = KVPages(st, cfg.prompt_frames, 0)
+        for slot in range(calls):
+            assert kv.commit(slot, frames, cfg.prompt_frames + frames)
+            kv.grow(slot, frames, cfg.prompt_frames + frames)
+    return st
+
+
 def fill_random(st, position: int, slots: torch.Tensor, prompt_frames: int, seed: int = 0) -> None:
     """Put the slots at `position` with random (never zero) caches: timings on zeros can flatter."""
     g = torch.Generator(device=st.llm_len.device).manual_seed(seed)
@@ -166,13 +180,7 @@ def main(cfg: DictConfig) -> None:
     model, tok, _, mcfg = loaded
     print(runtime.summary(cfg, loaded, "bench_step"), flush=True)
     print(f"model ready in {time.perf_counter() - t0:.0f} s; weights {weight_bytes(model) / 2**30:.1f} GiB", flush=True)
-    pages = kv_page_counts(mcfg, max_n, frames * mcfg.frame_length, 0, cfg.engine.kv_page_len) if b.paged else None
-    st = allocate_call_state(model, max_n, frames, device, max_prompt_tokens=0, kv_pages=pages)
-    if pages is not None:   # every call holds the pages of its whole length, as a call that long would
-        kv = KVPages(st, mcfg.prompt_frames, 0)
-        for slot in range(max_n):
-            assert kv.commit(slot, frames, mcfg.prompt_frames + frames)
-            kv.grow(slot, frames, mcfg.prompt_frames + frames)
+    st = bench_state(model, max_n, frames, device, cfg.engine.kv_page_len if b.paged else None)
     on_gpu = device.type == "cuda"
     if on_gpu:
         print(f"state pools for {max_n} calls: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)

@@ -25,11 +25,10 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/: bench_step
 
-from bench_step import fill_random  # noqa: E402
+from bench_step import bench_state, fill_random  # noqa: E402
 
 from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.serving.frame_step import frame_step, special_ids  # noqa: E402
-from nemo_duplex.serving.state import allocate_call_state  # noqa: E402
 
 STEPS = 3
 settings.register()
@@ -148,7 +147,7 @@ def main(cfg: DictConfig) -> None:
     model, _, _, mcfg = loaded
     print(runtime.summary(cfg, loaded, "profile_step"), flush=True)
     runtime.write_settings(runtime.run_dir(), cfg, loaded)
-    st = allocate_call_state(model, n_max, pos + 64, device, max_prompt_tokens=0)
+    st = bench_state(model, n_max, pos + 64, device, cfg.engine.kv_page_len if cfg.bench.paged else None)
     specials = special_ids(model, device)
     on_graphs = cfg.profile.graphs
     for n in cfg.bench.batch_sizes:

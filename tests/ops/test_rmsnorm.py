@@ -160,11 +160,22 @@ def test_norm_rope_store_writes_the_pools(dtype):
                                else 2e-6)
 
 
+def _same_kernel_output(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Two launches of the norm + rotary arithmetic (other kernel variants, or strided against contiguous
+    inputs) agree bit for bit, except in fp32 on a GPU: there `_round_to` is no rounding at all, so the
+    compiler may fuse a product and a sum into one FMA in one variant and not the other (the last bit moves:
+    within 1e-6). bf16 rounds each step by integer arithmetic, which no compiler pass can fold away."""
+    if a.is_cuda and a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
-    """rms_norm_rope_qk_store (the talker's q beside its k/v store): q bit for bit what
-    rms_norm_rope_triton makes of it with its own weight, the pools bit for bit what the store kernel
-    writes; the torch statements (the CPU path) within rms_norm_rope's tolerance; q read from a strided view."""
+    """rms_norm_rope_qk_store (the talker's q beside its k/v store): q what rms_norm_rope_triton makes of it
+    with its own weight, the pools what the store kernel writes (bit for bit, `_same_kernel_output`); the torch
+    statements (the CPU path) within rms_norm_rope's tolerance; q read from a strided view."""
     from ops.rmsnorm import (
         rms_norm_rope_qk_store,
         rms_norm_rope_qk_store_op,
@@ -183,8 +194,9 @@ def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
     rms_norm_rope_store_reference(k, w, 1e-6, cos, sin, v, ref_k, ref_v, rows, positions)
     out = rms_norm_rope_qk_store(q, q_w, k, w, 1e-6, cos, sin, v, pool_k, pool_v, rows, positions)
     assert out.shape == q.shape and out.dtype == dtype
-    assert torch.equal(out, rms_norm_rope_triton(q.contiguous(), q_w, 1e-6, cos, sin))
-    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+    _same_kernel_output(out, rms_norm_rope_triton(q.contiguous(), q_w, 1e-6, cos, sin))
+    _same_kernel_output(pool_k, want_k)
+    assert torch.equal(pool_v, want_v)
     ref = rms_norm_rope_reference(q, q_w, 1e-6, cos, sin)
     tolerance = 4 * 2 ** -8 * 8 if dtype == torch.bfloat16 else 2e-6
     torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=tolerance)
@@ -200,7 +212,7 @@ def test_norm_rope_qk_store_is_both_kernels_in_one_launch(dtype):
 def test_norm_rope_reads_column_slices_of_a_fused_projection(t):
     """The talker's q, k, v come from one GEMM over the stacked weights (nemo_duplex/models/talker.py
     stack_linears) as column views of [B, T, 3 x heads x D]: both kernels read them through token and head
-    strides, bit for bit what they compute from contiguous copies, and `_token_heads` makes no copy."""
+    strides, what they compute from contiguous copies (`_same_kernel_output`), and `_token_heads` makes no copy."""
     from ops.rmsnorm import _token_heads, rms_norm_rope_store_triton, rms_norm_rope_triton
     gen = torch.Generator().manual_seed(11)
     b, heads, d, num_rows, max_len = 4, 3, 18, 6, 9
@@ -210,14 +222,15 @@ def test_norm_rope_reads_column_slices_of_a_fused_projection(t):
     w = (0.2 * torch.randn(d, generator=gen)).to(DEVICE)
     angles = torch.rand(b, t, d // 2, generator=gen) * 100
     cos, sin = torch.cat([angles, angles], -1).cos().to(DEVICE), torch.cat([angles, angles], -1).sin().to(DEVICE)
-    assert torch.equal(rms_norm_rope_triton(q, w, 1e-6, cos, sin), rms_norm_rope_triton(q.contiguous(), w, 1e-6, cos, sin))
+    _same_kernel_output(rms_norm_rope_triton(q, w, 1e-6, cos, sin), rms_norm_rope_triton(q.contiguous(), w, 1e-6, cos, sin))
     if t == 1:
         rows = torch.randperm(num_rows, generator=gen)[:b].to(DEVICE)
         positions = torch.randint(0, max_len, (b,), generator=gen).to(DEVICE)
         pools = [torch.zeros(num_rows, heads, max_len, d, device=DEVICE) for _ in range(4)]
         rms_norm_rope_store_triton(k, w, 1e-6, cos, sin, v, pools[0], pools[1], rows, positions)
         rms_norm_rope_store_triton(k.contiguous(), w, 1e-6, cos, sin, v.contiguous(), pools[2], pools[3], rows, positions)
-        assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3]) and pools[1].abs().sum() > 0
+        _same_kernel_output(pools[0], pools[2])
+        assert torch.equal(pools[1], pools[3]) and pools[1].abs().sum() > 0
 
 
 @pytest.mark.gpu
