@@ -28,7 +28,7 @@ class EngineConfig:
     max_call_s: float = 160.0          # a call past this many seconds of input ends with reason "limit"
     max_pending_s: float = 30.0        # input received but not yet stepped, per call
     max_prompt_tokens: int = 512
-    # The LLM's and the talker's KV live in pages of kv_page_len positions (a power of two; 64 frames are
+    # The LLM's and the talker's KV live in pages of kv_page_len positions (a power of two, >= 16; 64 are
     # 5.1 s), taken as a call grows and returned when it ends (serving/pages.py). kv_pool_gib: GiB of pages
     # in all; null = enough for every call at max_call_s (no call is ever refused for pages). Set, a call is
     # admitted only if the pages its limit (its own max_call_s, else this one) could need fit beside what

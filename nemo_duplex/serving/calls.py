@@ -154,7 +154,7 @@ class Call:
         self.slot: int | None = None
         self.max_frames = 0       # the call's limit in frames (Engine.open_call: its max_call_s or the engine's)
         self.prompt_tokens = 0    # its system prompt's length, known at admission
-        self.kv_frames = 0        # frames its KV pages cover so far (Engine._grow_pages)
+        self.kv_frames = 0        # frames its KV pages cover so far (serving/pages.py KVPages.before_step)
         self._lock = threading.Lock()
         self._buf = np.zeros(0, dtype=np.float32)   # received samples not yet cut into frames
         self._frames: deque[tuple[np.ndarray, float]] = deque()
