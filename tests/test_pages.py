@@ -108,7 +108,7 @@ def test_calls_that_fill_the_pool_run_to_their_limit(tiny, example_clip):
     call.append(np.zeros(1280 * 6, dtype=np.float32))
     for _ in range(12):
         eng.tick()
-    assert ended and ended[0].reason == "limit" and "its max_call_s = 0.4 s" in ended[0].message
+    assert ended and ended[0].reason == "limit" and "its own max_call_s = 0.4 s" in ended[0].message
 
 
 def test_paged_engine_equals_unpaged(tiny, example_clip):

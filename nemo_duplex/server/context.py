@@ -71,14 +71,11 @@ class ServerContext:
         """The call's longest input in seconds: its own max_call_s when it declared one, else the server's."""
         return settings.max_call_s if settings.max_call_s is not None else self.max_call_s
 
-    def limit_message(self, ev: EndedEvent, settings: SessionSettings) -> Fatal | None:
+    def limit_message(self, ev: EndedEvent) -> Fatal | None:
         """An engine end reason -> the error the client gets (None for a normal end); a call that reached its
-        limit is told which: the one it declared, or the server's."""
+        limit is told which, the one it declared or the server's, by the engine's message (calls.limit_message)."""
         if ev.reason == "limit":
-            if settings.max_call_s is not None:
-                return Fatal("call_too_long", f"the call reached its own max_call_s = {settings.max_call_s:g} s "
-                             f"(the server's engine.max_call_s is {self.max_call_s:g} s)")
-            return Fatal("call_too_long", f"the call reached engine.max_call_s = {self.max_call_s:g} s")
+            return Fatal("call_too_long", ev.message or f"the call reached engine.max_call_s = {self.max_call_s:g} s")
         if ev.reason == "error":
             return Fatal("engine_error", ev.message or "the engine failed this call")
         if ev.reason == "shutdown":

@@ -222,7 +222,7 @@ class NativeSession:
             out = FrameOutputs(item.frames, tail, "", False, False, "") if tail else None
             return out, [{"type": "drained", "frames": item.frames}], None, False
         if isinstance(item, EndedEvent):
-            fatal = c.limit_message(item, self.settings)
+            fatal = c.limit_message(item)
             if fatal is not None:
                 c.metrics.refusal(fatal.code)
                 return None, [], fatal, True

@@ -208,7 +208,7 @@ class RealtimeSession:
                     await ws.send_text(json.dumps(e))
                 await ws.send_text(json.dumps(self.out.ev("input_audio_buffer.drained", frames=item.frames)))
             elif isinstance(item, EndedEvent):
-                fatal = s.limit_message(item, self.settings)
+                fatal = s.limit_message(item)
                 if fatal is not None:
                     s.metrics.refusal(fatal.code)
                     for e in self.out.close("incomplete", None):

@@ -64,10 +64,12 @@ def call_max_frames(options: "CallOptions", engine_max_call_s: float, frame_s: f
 
 
 def limit_message(options: "CallOptions", engine_max_call_s: float) -> str:
-    """Why a call at its limit ended: the limit it declared, or the engine's."""
+    """Why a call at its limit ended (the "limit" EndedEvent's message, which the server passes on): the limit
+    it declared, or the engine's."""
     own = options.max_call_s
-    if own is not None and own < engine_max_call_s:
-        return f"the call reached its max_call_s = {own:g} s"
+    if own is not None:
+        return (f"the call reached its own max_call_s = {own:g} s (the server's engine.max_call_s is "
+                f"{engine_max_call_s:g} s)")
     return f"the call reached engine.max_call_s = {engine_max_call_s:g} s"
 
 
