@@ -12,31 +12,23 @@ from __future__ import annotations
 import torch
 
 
-def page_address(pages: torch.Tensor, page_len: int, rows: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pool page, offset in it) of each (row, position); rows and positions broadcast together."""
-    page = pages[rows, torch.div(positions, page_len, rounding_mode="floor")].to(torch.int64)
-    return page, positions % page_len
-
-
 def kv_places(pages: torch.Tensor | None, page_len: int, rows: torch.Tensor,
               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pool row, offset) of each (row, position), paged or not (pages None: the row itself, the position):
-    an index pair for pool[..., row, :, offset] over every layer of a stacked pool at once."""
+    """(pool row, offset) of each (row, position), rows and positions broadcast together: paged, the page the
+    row's table names and the offset in it; unpaged (pages None), the row itself and the position. An index
+    pair for pool[..., row, :, offset], over every layer of a stacked pool at once."""
     if pages is None:
         return torch.broadcast_tensors(rows, positions)
-    return page_address(pages, page_len, rows, positions)
+    page = pages[rows, torch.div(positions, page_len, rounding_mode="floor")].to(torch.int64)
+    return page, positions % page_len
 
 
 def kv_write(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor,
              values: torch.Tensor) -> None:
     """pool[row, :, position] = values for every (row, position): rows and positions broadcast to the
     leading shape of values [..., kv_heads, D]."""
-    if pages is None:
-        pool[rows, :, positions] = values.to(pool.dtype)
-        return
-    page, offset = page_address(pages, pool.shape[2], rows, positions)
-    pool[page, :, offset] = values.to(pool.dtype)
+    row, offset = kv_places(pages, pool.shape[2], rows, positions)
+    pool[row, :, offset] = values.to(pool.dtype)
 
 
 def kv_gather(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.serving.frame_step import special_ids  # noqa: E402
-from nemo_duplex.serving.memory import kv_bytes_per_position, kv_page_counts  # noqa: E402
-from nemo_duplex.serving.pages import KVPages  # noqa: E402
+from nemo_duplex.serving.memory import kv_bytes_per_position  # noqa: E402
+from nemo_duplex.serving.pages import whole_call_state  # noqa: E402
 from nemo_duplex.serving.state import allocate_call_state, state_tensors  # noqa: E402
 from nemo_duplex.serving.weight_reads import fixed_and_per_call  # noqa: E402
 
@@ -92,16 +92,10 @@ def state_bytes_per_call(model, st, position: int) -> dict[str, int]:
 
 def bench_state(model, calls: int, frames: int, device, page_len: int | None):
     """The state pools of `calls` calls of `frames` frames (no prompt): with page_len the KV in pages as the
-    engine has them, every call holding the pages of its whole length, as a call that long would."""
-    cfg = model.cfg
-    pages = kv_page_counts(cfg, calls, frames * cfg.frame_length, 0, page_len) if page_len else None
-    st = allocate_call_state(model, calls, frames, device, max_prompt_tokens=0, kv_pages=pages)
-    if pages is not None:
-        kv = KVPages(st, cfg.prompt_frames, 0)
-        for slot in range(calls):
-            assert kv.commit(slot, frames, cfg.prompt_frames + frames)
-            kv.grow(slot, frames, cfg.prompt_frames + frames)
-    return st
+    engine has them, every call holding the pages of its whole length (pages.whole_call_state)."""
+    if page_len:
+        return whole_call_state(model, calls, frames, device, 0, page_len)
+    return allocate_call_state(model, calls, frames, device, max_prompt_tokens=0)
 
 
 def fill_random(st, position: int, slots: torch.Tensor, prompt_frames: int, seed: int = 0) -> None:

@@ -18,6 +18,7 @@ import torch
 from graphs.regions import regions_bypassed
 from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
+from nemo_duplex.serving.pages import whole_call_state
 from nemo_duplex.serving.runner import HOST_FIELDS, build_runner
 from nemo_duplex.serving.state import allocate_call_state, state_tensors
 
@@ -33,24 +34,13 @@ def _restore(st, snap):
         v.copy_(snap[k])
 
 
-def _paged_state(model, n_calls: int, max_frames: int, device, max_prompt_tokens: int, page_len: int = 16):
-    """Pools as the engine has them, KV in pages (page_len positions, small: a call crosses many), every slot
-    given the pages of its whole length."""
-    from nemo_duplex.serving.memory import kv_page_counts
-    from nemo_duplex.serving.pages import KVPages
-
-    counts = kv_page_counts(model.cfg, n_calls, max_frames * model.cfg.frame_length, max_prompt_tokens, page_len)
-    st = allocate_call_state(model, n_calls, max_frames, device, max_prompt_tokens, counts)
-    pages = KVPages(st, model.cfg.prompt_frames, max_prompt_tokens)
-    for s in range(n_calls):
-        assert pages.commit(s, max_prompt_tokens + max_frames, model.cfg.prompt_frames + max_frames)
-        pages.grow(s, max_prompt_tokens + max_frames, model.cfg.prompt_frames + max_frames)
-    return st
+# the KV pools paged as the engine has them, in pages of 16 positions (small: a call crosses many)
+PAGE_LEN = 16
 
 
 def _admitted_state(model, n_calls: int, max_frames: int = 8, device=torch.device("cpu")):
     """Paged pools for n_calls calls, every slot admitted (no prompt, seed = slot)."""
-    st = _paged_state(model, n_calls, max_frames, device, 0)
+    st = whole_call_state(model, n_calls, max_frames, device, 0, PAGE_LEN)
     for s in range(n_calls):
         admit(model, st, s, None, s, SamplingParams())
     return st
@@ -143,7 +133,7 @@ def test_graphs_match_eager_teacher_forced(tiny, slim, example_clip, compiler):
     compiles the slim one's (a layer of each kind: more layers of a kind add nothing to check). The KV pools
     are paged, as the engine has them."""
     model, tok = slim if compiler == "inductor" else tiny[:2]
-    st = _paged_state(model, 2, FRAMES + 4, torch.device("cpu"), max_prompt_tokens=16)
+    st = whole_call_state(model, 2, FRAMES + 4, torch.device("cpu"), 16, PAGE_LEN)
     admit(model, st, 0, None, 3, SamplingParams())
     admit(model, st, 1, model.prompt_ids(tok, "Be brief."), 4, SamplingParams())
     specials = special_ids(model, torch.device("cpu"))

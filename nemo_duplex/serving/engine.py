@@ -125,7 +125,7 @@ class Engine:
         options = options or CallOptions()
         if self.down is not None:
             raise EngineDown(f"the engine stopped after a device error and needs a restart: {self.down}")
-        max_frames = min(call_max_frames(options, self.cfg.max_call_s, self.frame_seconds), self.max_frames)
+        max_frames = call_max_frames(options, self.cfg.max_call_s, self.frame_seconds)   # <= self.max_frames
         slot = self.slots.take()
         if slot is None:
             raise EngineBusy(f"all {self.cfg.max_calls} call slots are in use (engine.max_calls)")

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from nemo_duplex.models.config import ModelConfig, torch_dtype
+from nemo_duplex.serving.state import KVPageCounts
 
 GiB = 2 ** 30
 INT64, FLOAT32, BOOL = 8, 4, 1
@@ -114,12 +115,10 @@ def kv_pages_per_call(cfg: ModelConfig, max_call_s: float, max_prompt_tokens: in
 
 
 def kv_page_counts(cfg: ModelConfig, max_calls: int, max_call_s: float, max_prompt_tokens: int, page_len: int,
-                   pool_gib: float | None = None):
-    """The paged KV pools' sizes (state.KVPageCounts): pages for max_calls calls of max_call_s, or with
-    pool_gib (engine.kv_pool_gib) as many pages as that many GiB hold, shared between the LLM and the talker
-    in the proportion one call of max_call_s takes them."""
-    from nemo_duplex.serving.state import KVPageCounts
-
+                   pool_gib: float | None = None) -> KVPageCounts:
+    """The paged KV pools' sizes: pages for max_calls calls of max_call_s, or with pool_gib
+    (engine.kv_pool_gib) as many pages as that many GiB hold, shared between the LLM and the talker in the
+    proportion one call of max_call_s takes them."""
     if page_len < 16 or page_len & (page_len - 1):
         raise ValueError(f"engine.kv_page_len = {page_len}: a power of two (the kernels divide by it), at least 16 "
                          "(a block of keys lies in one page, and the LLM's attention kernel multiplies blocks of 16)")

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nemo_duplex.serving.state import CallState
+from nemo_duplex.serving.memory import kv_page_counts
+from nemo_duplex.serving.state import CallState, allocate_call_state
 
 if TYPE_CHECKING:
     from nemo_duplex.serving.calls import Call
@@ -166,3 +167,17 @@ class KVPages:
             return {"llm_pages": self.llm.num_pages, "llm_pages_free": len(self.llm.free),
                     "llm_pages_uncommitted": self.llm.uncommitted, "talker_pages": self.talker.num_pages,
                     "talker_pages_free": len(self.talker.free), "talker_pages_uncommitted": self.talker.uncommitted}
+
+
+def whole_call_state(model, calls: int, frames: int, device, max_prompt_tokens: int, page_len: int) -> CallState:
+    """Paged pools for `calls` calls of up to max_prompt_tokens + `frames` positions, every slot holding the
+    pages of its whole length (as such a call would by its end): the state a benchmark or a test steps
+    without an engine to hand pages out."""
+    cfg = model.cfg
+    counts = kv_page_counts(cfg, calls, frames * cfg.frame_length, max_prompt_tokens, page_len)
+    st = allocate_call_state(model, calls, frames, device, max_prompt_tokens, counts)
+    pages = KVPages(st, cfg.prompt_frames, max_prompt_tokens)
+    for slot in range(calls):
+        assert pages.open_call(slot, frames)
+        pages.grow(slot, max_prompt_tokens + frames, cfg.prompt_frames + frames)
+    return st
