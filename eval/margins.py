@@ -11,6 +11,11 @@ logit on that channel; a divergence counts as a near-tie only when that margin i
 `near_tie_margin`. It fails on any divergence that is not a near-tie, or when more than
 `max_divergence_rate` of the frames diverge at all (a model that is wrong everywhere by a little).
 
+It reports how the talker's codes move as well (not judged: a code has no logit margin to call a near-tie):
+the frames whose codes differ and the share of codes that do, every frame again on the same inputs. With
+`eval.models.bf16_dtype.talker_kv=fp8` the bf16 variant keeps its talker KV in float8, and these say what
+that costs against fp32 beside the bf16 run's own figures.
+
 It also checks the codec of the bf16 deployment: its PCM must equal what the fp32 codec makes of the
 same codes (the codec always runs in fp32, spec 9.9: bf16 collapses its reconstruction).
 """
@@ -39,6 +44,8 @@ class TeacherForced:
     divergences: list[Divergence] = field(default_factory=list)
     text_margins: list[float] = field(default_factory=list)   # fp32's, every frame
     codec_max_abs_err: float = 0.0
+    code_diverging_frames: int = 0   # frames whose codes differ at all
+    codes_differing: int = 0         # codes that differ, of frames x num_quantizers
 
     @property
     def diverging_frames(self) -> int:
@@ -79,6 +86,9 @@ def teacher_forced(fp32, bf16, audio: torch.Tensor, seed: int = 0) -> TeacherFor
             if int(a.func[0]) != int(b.func[0]):
                 m_func = float(func_top2.last[0, 0] - func_top2.last[0, 1]) if func_top2 else float("nan")
                 result.divergences.append(Divergence(k, "function", int(a.func[0]), int(b.func[0]), m_func))
+            moved = int((a.codes != b.codes).sum())
+            result.codes_differing += moved
+            result.code_diverging_frames += moved > 0
             pcm = fp32.codec.decode_step(b.codes, reference_codec, slot)
             result.codec_max_abs_err = max(result.codec_max_abs_err, float((pcm - b.pcm.float()).abs().max()))
             # teacher forcing: the bf16 call carries on from fp32's decisions
@@ -97,7 +107,7 @@ def margins(ctx: GateContext, criteria: Criteria) -> RowResult:
     bar = float(criteria["near_tie_margin"])
     seed = int(ctx.settings.get("seed", 0))
     per_clip, failures = {}, []
-    frames = diverging = ties = 0
+    frames = diverging = ties = code_frames = codes_moved = 0
     codec_err = 0.0
     non_ties: list[str] = []
     for clip in ctx.progress(ctx.model_clips(), "margins"):
@@ -106,6 +116,8 @@ def margins(ctx: GateContext, criteria: Criteria) -> RowResult:
         frames += r.frames
         diverging += r.diverging_frames
         codec_err = max(codec_err, r.codec_max_abs_err)
+        code_frames += r.code_diverging_frames
+        codes_moved += r.codes_differing
         for d in r.divergences:
             if d.fp32_margin < bar:
                 ties += 1
@@ -116,10 +128,13 @@ def margins(ctx: GateContext, criteria: Criteria) -> RowResult:
             "frames": r.frames, "diverging_frames": r.diverging_frames,
             "divergences": [vars(d) for d in r.divergences],
             "fp32_text_margin_median": float(torch.tensor(r.text_margins).median()),
-            "codec_max_abs_err": r.codec_max_abs_err}
+            "codec_max_abs_err": r.codec_max_abs_err, "code_diverging_frames": r.code_diverging_frames,
+            "codes_differing": r.codes_differing}
     rate = diverging / max(frames, 1)
     metrics = {"frames": frames, "diverging_frames": diverging, "divergence_rate": rate, "near_ties": ties,
-               "non_ties": len(non_ties), "codec_max_abs_err": codec_err}
+               "non_ties": len(non_ties), "codec_max_abs_err": codec_err, "code_diverging_frames": code_frames,
+               "codes_differing_rate": codes_moved / max(frames * ms.fp32.cfg.talker.num_quantizers, 1),
+               "talker_kv": ms.bf16.cfg.dtype.talker_kv_pool}
     if len(non_ties) > criteria["max_non_tie_divergences"]:
         failures.append(f"{len(non_ties)} bf16 divergences are not near-ties (fp32 margin >= {bar}): "
                         + "; ".join(non_ties[:4]) + (" ..." if len(non_ties) > 4 else ""))

@@ -87,7 +87,7 @@ def ieee_fp32() -> None:
 
 def is_all_fp32(model) -> bool:
     d = model.cfg.dtype
-    return all(getattr(d, k) == "fp32" for k in FP32)
+    return all(getattr(d, k) == "fp32" for k in FP32) and d.talker_kv_pool == "fp32"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ than one split, partial (max, sum, acc) go to fp32 scratch and a third kernel me
   pad the single query to 16 rows. The head dim 72 is read as 64 + 8 columns, so no lane is padding.
 * `_decode_attention_group_kernel` (GQA, the LLM): program (row, kv head, split); the group's queries
   share each K/V tile through tl.dot (head dim padded to a power of two with masks).
+The pool may hold float8 e4m3 (the talker's `dtype.talker_kv: fp8`): keys and values are upcast to fp32
+as they are loaded, as every other dtype is, and the reference upcasts the same stored values.
 Each split covers an equal share of its row's visible keys, computed in the kernel from the row's
 length, so a pool sized for long calls costs nothing while calls are short. The cache is never padded.
 Paged (`pages` given, ops/kv_pages.py): the pool is `[num_pages, kv_heads, page_len, D]` and row b's
@@ -343,10 +345,10 @@ def _merge_splits_kernel(
 
 
 def _rows_aligned(cache: torch.Tensor) -> bool:
-    """Every key row of the pool starts on a 16-byte boundary (for 2-byte elements: the base and the slot,
-    head and position strides all multiples of 8 elements), which lets the kernel load 16 bytes at a time."""
-    return (cache.data_ptr() % 16 == 0 and cache.element_size() * 8 % 16 == 0
-            and all(stride % 8 == 0 for stride in cache.stride()[:3]))
+    """Every key row of the pool starts at a multiple of 8 elements (the base 16-byte aligned and the slot,
+    head and position strides multiples of 8), which lets the kernel load 8 elements at a time: 16 bytes
+    for bf16, 8 for float8 (the talker's 72-byte fp8 rows allow no more)."""
+    return cache.data_ptr() % 16 == 0 and all(stride % 8 == 0 for stride in cache.stride()[:3])
 
 
 def pick_num_splits(programs: int, max_len: int, block_n: int, num_sms: int, num_warps: int = 4,
@@ -374,7 +376,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         assert pages.dtype == torch.int32 and pages.stride(-1) == 1
     assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape and num_heads % kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    # float8 e4m3 pools (ops/kv_pages.py) are upcast to fp32 as they are loaded, like every other dtype
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
     group = num_heads // kv_heads
     if pipelined is None:
         pipelined = not interpreting()

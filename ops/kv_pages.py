@@ -6,10 +6,24 @@ given points at a sink page, so every address stays inside the pool (nemo_duplex
 pages out). With `pages=None` the pool is the unpaged `[R, kv_heads, max_len, D]` and row r is pool row r:
 the same functions serve both, and the kernels (ops/decode_attention.py, ops/rmsnorm.py's store) read the
 same addresses these do.
+
+A pool may hold float8 e4m3 (`model.dtype.talker_kv: fp8`): a value is stored as the nearest e4m3 value,
+saturated at +-448 (torch's own cast gives NaN past it), unscaled: keys are RMS-normed per head and values
+stay far below 448 in practice, and e4m3's 3 mantissa bits keep a relative error of at most 1/16 over
+[2^-6, 448] without a scale to store and apply. The kernels store and upcast the same values.
 """
 from __future__ import annotations
 
 import torch
+
+FP8_MAX = 448.0   # float8_e4m3fn's largest finite value
+
+
+def to_pool(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values as a pool of `dtype` stores them: a plain cast, saturated for float8 e4m3."""
+    if dtype == torch.float8_e4m3fn:
+        values = values.float().clamp(-FP8_MAX, FP8_MAX)
+    return values.to(dtype)
 
 
 def kv_places(pages: torch.Tensor | None, page_len: int, rows: torch.Tensor,
@@ -28,7 +42,7 @@ def kv_write(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor,
     """pool[row, :, position] = values for every (row, position): rows and positions broadcast to the
     leading shape of values [..., kv_heads, D]."""
     row, offset = kv_places(pages, pool.shape[2], rows, positions)
-    pool[row, :, offset] = values.to(pool.dtype)
+    pool[row, :, offset] = to_pool(values, pool.dtype)
 
 
 def kv_gather(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:

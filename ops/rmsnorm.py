@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
-from ops.kv_pages import kv_write
+from ops.kv_pages import FP8_MAX, kv_write
+
+_FP8_MAX = tl.constexpr(FP8_MAX)   # (a kernel reads only constexpr globals)
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -174,12 +176,38 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 
 @triton.jit
+def _round_e4m3(x):
+    """fp32 -> the nearest float8 e4m3 value (ties to even), saturated at +-448, as fp32 (ops/kv_pages.py's
+    to_pool). By integer arithmetic on the bits, as `_round_to` rounds to bf16: the cast that follows sees
+    only exact e4m3 values, which Triton 3.6's interpreter casts right (it rounds others wrongly near a
+    power of two: 31.5 -> 16, where the GPU and torch give 32). Below e4m3's smallest normal, 2^-6, the
+    steps are 2^-9: adding 2^-6 puts such a value where 3 mantissa bits are steps of 2^-9 (exact for
+    inputs of up to 16 significant bits, bf16 and fp16 among them)."""
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+    a = tl.minimum(tl.abs(x), _FP8_MAX)
+    small = a < 0.015625
+    bits = tl.where(small, a + 0.015625, a).to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
+    r = bits.to(tl.float32, bitcast=True)
+    r = tl.where(small, r - 0.015625, r)
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_pool(x, dtype: tl.constexpr, FP8: tl.constexpr):
+    """x as a KV pool of `dtype` stores it (ops/kv_pages.py's to_pool)."""
+    if FP8:
+        x = _round_e4m3(x.to(tl.float32))
+    return x.to(dtype)
+
+
+@triton.jit
 def _norm_rope_rows(
     pid, x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o, eps, offset,
     v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps, stride_ph, stride_pl,
     pages_ptr, stride_pages,
     D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-    STORE: tl.constexpr, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr,
+    STORE: tl.constexpr, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr, FP8: tl.constexpr,
 ):
     """Block `pid` = BLOCK_R (token, head) rows of D; token = row // HEADS picks the cos/sin row, and x's
     row sits at token * stride_xt + head * stride_xh (so x may be a column slice of a fused q/k/v GEMM's
@@ -188,7 +216,9 @@ def _norm_rope_rows(
     STORE (one token per batch row): the result goes to out_ptr[rows[token], head, pos[token]] of a KV
     pool [R, heads, L, D] (strides stride_ps / ph / pl) instead of out_ptr[row], and v's row (strides
     stride_vt / vh) is copied to the same place of the v pool (v_out_ptr). PAGED: the pool is
-    [pages, heads, PAGE_LEN, D] and the place is page pages[rows[token], pos // PAGE_LEN], pos % PAGE_LEN."""
+    [pages, heads, PAGE_LEN, D] and the place is page pages[rows[token], pos // PAGE_LEN], pos % PAGE_LEN.
+    The pools may hold another dtype than x (FP8: float8 e4m3): k is computed and rounded in x's dtype,
+    as the reference computes it, and only then cast to the pool's."""
     HALF: tl.constexpr = D // 2
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_D)
@@ -202,7 +232,7 @@ def _norm_rope_rows(
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=c < D, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     y = _round_to(x * rstd * (w + offset), dtype, BF16)
     yp = _round_to(xp * rstd * (wp + offset), dtype, BF16)
     rot = tl.where((c < HALF)[None, :], -yp, yp)
@@ -217,10 +247,10 @@ def _norm_rope_rows(
             slot = tl.load(pages_ptr + slot * stride_pages + pos // PAGE_LEN, mask=r < R, other=0).to(tl.int64)
             pos = pos % PAGE_LEN
         dst = slot[:, None] * stride_ps + head[:, None].to(tl.int64) * stride_ph + pos[:, None] * stride_pl
-        tl.store(out_ptr + dst + c[None, :], out, mask=mask)
+        tl.store(out_ptr + dst + c[None, :], _to_pool(out, out_ptr.dtype.element_ty, FP8), mask=mask)
         v_row = (tok.to(tl.int64) * stride_vt + head * stride_vh)[:, None]
         v = tl.load(v_ptr + v_row + c[None, :], mask=mask, other=0.0)
-        tl.store(v_out_ptr + dst + c[None, :], v.to(v_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_out_ptr + dst + c[None, :], _to_pool(v, v_out_ptr.dtype.element_ty, FP8), mask=mask)
     else:
         tl.store(out_ptr + r[:, None] * stride_o + c[None, :], out, mask=mask)
 
@@ -232,7 +262,7 @@ def _rms_norm_rope_kernel(
     pages_ptr, stride_pages,
     q_ptr, qw_ptr, q_out_ptr, RQ, stride_qt, stride_qh, x_programs,
     D: tl.constexpr, HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-    STORE: tl.constexpr, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr,
+    STORE: tl.constexpr, PAGED: tl.constexpr, PAGE_LEN: tl.constexpr, FP8: tl.constexpr,
 ):
     """`_norm_rope_rows` over x's rows in the first `x_programs` programs; the programs after them (if the
     grid has any) do the same for q (RQ rows, its own weight, written to q_out_ptr [RQ, D]) in the same
@@ -242,12 +272,12 @@ def _rms_norm_rope_kernel(
         _norm_rope_rows(pid - x_programs, q_ptr, qw_ptr, cos_ptr, sin_ptr, q_out_ptr, RQ, stride_qt, stride_qh,
                         stride_cs, D, eps, offset, v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh,
                         stride_ps, stride_ph, stride_pl, pages_ptr, stride_pages, D, HEADS, BLOCK_R, BLOCK_D, BF16,
-                        False, PAGED, PAGE_LEN)
+                        False, PAGED, PAGE_LEN, FP8)
     else:
         _norm_rope_rows(pid, x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xh, stride_cs, stride_o,
                         eps, offset, v_ptr, v_out_ptr, rows_ptr, pos_ptr, stride_vt, stride_vh, stride_ps,
                         stride_ph, stride_pl, pages_ptr, stride_pages, D, HEADS, BLOCK_R, BLOCK_D, BF16, STORE,
-                        PAGED, PAGE_LEN)
+                        PAGED, PAGE_LEN, FP8)
 
 
 def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -266,7 +296,7 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
             float(offset), out, out, cos2, cos2, 0, 0, 0, 0, 0, cos2, 0,  # no store
             x, weight, out, 0, 0, 0, triton.cdiv(rows, block_r),  # no q
             D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=x.dtype == torch.bfloat16, STORE=False,
-            PAGED=False, PAGE_LEN=1,
+            PAGED=False, PAGE_LEN=1, FP8=False,
         )
     return out.view(b, t, heads, d)
 
@@ -280,7 +310,7 @@ def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float
     the same launch."""
     b, t, heads, d = k.shape
     assert t == 1 and v.shape == k.shape and cos.shape == sin.shape == (b, 1, d) and weight.numel() == d
-    assert pool_k.dtype == k.dtype and pool_k.shape == pool_v.shape and pool_k.stride() == pool_v.stride()
+    assert pool_k.dtype == pool_v.dtype and pool_k.shape == pool_v.shape and pool_k.stride() == pool_v.stride()
     assert pool_k.shape[1] == heads and pool_k.shape[3] == d and pool_k.stride(-1) == 1
     k, (stride_kt, stride_kh) = _token_heads(k)
     v, (stride_vt, stride_vh) = _token_heads(v)
@@ -303,6 +333,7 @@ def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float
             stride_qt, stride_qh, k_programs,
             D=d, HEADS=heads, BLOCK_R=block_r, BLOCK_D=block_d, BF16=k.dtype == torch.bfloat16, STORE=True,
             PAGED=pages is not None, PAGE_LEN=pool_k.shape[2] if pages is not None else 1,
+            FP8=pool_k.dtype == torch.float8_e4m3fn,
         )
     return q_out
 

@@ -42,6 +42,8 @@ def test_spec_derived_numbers():
 def test_config_errors_are_clear(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="codec must be fp32"):
         DtypeConfig(codec="bf16")
+    with pytest.raises(ValueError, match="dtype.talker_kv: unknown dtype 'fp9'"):
+        DtypeConfig(talker_kv="fp9")
     with pytest.raises(ValueError, match="no model preset 'nope'"):
         preset("nope")
 

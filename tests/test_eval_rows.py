@@ -105,6 +105,21 @@ def test_margins_catches_a_bf16_cast_in_the_codec(tmp_path, models, example_clip
     assert bad.metrics["codec_max_abs_err"] > 1e-4
 
 
+def test_margins_reports_the_codes_an_fp8_talker_kv_moves(tmp_path, tiny, example_clip):
+    """The codes' figures (reported, not judged): none move when the variant is the yardstick itself; with
+    the talker's KV in float8 (`eval.models.bf16_dtype.talker_kv=fp8`) some do while the text stays fp32's on
+    every frame (the talker never feeds the LLM), and the row says which KV dtype it measured."""
+    model, tok, rnnt_vocab, _ = tiny
+    clip = _clip(tmp_path, "speech", example_clip[20 * 1280: 44 * 1280], seed=3)
+    same = margins(_ctx(tmp_path, [clip], ModelSet(model, model, model, tok, rnnt_vocab)), CRITERIA["margins"])
+    assert same.status == PASS and same.metrics["code_diverging_frames"] == 0 and same.metrics["diverging_frames"] == 0
+    fp8 = ModelSet.from_fp32(model, tok, rnnt_vocab, {"talker_kv": "fp8"})
+    assert fp8.bf16.cfg.dtype.talker == "fp32"
+    moved = margins(_ctx(tmp_path, [clip], fp8), CRITERIA["margins"])
+    assert moved.metrics["talker_kv"] == "fp8" and moved.metrics["diverging_frames"] == 0
+    assert 0 < moved.metrics["code_diverging_frames"] <= 24 and 0 < moved.metrics["codes_differing_rate"] < 1
+
+
 # --- consistency ------------------------------------------------------------------------------------
 
 def test_consistency_passes_and_catches_a_slot_mixup(tmp_path, models, example_clip, monkeypatch):

@@ -131,3 +131,30 @@ def test_paged_engine_equals_unpaged(tiny, example_clip):
     for g, w in zip(got, want):
         assert torch.equal(g.text_tokens, w.text_tokens) and torch.equal(g.codes, w.codes)
         assert (g.wav - w.wav).abs().max() < 1 / 32768
+
+
+def test_fp8_talker_kv_engine(tiny, example_clip):
+    """`model.dtype.talker_kv: fp8`: the talker's pools (paged) hold float8 e4m3, the memory plan counts a
+    byte per element (a quarter of fp32's), and the engine serves staggered calls with a prompt and an
+    upload to their end with the fp32 pools' text bit for bit (the talker never feeds the LLM) and codes
+    from every frame."""
+    import copy
+    import dataclasses
+
+    model, tok, *_ = tiny
+    fp8_model = copy.copy(model)   # the same weights; only the config's dtype of the talker's pools differs
+    fp8_model.cfg = dataclasses.replace(model.cfg, dtype=dataclasses.replace(model.cfg.dtype, talker_kv="fp8"))
+    assert kv_bytes_per_position(fp8_model.cfg)[1] * 4 == kv_bytes_per_position(model.cfg)[1]
+    assert kv_bytes_per_position(fp8_model.cfg)[0] == kv_bytes_per_position(model.cfg)[0]
+    cfg = EngineConfig(max_calls=3, max_call_s=2.0, kv_page_len=16, max_prompt_tokens=32)
+    clips = [example_clip[i * 3000: i * 3000 + 1280 * 14] for i in range(3)]
+    plans = lambda: clip_plans(clips, offsets=[0, 3, 5], prompt="Be brief.", uploads=[False, False, True],  # noqa: E731
+                               seed=7)
+    narrow, wide = build_engine(fp8_model, tok, cfg), build_engine(model, tok, cfg)
+    assert narrow.state.talker.k.dtype == torch.float8_e4m3fn and wide.state.talker.k.dtype == torch.float32
+    assert narrow.state.llm.k.dtype == torch.float32
+    got, want = drive(narrow, plans()), drive(wide, plans())
+    for g, w in zip(got, want):
+        assert torch.equal(g.text_tokens, w.text_tokens)
+        assert g.codes.shape == w.codes.shape and torch.isfinite(g.wav).all()
+    assert narrow.state.talker.k.float().abs().sum() > 0   # the pools were written

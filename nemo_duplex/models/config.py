@@ -13,16 +13,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
+# A KV pool may also hold float8 e4m3 (`dtype.talker_kv: fp8`): values as they are, saturated at +-448
+# (ops/kv_pages.py), upcast in the attention kernel.
+KV_DTYPE_NAMES = (*DTYPE_NAMES, "fp8")
 
 
 def torch_dtype(name: str):
-    """A dtype name (fp32, bf16, fp16) -> the torch dtype. torch is imported here, so that the settings
+    """A dtype name (fp32, bf16, fp16; fp8 = float8 e4m3, for KV pools) -> the torch dtype. torch is imported here, so that the settings
     (nemo_duplex/settings.py) import in a fraction of a second: an app refuses bad settings that fast."""
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_NAMES)}")
+    if name not in KV_DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(KV_DTYPE_NAMES)}")
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[name]
 
 
 @dataclass
@@ -228,14 +231,26 @@ class DtypeConfig:
     talker: str = "fp32"
     codec: str = "fp32"
     mamba_ssm_state: str = "fp32"
+    # The talker's KV pools (both CFG streams, every layer: 246 KiB per frame in bf16 at full size, most of a
+    # call's memory): null keeps them in the talker's dtype; fp8 (e4m3, unscaled) halves them, at a
+    # fidelity the gate's margins row reports (eval/margins.py: the codes that move).
+    talker_kv: str | None = None
 
     def __post_init__(self):
         for name in ("encoder", "llm", "talker", "codec", "mamba_ssm_state"):
             if getattr(self, name) not in DTYPE_NAMES:
                 raise ValueError(f"dtype.{name}: unknown dtype {getattr(self, name)!r}; expected one of "
                                  f"{sorted(DTYPE_NAMES)}")
+        if self.talker_kv is not None and self.talker_kv not in KV_DTYPE_NAMES:
+            raise ValueError(f"dtype.talker_kv: unknown dtype {self.talker_kv!r}; expected null or one of "
+                             f"{sorted(KV_DTYPE_NAMES)}")
         if self.codec != "fp32":
             raise ValueError("dtype.codec must be fp32: the codec collapses in bf16 (spec 9.9)")
+
+    @property
+    def talker_kv_pool(self) -> str:
+        """The talker KV pools' dtype name: talker_kv, or the talker's own."""
+        return self.talker_kv or self.talker
 
 
 @dataclass

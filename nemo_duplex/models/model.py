@@ -245,7 +245,8 @@ def offline_inference(model: VoiceChat, audio: torch.Tensor, prompt_ids: torch.T
 
     # Talker: one slot (+ sink), warm-up, speech-pad previous codes (spec 4.3).
     talker, Q = model.talker, cfg.talker.num_quantizers
-    tcache = talker.allocate_cache(2, cfg.prompt_frames + T + 1, dev, next(talker.parameters()).dtype)
+    kv_dtype = torch_dtype(cfg.dtype.talker_kv) if cfg.dtype.talker_kv else next(talker.parameters()).dtype
+    tcache = talker.allocate_cache(2, cfg.prompt_frames + T + 1, dev, kv_dtype)
     slot = torch.zeros(1, dtype=torch.int64, device=dev)
     talker.prefill_warmup(tcache, slot, model.speaker_latent(), model.silence_codes)
     code = torch.full((1, Q), cfg.talker.speech_pad_code, dtype=torch.int64, device=dev)

@@ -104,7 +104,7 @@ def kv_bytes_per_position(cfg: ModelConfig) -> tuple[int, int]:
     llm, tb = cfg.llm, cfg.talker.backbone
     n_attn = len(llm.layer_indices("*"))
     return (2 * n_attn * llm.num_key_value_heads * llm.head_dim * dtype_bytes(cfg.dtype.llm),
-            2 * tb.num_hidden_layers * 2 * tb.num_key_value_heads * tb.head_dim * dtype_bytes(cfg.dtype.talker))
+            2 * tb.num_hidden_layers * 2 * tb.num_key_value_heads * tb.head_dim * dtype_bytes(cfg.dtype.talker_kv_pool))
 
 
 def kv_pages_per_call(cfg: ModelConfig, max_call_s: float, max_prompt_tokens: int, page_len: int) -> tuple[int, int]:

@@ -90,7 +90,7 @@ def allocate_call_state(model, max_calls: int, max_frames: int, device: torch.de
     cfg: ModelConfig = model.cfg
     S = max_calls + 1
     d = cfg.dtype
-    llm_dtype, talker_dtype = torch_dtype(d.llm), torch_dtype(d.talker)
+    llm_dtype, talker_kv_dtype = torch_dtype(d.llm), torch_dtype(d.talker_kv_pool)
     i64 = dict(dtype=torch.int64, device=device)
     paged = dict(llm={}, talker={})
     if kv_pages is not None:
@@ -101,7 +101,7 @@ def allocate_call_state(model, max_calls: int, max_frames: int, device: torch.de
         rnnt=model.stt_model.rnnt_decoder.allocate_stream_state(S, device) if model.has_rnnt else None,
         llm=model.llm.allocate_cache(S, max_prompt_tokens + max_frames, device, llm_dtype,
                                      ssm_dtype=torch_dtype(d.mamba_ssm_state), **paged["llm"]),
-        talker=model.talker.allocate_cache(S, cfg.prompt_frames + max_frames, device, talker_dtype,
+        talker=model.talker.allocate_cache(S, cfg.prompt_frames + max_frames, device, talker_kv_dtype,
                                            **paged["talker"]),
         codec=model.codec.allocate_stream_state(S, device),
         llm_len=torch.zeros(S, **i64), talker_pos=torch.zeros(S, **i64), frame=torch.zeros(S, **i64),

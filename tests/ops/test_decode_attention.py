@@ -111,14 +111,14 @@ def test_pick_num_splits_fills_the_gpu_only_when_needed():
     assert pick_num_splits(programs=1, max_len=10 ** 6, block_n=64, num_sms=132) == 32  # capped
 
 
-def test_rows_aligned_only_when_every_key_row_starts_on_16_bytes():
+def test_rows_aligned_only_when_every_key_row_starts_on_8_elements():
     # the talker's served pool (37 prompt frames + 2000): odd max_len, 144-byte rows -> 16-byte loads are safe
     pool = torch.empty(3, 16, 2037, 72, dtype=torch.bfloat16)
     assert _rows_aligned(pool)
     assert not _rows_aligned(torch.empty(3, 4, 20, 36, dtype=torch.bfloat16))  # 72-byte rows
     shifted = torch.empty(pool.numel() + 1, dtype=torch.bfloat16)[1:].view(pool.shape)  # base 2 bytes off
     assert not _rows_aligned(shifted)
-    assert not _rows_aligned(torch.empty(3, 16, 2037, 72, dtype=torch.float8_e4m3fn))  # 8 elements = 8 bytes
+    assert _rows_aligned(torch.empty(3, 16, 2037, 72, dtype=torch.float8_e4m3fn))  # 8 elements = 8 bytes
 
 
 def test_bf16_cache():
@@ -235,3 +235,31 @@ def test_paged_pool_gives_the_unpaged_answer(num_heads, kv_heads, head_dim, wind
     torch.testing.assert_close(ref, decode_attention_reference(q, k, v, slots, seq_lens, scale, window),
                                rtol=0, atol=0)   # the reference gathers the same values in the same order
     torch.testing.assert_close(paged, ref, rtol=1e-5, atol=1e-5)  # fp32, summation order only
+
+
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,window,page_len", [
+    (3, 3, 72, None, None),   # the talker's head dim, unpaged
+    (3, 3, 72, 13, 16),       # paged, a window
+    (4, 2, 24, None, 16),     # the group kernel reads fp8 pools too
+])
+def test_fp8_pool_gives_the_answer_of_its_values(num_heads, kv_heads, head_dim, window, page_len):
+    """`dtype.talker_kv: fp8`: the kernel upcasts float8 e4m3 keys and values as they are loaded, so an fp8
+    pool gives bit for bit what a bf16 pool holding the same values gives (e4m3 values are exact in bf16),
+    and the reference, which upcasts the same stored values, agrees within the bf16 output's rounding."""
+    from ops.kv_pages import to_pool
+    from tests.ops.support import paginate
+    gen = torch.Generator().manual_seed(head_dim + (window or 0))
+    q, k, v = _make(5, num_heads, kv_heads, head_dim, 40, 6, torch.bfloat16, DEVICE, gen)
+    k8, v8 = to_pool(k * 3, torch.float8_e4m3fn), to_pool(v * 3, torch.float8_e4m3fn)
+    pages = None
+    if page_len is not None:
+        (k8, v8), pages = paginate((k8, v8), page_len, gen)
+    k16, v16 = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
+    slots = torch.tensor([2, 0, 4, 5, 5], dtype=torch.int64, device=DEVICE)
+    seq_lens = torch.tensor([1, 17, 40, 2, 33], dtype=torch.int64, device=DEVICE)
+    scale = 1.0 / math.sqrt(head_dim)
+    narrow = decode_attention_triton(q, k8, v8, slots, seq_lens, scale, window, num_splits=2, pages=pages)
+    wide = decode_attention_triton(q, k16, v16, slots, seq_lens, scale, window, num_splits=2, pages=pages)
+    ref = decode_attention_reference(q, k8, v8, slots, seq_lens, scale, window, pages=pages)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide)
+    torch.testing.assert_close(narrow.float(), ref.float(), rtol=1e-2, atol=1e-2)

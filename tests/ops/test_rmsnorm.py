@@ -347,3 +347,40 @@ def test_norm_rope_store_into_pages(dtype):
     assert torch.equal(ref_v, paged_v)
     tolerance = 4 * 2 ** -8 * 8 if dtype == torch.bfloat16 else 2e-6
     torch.testing.assert_close(ref_k.float(), paged_k.float(), rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_norm_rope_store_into_fp8_pools(paged):
+    """`dtype.talker_kv: fp8`: the store computes k in the compute dtype exactly as it does for a pool of that
+    dtype and only then casts to float8 e4m3, nearest and saturated (ops/kv_pages.py's to_pool): the fp8
+    pools equal to_pool of the bf16 pools, bit for bit, over values that saturate (v up to ~2000) and values
+    below e4m3's normals (2^-6); the torch statements do the same."""
+    from ops.kv_pages import to_pool
+    from ops.rmsnorm import rms_norm_rope_store_reference, rms_norm_rope_store_triton
+    from tests.ops.support import paginate
+    fp8 = torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(14)
+    k, w, cos, sin, v, pool_k, pool_v, rows, positions = _kv_store_inputs(gen, 4, 3, 18, 7, 11, torch.bfloat16,
+                                                                          DEVICE)
+    v = (v.float() * torch.logspace(-4, 3.3, 18, device=DEVICE)).to(torch.bfloat16)   # 1e-4 .. 2000 per column
+    assert v.float().abs().max() > 448 and (v.float().abs() < 2 ** -6).any()
+    pages = None
+    if paged:
+        (pool_k, pool_v), pages = paginate((pool_k, pool_v), 4, gen)
+    for store in (rms_norm_rope_store_triton, rms_norm_rope_store_reference):
+        wide_k, wide_v = pool_k.clone(), pool_v.clone()
+        narrow_k, narrow_v = to_pool(pool_k, fp8), to_pool(pool_v, fp8)
+        store(k, w, 1e-6, cos, sin, v, wide_k, wide_v, rows, positions, pages=pages)
+        store(k, w, 1e-6, cos, sin, v, narrow_k, narrow_v, rows, positions, pages=pages)
+        assert narrow_k.dtype == fp8 and not narrow_v.float().isnan().any()
+        assert torch.equal(narrow_k.view(torch.uint8), to_pool(wide_k, fp8).view(torch.uint8)), store.__name__
+        assert torch.equal(narrow_v.view(torch.uint8), to_pool(wide_v, fp8).view(torch.uint8)), store.__name__
+        assert narrow_v.float().abs().max() == 448.0
+
+
+def test_to_pool_rounds_to_nearest_even_and_saturates():
+    """to_pool's float8: the nearest e4m3 value, ties to even, +-448 past the range (no NaN)."""
+    from ops.kv_pages import to_pool
+    x = torch.tensor([31.5, -84.0, 1e4, -1e4, 2 ** -10, 3 * 2 ** -10, -0.0])
+    got = to_pool(x, torch.float8_e4m3fn).float()
+    assert got.tolist() == [32.0, -80.0, 448.0, -448.0, 0.0, 2 ** -8, -0.0]
