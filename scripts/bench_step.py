@@ -103,7 +103,11 @@ def fill_random(st, position: int, slots: torch.Tensor, prompt_frames: int, seed
     g = torch.Generator(device=st.llm_len.device).manual_seed(seed)
     for obj in (st.llm, st.talker, st.encoder, st.codec):
         for _, t in state_tensors(obj):
-            if t.is_floating_point():
+            if t.dtype == torch.float8_e4m3fn:   # (no normal_ for float8) drawn in bf16 a layer at a time
+                for part in t:
+                    part.copy_(torch.empty(part.shape, device=part.device, dtype=torch.bfloat16).normal_(
+                        0, 0.5, generator=g))
+            elif t.is_floating_point():
                 t.normal_(0, 0.5, generator=g)
     st.llm_len[slots] = position
     st.talker_pos[slots] = prompt_frames + position
