@@ -79,6 +79,10 @@ def test_dtype_presets():
     assert compose_app("bench_step").model.dtype.llm == "bf16"       # the benchmark times the deployment
     assert compose_app("bench_step", ["model/dtype=fp32"]).model.dtype.llm == "fp32"
     assert compose_app("serve", ["model/dtype=bf16", "model.dtype.talker=fp32"]).model.dtype.talker == "fp32"
+    assert bf16.talker_kv is None
+    capacity = OmegaConf.to_object(compose_app("serve", ["model/dtype=capacity"]).model).dtype
+    assert (capacity.llm, capacity.mamba_ssm_state, capacity.talker_kv, capacity.talker_kv_pool) == \
+        ("bf16", "bf16", "fp8", "fp8")
 
 
 def test_checkpoint_defaults_to_the_presets():
