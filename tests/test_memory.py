@@ -52,10 +52,12 @@ def measured_per_slot(st) -> dict[str, int]:
     return {k: v // rows for k, v in per.items()}
 
 
-@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+@pytest.mark.parametrize("compute", ["fp32", "bf16", "capacity"])
 @pytest.mark.parametrize("max_call_s,prompt", [(1.0, 0), (2.5, 16)])
 def test_per_call_bytes_match_the_allocation_tiny(compute, max_call_s, prompt):
-    cfg = inference_config(tiny_config(), compute)
+    cfg = inference_config(tiny_config(), "bf16" if compute == "capacity" else compute)
+    if compute == "capacity":   # conf/model/dtype/capacity.yaml: the talker's KV in float8, the SSM state in bf16
+        cfg = replace(cfg, dtype=replace(cfg.dtype, talker_kv="fp8", mamba_ssm_state="bf16"))
     model = VoiceChat(cfg).cast_for_inference()
     st = allocate_call_state(model, 3, frames_per_call(cfg, max_call_s), torch.device("cpu"), prompt)
     planned = bytes_per_call(cfg, max_call_s, prompt)
@@ -174,6 +176,20 @@ def test_memory_grows_with_call_length_only_in_the_kv_caches():
     t = cfg.talker.backbone
     per_frame = 2 * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4   # K+V, 2 streams, fp32
     assert long.talker_kv - short.talker_kv == frames * per_frame
+
+
+def test_the_capacity_table_at_a_dtype_preset():
+    """`python -m nemo_duplex.serving.memory capacity`: the docs' table at conf/model/dtype/capacity.yaml's
+    dtypes, the SSM state and the talker's KV at half the bf16 deployment's bytes; an unknown preset is named."""
+    def table(*args):
+        return subprocess.run([sys.executable, "-m", "nemo_duplex.serving.memory", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    served, capacity = table().stdout, table("capacity").stdout
+    assert "| mamba_ssm | 135.00 |" in served and "| mamba_ssm | 67.50 |" in capacity
+    assert "| talker_kv | 101.39 | 193.68 | 501.29 |" in served and "| talker_kv | 50.70 | 96.84 | 250.65 |" in capacity
+    missing = table("nope")
+    assert missing.returncode != 0 and "no dtype preset 'nope'" in missing.stderr
 
 
 def test_serve_refuses_to_start_when_the_calls_do_not_fit(tmp_path):

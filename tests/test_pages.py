@@ -9,11 +9,11 @@ from nemo_duplex.server.metrics import ServerMetrics
 from nemo_duplex.serving.calls import CallLimitInvalid, CallOptions, EndedEvent, EngineBusy
 from nemo_duplex.serving.drive import clip_plans, drive
 from nemo_duplex.serving.engine import Engine, build_engine
+from nemo_duplex.serving.frame_step import special_ids
 from nemo_duplex.serving.memory import GiB, kv_bytes_per_position, kv_pages_per_call
 from nemo_duplex.serving.pages import KVPages
 from nemo_duplex.serving.runner import engine_runner
 from nemo_duplex.serving.state import KVPageCounts, allocate_call_state
-from nemo_duplex.serving.frame_step import special_ids
 from nemo_duplex.settings import EngineConfig
 
 

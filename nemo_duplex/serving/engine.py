@@ -39,7 +39,7 @@ from nemo_duplex.serving.calls import (
     system_prompt_ids,
 )
 from nemo_duplex.serving.frame_step import admission, special_ids
-from nemo_duplex.serving.memory import kv_page_counts
+from nemo_duplex.serving.memory import frames_per_call, kv_page_counts
 from nemo_duplex.serving.pacing import (
     backlog_hold,
     coalesce_deadline,
@@ -62,7 +62,7 @@ def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torc
 
     cfg = cfg or EngineConfig()
     device = device or model.stt_model.embed_tokens.weight.device
-    max_frames = math.ceil(cfg.max_call_s / model.cfg.frame_length)
+    max_frames = frames_per_call(model.cfg, cfg.max_call_s)
     pages = kv_page_counts(model.cfg, cfg.max_calls, cfg.max_call_s, cfg.max_prompt_tokens, cfg.kv_page_len,
                            cfg.kv_pool_gib)
     state = allocate_call_state(model, cfg.max_calls, max_frames, device, cfg.max_prompt_tokens, pages)
@@ -88,7 +88,7 @@ class Engine:
         mc = model.cfg
         self.frame_samples = mc.samples_per_frame_in
         self.sample_rate = mc.source_sample_rate
-        self.max_frames = math.ceil(self.cfg.max_call_s / mc.frame_length)
+        self.max_frames = frames_per_call(mc, self.cfg.max_call_s)
         self.max_pending_frames = math.ceil(self.cfg.max_pending_s / mc.frame_length)
         self.frame_seconds = mc.frame_length
         self.state = state

@@ -387,6 +387,18 @@ def markdown_table(cfg: ModelConfig, call_seconds=(30.0, 60.0, 160.0), max_promp
 
 
 if __name__ == "__main__":
-    from nemo_duplex.models.config import preset
+    # python -m nemo_duplex.serving.memory [capacity]: the table at conf/model/dtype/<name>.yaml's dtypes
+    # (default bf16, the deployment)
+    import sys
+    from pathlib import Path
 
-    print(markdown_table(inference_config(preset("nemotron_duplex"))))
+    from omegaconf import OmegaConf
+
+    from nemo_duplex.models.config import DtypeConfig, preset
+
+    name = sys.argv[1] if len(sys.argv) > 1 else "bf16"
+    path = Path(__file__).resolve().parents[2] / "conf" / "model" / "dtype" / f"{name}.yaml"
+    if not path.is_file():
+        sys.exit(f"no dtype preset {name!r} (conf/model/dtype/*.yaml)")
+    dtype = DtypeConfig(**OmegaConf.to_container(OmegaConf.load(path)))
+    print(markdown_table(replace(preset("nemotron_duplex"), dtype=dtype)))
