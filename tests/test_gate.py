@@ -289,13 +289,13 @@ def test_gate_runs_the_model_rows(tmp_path, tiny):
 
 def test_one_row_alone_fails_on_a_criterion_it_cannot_meet(tmp_path):
     # `python eval/gate.py eval.rows=[encoder_parity]`: that one row; a bound no encoder meets must fail it.
+    # Composed as the script composes it and run in this process (the script's own exit status is
+    # test_gate_script_exit_status_and_offline_wandb's), the model loaded from the config as the script does.
     out = tmp_path / "run"
-    cmd = [sys.executable, "eval/gate.py", "eval.rows=[encoder_parity]", "eval.only_clips=[question_capital]",
-           "eval.models.max_seconds=0.5", "eval.models.chunk_sizes=[1280]", f"eval.out_dir={out}",
-           "eval.criteria.encoder_parity.fp32_min_cosine=1.1", "wandb.mode=disabled",
-           f"hydra.run.dir={tmp_path / 'hydra'}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    cfg = _compose(["eval.rows=[encoder_parity]", "eval.only_clips=[question_capital]",
+                    "eval.models.max_seconds=0.5", "eval.models.chunk_sizes=[1280]", f"eval.out_dir={out}",
+                    "eval.criteria.encoder_parity.fp32_min_cosine=1.1", "wandb.mode=disabled"])
+    assert gate_main(cfg, show_progress=False) == 1
     data = json.loads((out / "gate.json").read_text())
     assert [r["name"] for r in data["rows"]] == ["encoder_parity"] and data["failed"] == ["encoder_parity"]
     assert "cosine" in data["rows"][0]["reason"]
