@@ -181,15 +181,13 @@ def _round_e4m3(x):
     to_pool). By integer arithmetic on the bits, as `_round_to` rounds to bf16: the cast that follows sees
     only exact e4m3 values, which Triton 3.6's interpreter casts right (it rounds others wrongly near a
     power of two: 31.5 -> 16, where the GPU and torch give 32). Below e4m3's smallest normal, 2^-6, the
-    steps are 2^-9: adding 2^-6 puts such a value where 3 mantissa bits are steps of 2^-9 (exact for
-    inputs of up to 16 significant bits, bf16 and fp16 among them)."""
+    steps are 2^-9: there x * 2^9 (exact) is rounded to an integer by adding and taking away 2^23, one IEEE
+    rounding (ties to even)."""
     sign = x.to(tl.uint32, bitcast=True) & 0x80000000
     a = tl.minimum(tl.abs(x), _FP8_MAX)
-    small = a < 0.015625
-    bits = tl.where(small, a + 0.015625, a).to(tl.uint32, bitcast=True)
+    bits = a.to(tl.uint32, bitcast=True)
     bits = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
-    r = bits.to(tl.float32, bitcast=True)
-    r = tl.where(small, r - 0.015625, r)
+    r = tl.where(a < 0.015625, ((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125, bits.to(tl.float32, bitcast=True))
     return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 

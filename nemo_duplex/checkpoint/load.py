@@ -236,7 +236,9 @@ def build_empty_model(cfg: ModelConfig, device: str | torch.device):
     with parameters_on_meta():
         model = VoiceChat(cfg)
     if hasattr(model, "cast_for_inference"):
-        model.cast_for_inference()  # free on meta: parameters are created directly in their final dtype
+        # free on meta: parameters are created directly in their final dtype (fp8 projections are quantised
+        # by the cast after the weights are in: runtime.load)
+        model.cast_for_inference(quantize=False)
     materialise(model, torch.device(device))
     return model.eval()
 

@@ -19,8 +19,9 @@ KV_DTYPE_NAMES = (*DTYPE_NAMES, "fp8")
 
 
 def torch_dtype(name: str):
-    """A dtype name (fp32, bf16, fp16; fp8 = float8 e4m3, for KV pools) -> the torch dtype. torch is imported here, so that the settings
-    (nemo_duplex/settings.py) import in a fraction of a second: an app refuses bad settings that fast."""
+    """A dtype name (fp32, bf16, fp16; fp8 = float8 e4m3, for KV pools) -> the torch dtype. torch is imported
+    here, so that the settings (nemo_duplex/settings.py) import in a fraction of a second: an app refuses bad
+    settings that fast."""
     if name not in KV_DTYPE_NAMES:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(KV_DTYPE_NAMES)}")
     import torch
@@ -235,6 +236,10 @@ class DtypeConfig:
     # call's memory): null keeps them in the talker's dtype; fp8 (e4m3, unscaled) halves them, at a
     # fidelity the gate's margins row reports (eval/margins.py: the codes that move).
     talker_kv: str | None = None
+    # The LLM's Mamba and MLP projections (~7 of its ~9 billion parameters): null keeps them in the LLM's dtype;
+    # fp8 stores them in e4m3 with a scale per output row and multiplies on FP8 tensor cores, each call's rows
+    # quantised as they come (nemo_duplex/models/fp8_weights.py), at a fidelity the margins row measures.
+    llm_weights: str | None = None
 
     def __post_init__(self):
         for name in ("encoder", "llm", "talker", "codec", "mamba_ssm_state"):
@@ -244,6 +249,8 @@ class DtypeConfig:
         if self.talker_kv is not None and self.talker_kv not in KV_DTYPE_NAMES:
             raise ValueError(f"dtype.talker_kv: unknown dtype {self.talker_kv!r}; expected null or one of "
                              f"{sorted(KV_DTYPE_NAMES)}")
+        if self.llm_weights not in (None, "fp8"):
+            raise ValueError(f"dtype.llm_weights: {self.llm_weights!r}; expected null (the LLM's dtype) or fp8")
         if self.codec != "fp32":
             raise ValueError("dtype.codec must be fp32: the codec collapses in bf16 (spec 9.9)")
 
