@@ -27,6 +27,7 @@ from ops.bounded_attention import _bounded_attention_kernel  # noqa: E402
 from ops.codebook_sum import _codebook_sum_kernel  # noqa: E402
 from ops.decode_attention import _decode_attention_group_kernel, _decode_attention_vector_kernel  # noqa: E402
 from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
+from ops.fp8_linear import _quantize_rows_kernel  # noqa: E402
 from ops.fp16x3_linear import _fp16x3_kernel, _split_rows_kernel  # noqa: E402
 from ops.fp16x3_linear import _split_k_sum_kernel as _fp16x3_split_k_sum_kernel  # noqa: E402
 from ops.fp32_linear import _fp32_linear_kernel, _split_k_sum_kernel  # noqa: E402
@@ -85,7 +86,7 @@ for split_k, split_out in ((1, True), (3, False)):
     compile_(_fp16x3_kernel, fp16x3_ptrs,
              {"K": 1536, "HAS_BIAS": True, "GELU": split_out, "HAS_RESIDUAL": not split_out, "SPLIT_OUT": split_out,
               "SPLIT_K": split_k, "BLOCK_M": 128, "BLOCK_N": 128, "SCALE": 64, "GROUP_M": 8}, num_warps=8, num_stages=3)
-compile_(_fp16x3_split_k_sum_kernel, {n: t for n, t in fp16x3_ptrs.items() if not n[0] in "xw"},
+compile_(_fp16x3_split_k_sum_kernel, {n: t for n, t in fp16x3_ptrs.items() if n[0] not in "xw"},
          {"SPLIT_K": 3, "HAS_BIAS": True, "GELU": True, "HAS_RESIDUAL": False, "SPLIT_OUT": True, "BLOCK_M": 32,
           "BLOCK_N": 128, "SCALE": 64}, num_warps=4)
 compile_(_split_rows_kernel, {"x_ptr": f32, "hi_ptr": f16, "lo_ptr": f16, "inv_ptr": f32}, {"BLOCK_M": 32, "SCALE": 64},
@@ -105,17 +106,27 @@ for aligned, paged in ((False, False), (True, False), (True, True)):
     if aligned and wide < 8:
         raise SystemExit(f"decode attention with ROWS_ALIGNED: {wide} 16-byte loads in the PTX, want >= 8")
     print(f"  16-byte loads: {wide}", flush=True)
+# ... over float8 pools (`model.dtype.talker_kv: fp8`): its 72-byte rows allow 8-byte loads
+fp8 = "*fp8e4nv"
+ptx = compile_(_decode_attention_vector_kernel, attention_ptrs | {"k_ptr": fp8, "v_ptr": fp8},
+               {"NUM_HEADS": 16, "HEAD_DIM": 72, "NUM_SPLITS": 2, "HAS_WINDOW": False, "HAS_TAIL": True,
+                "ROWS_ALIGNED": True, "PIPELINED": True, "PAGED": True, "PAGE_LEN": 64, "BLOCK_N": 16, "BLOCK_DA": 64,
+                "BLOCK_DB": 8}, num_warps=1)
+print(f"  8-byte loads: {load_widths(ptx).get(8, 0)}", flush=True)
 # The LLM's (GQA: 5 query heads per kv head, head dim 128), paged: its tl.dot blocks of 64 keys in pages of 64
 compile_(_decode_attention_group_kernel, attention_ptrs,
          {"NUM_HEADS": 40, "GROUP": 5, "HEAD_DIM": 128, "NUM_SPLITS": 2, "HAS_WINDOW": False, "DOT_PRECISION": "tf32",
           "PIPELINED": True, "PAGED": True, "PAGE_LEN": 64, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128}, num_warps=4)
-for store, paged in ((False, False), (True, False), (True, True)):   # the talker's k/v store, into pages as served
-    compile_(_rms_norm_rope_kernel, {"x_ptr": bf16, "w_ptr": bf16, "cos_ptr": bf16, "sin_ptr": bf16, "out_ptr": bf16,
-                                     "eps": "fp32", "offset": "fp32", "v_ptr": bf16, "v_out_ptr": bf16,
+# the talker's k/v store, into pages as served, and into float8 pages
+for store, paged, pool in ((False, False, bf16), (True, False, bf16), (True, True, bf16), (True, True, fp8)):
+    compile_(_rms_norm_rope_kernel, {"x_ptr": bf16, "w_ptr": bf16, "cos_ptr": bf16, "sin_ptr": bf16, "out_ptr": pool,
+                                     "eps": "fp32", "offset": "fp32", "v_ptr": bf16, "v_out_ptr": pool,
                                      "rows_ptr": "*i64", "pos_ptr": "*i64", "pages_ptr": "*i32", "q_ptr": bf16,
                                      "qw_ptr": bf16, "q_out_ptr": bf16},
              {"D": 72, "HEADS": 16, "BLOCK_R": 16, "BLOCK_D": 128, "BF16": True, "STORE": store, "PAGED": paged,
-              "PAGE_LEN": 64 if paged else 1}, num_warps=4)
+              "PAGE_LEN": 64 if paged else 1, "FP8": pool == fp8}, num_warps=4)
+# the FP8 projections' row quantiser (`model.dtype.llm_weights: fp8`)
+compile_(_quantize_rows_kernel, {"x_ptr": bf16, "q_ptr": fp8, "scale_ptr": f32}, {"BLOCK_K": 1024}, num_warps=4)
 compile_(_rnnt_commit_kernel, {"logits_ptr": bf16, "active_ptr": "*i1", "hn_ptr": bf16, "h_ptr": bf16, "cn_ptr": bf16,
                                "c_ptr": bf16, "last_ptr": "*i64", "tokens_ptr": "*i64"},
          {"LAYERS": 2, "BLOCK_V": 2048, "BLOCK_H": 1024}, num_warps=4)
