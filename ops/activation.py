@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
-from ops.rmsnorm import _round_to, _rows
+from ops.rmsnorm import as_rows, round_to
 
 # torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 GELU_BETA = 0.7978845608028654   # sqrt(2) * (2 / sqrt(pi)) * 0.5, as ATen builds it
@@ -56,12 +56,12 @@ def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_
     inner = BETA * (x + KAPPA * (x * x * x))
     # ATen's formula, 0.5 x (1 + tanh(inner)), with tanh = 1 - 2 / (exp(2 inner) + 1) (libdevice's tanhf,
     # which ATen calls, does not run under the interpreter): where tanh(inner) rounds to -1 both give 0,
-    # as torch does, and elsewhere they differ by an fp32 ulp of tanh now and then. Roundings by _round_to:
+    # as torch does, and elsewhere they differ by an fp32 ulp of tanh now and then. Roundings by round_to:
     # a bf16 cast between fp32 ops may be folded away on the GPU, and the interpreter truncates casts.
     dtype = out_ptr.dtype.element_ty
     tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-    gelu = _round_to(0.5 * x * (1.0 + tanh), dtype, BF16)  # torch rounds the gelu before the multiply
-    out = _round_to(gelu * u.to(tl.float32), dtype, BF16)
+    gelu = round_to(0.5 * x * (1.0 + tanh), dtype, BF16)  # torch rounds the gelu before the multiply
+    out = round_to(gelu * u.to(tl.float32), dtype, BF16)
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
 
 
@@ -72,12 +72,12 @@ def _relu_square_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, BF16: tl.constex
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.maximum(x, 0.0)
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + offs, _round_to(x * x, dtype, BF16).to(dtype), mask=mask)
+    tl.store(out_ptr + offs, round_to(x * x, dtype, BF16).to(dtype), mask=mask)
 
 
 def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     assert gate.shape == up.shape and gate.dtype == up.dtype
-    g2, u2 = _rows(gate, gate.shape[-1]), _rows(up, up.shape[-1])
+    g2, u2 = as_rows(gate, gate.shape[-1]), as_rows(up, up.shape[-1])
     rows, width = g2.shape
     out = torch.empty(rows, width, device=gate.device, dtype=gate.dtype)
     if rows and width:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
-from ops.rmsnorm import _round_to
+from ops.rmsnorm import round_to
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -53,8 +53,8 @@ def _codebook_sum_kernel(codes_ptr, tables_ptr, out_ptr, rows, D, stride_codes, 
     for q in tl.static_range(1, Q):
         code = tl.load(codes_ptr + row * stride_codes + q).to(tl.int64)
         acc = acc + tl.load(tables_ptr + q * stride_tq + code * stride_tk + ds, mask=mask, other=0.0).to(tl.float32)
-    # rounded to nearest even by _round_to first (the interpreter truncates a plain cast to bf16)
-    out = _round_to(acc, out_ptr.dtype.element_ty, BF16).to(out_ptr.dtype.element_ty)
+    # rounded to nearest even by round_to first (the interpreter truncates a plain cast to bf16)
+    out = round_to(acc, out_ptr.dtype.element_ty, BF16).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + out_row * stride_out + ds, out, mask=mask)
 
 

@@ -8,7 +8,7 @@
 
 with the roundings of the torch ops it replaces (ConformerConvolution.step before): the GLU output, the
 conv output, the LayerNorm output and the SiLU output are each rounded once to the compute dtype (bf16 by
-rmsnorm's `_round_to`), everything between in fp32.
+rmsnorm's `round_to`), everything between in fp32.
 Why a kernel: in torch this is 7 launches per layer (glu, gather, cat, index_copy_, depthwise conv,
 layer_norm, silu), 168 of the encoder's 828 per frame step at 24 layers (scripts/dev/census_step.py).
 Races: one program per row, and it touches only its own slot's cache row. Real rows have distinct slots;
@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
-from ops.layernorm import _layer_norm_row
-from ops.rmsnorm import _round_to
+from ops.layernorm import layer_norm_row
+from ops.rmsnorm import round_to
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -65,7 +65,7 @@ def _conformer_conv_kernel(
     # GLU of the new frame (F.glu: a * sigmoid(b) in fp32, rounded once)
     a = tl.load(h_ptr + row * stride_h + offs, mask=c_mask, other=0.0).to(tl.float32)
     gate = tl.load(h_ptr + row * stride_h + D + offs, mask=c_mask, other=0.0).to(tl.float32)
-    glu = _round_to(a * tl.sigmoid(gate), dtype, BF16)
+    glu = round_to(a * tl.sigmoid(gate), dtype, BF16)
 
     # Window = [cache taps 0..K-2 | glu]; the slot's cache row is [D, K-1] with unit tap stride.
     cache_row = cache_ptr + slot * stride_cs + offs[:, None] * stride_cc + taps[None, :]
@@ -76,14 +76,14 @@ def _conformer_conv_kernel(
 
     w_hist = tl.load(dw_ptr + offs[:, None] * KERNEL + taps[None, :], mask=hist_mask, other=0.0).to(tl.float32)
     w_new = tl.load(dw_ptr + offs * KERNEL + (KERNEL - 1), mask=c_mask, other=0.0).to(tl.float32)
-    conv = _round_to(tl.sum(hist * w_hist, axis=1) + glu * w_new, dtype, BF16)  # conv1d's output
+    conv = round_to(tl.sum(hist * w_hist, axis=1) + glu * w_new, dtype, BF16)  # conv1d's output
 
     # Every thread has read the slot's cache row (hist and shifted) before any thread overwrites it.
     tl.debug_barrier()
     tl.store(cache_row, new_cache.to(cache_ptr.dtype.element_ty), mask=hist_mask)
 
-    y = _layer_norm_row(tl.where(c_mask, conv, 0.0), c_mask, w_ptr, b_ptr, offs, eps, D, dtype, BF16)
-    out = _round_to(y * tl.sigmoid(y), dtype, BF16)  # SiLU
+    y = layer_norm_row(tl.where(c_mask, conv, 0.0), c_mask, w_ptr, b_ptr, offs, eps, D, dtype, BF16)
+    out = round_to(y * tl.sigmoid(y), dtype, BF16)  # SiLU
     tl.store(out_ptr + row * stride_o + offs, out.to(dtype), mask=c_mask)
 
 

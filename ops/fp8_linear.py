@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ops import use_triton
 from ops.kv_pages import FP8_MAX, to_pool
-from ops.rmsnorm import _round_e4m3
+from ops.rmsnorm import round_e4m3
 
 FP8 = torch.float8_e4m3fn
 # The scale is amax times the fp32 value of 1/448, a multiplication, rounded alike everywhere: torch on CUDA
@@ -67,7 +67,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK_
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + offs < K
         x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = _round_e4m3(tl.div_rn(x, scale))
+        q = round_e4m3(tl.div_rn(x, scale))
         tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

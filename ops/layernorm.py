@@ -12,7 +12,7 @@ LayerNorm) the sum is not kept: (y, then(y)), a layer's output norm and the next
 (norm_out, then the next layer's norm_feed_forward1): 23 fewer launches per frame step at full size.
 Why a kernel: at full size (24 layers, d_model 1024) the four joints were 192 of the encoder's 828 launches
 of a frame step (scripts/dev/census_step.py), each a few microseconds inside a CUDA graph for a [B, 1024] tile.
-bf16 roundings inside the kernel use rmsnorm's `_round_to` (bit arithmetic, see its docstring).
+bf16 roundings inside the kernel use rmsnorm's `round_to` (bit arithmetic, see its docstring).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
-from ops.rmsnorm import _round_to, _rows
+from ops.rmsnorm import as_rows, round_to
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -55,7 +55,7 @@ def add_layer_norm_then_reference(x: torch.Tensor, delta: torch.Tensor, alpha: f
 # ----------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _layer_norm_row(x, mask, w_ptr, b_ptr, offs, eps, D: tl.constexpr, dtype: tl.constexpr, BF16: tl.constexpr):
+def layer_norm_row(x, mask, w_ptr, b_ptr, offs, eps, D: tl.constexpr, dtype: tl.constexpr, BF16: tl.constexpr):
     """x: one row [BLOCK] fp32 (0 where ~mask) -> LayerNorm(x) * w + b rounded to `dtype`, as fp32.
     Two passes over the registers (mean, then the centred sum of squares), 1 / sqrt rounded as torch's."""
     mean = tl.sum(x, axis=0) / D
@@ -63,7 +63,7 @@ def _layer_norm_row(x, mask, w_ptr, b_ptr, offs, eps, D: tl.constexpr, dtype: tl
     rstd = 1.0 / tl.sqrt_rn(tl.sum(centred * centred, axis=0) / D + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return _round_to(centred * rstd * w + b, dtype, BF16)
+    return round_to(centred * rstd * w + b, dtype, BF16)
 
 
 @triton.jit
@@ -81,13 +81,13 @@ def _add_layer_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:  # torch.add's opmath: x + alpha * delta in fp32, rounded once; the norm reads the rounded sum
         delta = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
-        x = _round_to(x + alpha * delta, dtype, BF16)
+        x = round_to(x + alpha * delta, dtype, BF16)
         if not NEXT:
             tl.store(s_ptr + row * stride_s + offs, x.to(dtype), mask=mask)
-    y = _layer_norm_row(x, mask, w_ptr, b_ptr, offs, eps, D, dtype, BF16)
-    if NEXT:  # y is 0 where ~mask, as _layer_norm_row wants its input
+    y = layer_norm_row(x, mask, w_ptr, b_ptr, offs, eps, D, dtype, BF16)
+    if NEXT:  # y is 0 where ~mask, as layer_norm_row wants its input
         tl.store(s_ptr + row * stride_s + offs, y.to(dtype), mask=mask)
-        y = _layer_norm_row(y, mask, w2_ptr, b2_ptr, offs, eps2, D, dtype, BF16)
+        y = layer_norm_row(y, mask, w2_ptr, b2_ptr, offs, eps2, D, dtype, BF16)
     tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=mask)
 
 
@@ -102,12 +102,12 @@ def add_layer_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, alpha: fl
     weight2, bias2, eps2 = then if then is not None else (weight, bias, eps)
     assert weight2.shape == bias2.shape == (width,) and weight2.stride(-1) == 1 and bias2.stride(-1) == 1
     assert then is None or delta is not None
-    x2 = _rows(x, width)
+    x2 = as_rows(x, width)
     y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
     s, d2 = None, x2  # without delta the kernel reads neither d2 nor writes s (any pointer will do)
     if delta is not None:
         assert delta.shape == x.shape and delta.dtype == x.dtype
-        d2 = _rows(delta, width)
+        d2 = as_rows(delta, width)
         s = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
     rows = x2.shape[0]
     if rows:

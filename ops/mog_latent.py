@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ops import use_triton
-from ops.rmsnorm import _round_to
+from ops.rmsnorm import round_to
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -69,19 +69,19 @@ def _mog_latent_kernel(x_ptr, comp_ptr, wmus_ptr, low_ptr, wlogs_ptr, else_ptr, 
         w = tl.load(w_rows + h0 + hs[None, :], mask=r_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
         logs_acc += tl.load(wlogs_ptr + h0 + hs, mask=h_mask, other=0.0).to(tl.float32) * x
-    mu_low = _round_to(acc, DTYPE, BF16)
-    logs = tl.maximum(_round_to(tl.sum(logs_acc, axis=0), DTYPE, BF16), min_log_std)
-    std = _round_to(tl.exp(logs), DTYPE, BF16)
+    mu_low = round_to(acc, DTYPE, BF16)
+    logs = tl.maximum(round_to(tl.sum(logs_acc, axis=0), DTYPE, BF16), min_log_std)
+    std = round_to(tl.exp(logs), DTYPE, BF16)
     ls = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     l_mask = ls < L
     low = tl.load(low_ptr + (k * L + ls)[:, None] * R + rs[None, :], mask=l_mask[:, None] & r_mask[None, :],
                   other=0.0).to(tl.float32)
-    mu = _round_to(tl.sum(low * mu_low[None, :], axis=1), DTYPE, BF16)
+    mu = round_to(tl.sum(low * mu_low[None, :], axis=1), DTYPE, BF16)
     mu_else = tl.load(else_ptr + row * stride_else + ls, mask=l_mask, other=0.0).to(tl.float32)
     normal = tl.load(normal_ptr + row * stride_normal + ls, mask=l_mask, other=0.0).to(tl.float32)
-    mean = _round_to(_round_to(mu * std, DTYPE, BF16) + mu_else, DTYPE, BF16)
-    spread = _round_to(_round_to(std * normal, DTYPE, BF16) * noise_scale, DTYPE, BF16)
-    tl.store(z_ptr + row * stride_z + ls, _round_to(mean + spread, DTYPE, BF16), mask=l_mask)
+    mean = round_to(round_to(mu * std, DTYPE, BF16) + mu_else, DTYPE, BF16)
+    spread = round_to(round_to(std * normal, DTYPE, BF16) * noise_scale, DTYPE, BF16)
+    tl.store(z_ptr + row * stride_z + ls, round_to(mean + spread, DTYPE, BF16), mask=l_mask)
 
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float64: tl.float64}

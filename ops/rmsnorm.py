@@ -92,7 +92,7 @@ def rms_norm_rope_store_reference(k: torch.Tensor, weight: torch.Tensor, eps: fl
 # ----------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr, BF16: tl.constexpr):
+def round_to(x, dtype: tl.constexpr, BF16: tl.constexpr):
     """fp32 -> the nearest `dtype` value, as fp32. For bf16 by integer arithmetic on the bits (round to
     nearest even), which no compiler pass can fold away: with `.to(bfloat16).to(float32)` between fp32
     ops the norm + rotary kernel agreed with torch's bf16 ops in only 80% of elements on the H200 (as if
@@ -126,10 +126,10 @@ def _rms_norm_kernel(
     x = x * tl.rsqrt(mean_sq + eps)[:, None]
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    y = _round_to(x * (w + offset), dtype, BF16)
+    y = round_to(x * (w + offset), dtype, BF16)
     if HAS_RES:  # round the norm first, then add in fp32 and round again: the reference's two bf16 ops
         res = tl.load(res_ptr + row[:, None] * stride_r + col, mask=mask, other=0.0).to(tl.float32)
-        y = _round_to(y + res, dtype, BF16)
+        y = round_to(y + res, dtype, BF16)
     tl.store(out_ptr + row[:, None] * stride_o + col, y.to(dtype), mask=mask)
 
 
@@ -146,12 +146,12 @@ def _add_rms_norm_kernel(
     d = tl.load(d_ptr + row * stride_d + c, mask=mask, other=0.0).to(tl.float32)
     if NORM_DELTA:  # Gemma's post-norm of the block output, rounded before the residual add
         dw = tl.load(dw_ptr + c, mask=mask, other=0.0).to(tl.float32)
-        d = _round_to(d * tl.rsqrt(tl.sum(d * d, axis=0) / C + delta_eps) * (dw + offset), dtype, BF16)
+        d = round_to(d * tl.rsqrt(tl.sum(d * d, axis=0) / C + delta_eps) * (dw + offset), dtype, BF16)
     x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-    s = _round_to(x + d, dtype, BF16)
+    s = round_to(x + d, dtype, BF16)
     tl.store(s_ptr + row * stride_s + c, s.to(dtype), mask=mask)
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    y = _round_to(s * tl.rsqrt(tl.sum(s * s, axis=0) / C + eps) * (w + offset), dtype, BF16)
+    y = round_to(s * tl.rsqrt(tl.sum(s * s, axis=0) / C + eps) * (w + offset), dtype, BF16)
     tl.store(y_ptr + row * stride_y + c, y.to(dtype), mask=mask)
 
 
@@ -160,7 +160,7 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
                         delta_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     width = x.shape[-1]
     assert delta.shape == x.shape and weight.numel() == width
-    x2, d2 = _rows(x, width), _rows(delta, width)
+    x2, d2 = as_rows(x, width), as_rows(delta, width)
     s = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
     y = torch.empty_like(s)
     if x2.shape[0]:
@@ -176,9 +176,9 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 
 @triton.jit
-def _round_e4m3(x):
+def round_e4m3(x):
     """fp32 -> the nearest float8 e4m3 value (ties to even), saturated at +-448, as fp32 (ops/kv_pages.py's
-    to_pool). By integer arithmetic on the bits, as `_round_to` rounds to bf16: the cast that follows sees
+    to_pool). By integer arithmetic on the bits, as `round_to` rounds to bf16: the cast that follows sees
     only exact e4m3 values, which Triton 3.6's interpreter casts right (it rounds others wrongly near a
     power of two: 31.5 -> 16, where the GPU and torch give 32). Below e4m3's smallest normal, 2^-6, the
     steps are 2^-9: there x * 2^9 (exact) is rounded to an integer by adding and taking away 2^23, one IEEE
@@ -195,7 +195,7 @@ def _round_e4m3(x):
 def _to_pool(x, dtype: tl.constexpr, FP8: tl.constexpr):
     """x as a KV pool of `dtype` stores it (ops/kv_pages.py's to_pool)."""
     if FP8:
-        x = _round_e4m3(x.to(tl.float32))
+        x = round_e4m3(x.to(tl.float32))
     return x.to(dtype)
 
 
@@ -231,13 +231,13 @@ def _norm_rope_rows(
     w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=c < D, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    y = _round_to(x * rstd * (w + offset), dtype, BF16)
-    yp = _round_to(xp * rstd * (wp + offset), dtype, BF16)
+    y = round_to(x * rstd * (w + offset), dtype, BF16)
+    yp = round_to(xp * rstd * (wp + offset), dtype, BF16)
     rot = tl.where((c < HALF)[None, :], -yp, yp)
     cs = tok[:, None] * stride_cs + c[None, :]
     cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-    out = _round_to(_round_to(y * cos, dtype, BF16) + _round_to(rot * sin, dtype, BF16), dtype, BF16).to(dtype)
+    out = round_to(round_to(y * cos, dtype, BF16) + round_to(rot * sin, dtype, BF16), dtype, BF16).to(dtype)
     if STORE:
         slot = tl.load(rows_ptr + tok, mask=r < R, other=0).to(tl.int64)
         pos = tl.load(pos_ptr + tok, mask=r < R, other=0).to(tl.int64)
@@ -283,7 +283,7 @@ def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
     b, t, heads, d = x.shape
     assert d % 2 == 0 and cos.shape == sin.shape == (b, t, d) and weight.numel() == d
     x, (stride_xt, stride_xh) = _token_heads(x)
-    cos2, sin2 = _rows(cos.to(x.dtype), d), _rows(sin.to(x.dtype), d)
+    cos2, sin2 = as_rows(cos.to(x.dtype), d), as_rows(sin.to(x.dtype), d)
     rows = b * t * heads
     out = torch.empty(rows, d, device=x.device, dtype=x.dtype)
     if rows:
@@ -312,7 +312,7 @@ def rms_norm_rope_store_triton(k: torch.Tensor, weight: torch.Tensor, eps: float
     assert pool_k.shape[1] == heads and pool_k.shape[3] == d and pool_k.stride(-1) == 1
     k, (stride_kt, stride_kh) = _token_heads(k)
     v, (stride_vt, stride_vh) = _token_heads(v)
-    cos2, sin2 = _rows(cos.to(k.dtype), d), _rows(sin.to(k.dtype), d)
+    cos2, sin2 = as_rows(cos.to(k.dtype), d), as_rows(sin.to(k.dtype), d)
     n = b * heads
     q_out, stride_qt, stride_qh = None, 0, 0
     if q is not None:
@@ -345,7 +345,9 @@ def _token_heads(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     return x, (x.stride(1) if t > 1 else x.stride(0), x.stride(2))
 
 
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t as [rows, width] with unit column stride, for the kernels here and in layernorm.py / activation.py
+    (a copy only where the view cannot have it)."""
     t2 = t.reshape(-1, width)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
@@ -357,10 +359,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: f
     g = group_size or width
     assert width % g == 0 and weight.numel() == width and weight.stride(-1) == 1
     out_dtype = residual.dtype if residual is not None else (out_dtype or x.dtype)
-    x2 = _rows(x, width)
+    x2 = as_rows(x, width)
     out = torch.empty(x2.shape, device=x.device, dtype=out_dtype)
-    gate2 = _rows(gate, width) if gate is not None else x2
-    res2 = _rows(residual, width) if residual is not None else out
+    gate2 = as_rows(gate, width) if gate is not None else x2
+    res2 = as_rows(residual, width) if residual is not None else out
     n_groups = width // g
     rows = x2.shape[0] * n_groups
     if rows:

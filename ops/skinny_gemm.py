@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ops import interpreting, sm_count, use_triton
-from ops.rmsnorm import _round_to
+from ops.rmsnorm import round_to
 
 MAX_ROWS = 64  # rows one program holds (BLOCK_M); above it the GEMM is no longer weight-streaming-bound
 
@@ -78,8 +78,8 @@ def _skinny_gemm_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        # rounded by _round_to first: the interpreter truncates a plain fp32 -> bf16 store
-        y = _round_to(acc, y_ptr.dtype.element_ty, BF16).to(y_ptr.dtype.element_ty)
+        # rounded by round_to first: the interpreter truncates a plain fp32 -> bf16 store
+        y = round_to(acc, y_ptr.dtype.element_ty, BF16).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=out_mask)
     else:  # fp32 partials [SPLIT_K, M, N]
         tl.store(part_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=out_mask)
@@ -98,7 +98,7 @@ def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
     col = offs % N
     if HAS_BIAS:
         acc += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + col, _round_to(acc, y_ptr.dtype.element_ty, BF16).to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + row * stride_ym + col, round_to(acc, y_ptr.dtype.element_ty, BF16).to(y_ptr.dtype.element_ty),
              mask=mask)
 
 

@@ -162,7 +162,7 @@ def test_norm_rope_store_writes_the_pools(dtype):
 
 def _same_kernel_output(a: torch.Tensor, b: torch.Tensor) -> None:
     """Two launches of the norm + rotary arithmetic (other kernel variants, or strided against contiguous
-    inputs) agree bit for bit, except in fp32 on a GPU: there `_round_to` is no rounding at all, so the
+    inputs) agree bit for bit, except in fp32 on a GPU: there `round_to` is no rounding at all, so the
     compiler may fuse a product and a sum into one FMA in one variant and not the other (the last bit moves:
     within 1e-6). bf16 rounds each step by integer arithmetic, which no compiler pass can fold away."""
     if a.is_cuda and a.dtype == torch.float32:
