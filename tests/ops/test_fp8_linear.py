@@ -19,7 +19,7 @@ from tests.ops.support import OPCHECK_TESTS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def as_rows(gen, m, k, dtype=torch.bfloat16):
+def _mixed_rows(gen, m, k, dtype=torch.bfloat16):
     """Rows of very different magnitudes (1e-3 .. 1e3), one of them all zeros, one with a single spike."""
     x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]
     x[1] = 0.0
@@ -29,7 +29,7 @@ def as_rows(gen, m, k, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("k", [64, 1500])   # one block, and blocks of 1024 with a ragged tail
 def test_quantiser_is_the_reference_bit_for_bit(k):
-    x = as_rows(torch.Generator().manual_seed(k), 6, k)
+    x = _mixed_rows(torch.Generator().manual_seed(k), 6, k)
     q, scale = quantize_rows_triton(x)
     q_ref, scale_ref = quantize_rows_reference(x)
     assert q.dtype == FP8 and scale.shape == (6, 1)
