@@ -153,12 +153,13 @@ def consistency(ctx: GateContext, criteria: Criteria) -> RowResult:
     graph_runs = _graph_settings(s.get("graphs", "auto"))
     for graphs in graph_runs:
         tag = "graphs" if graphs else "eager"
-        engine = make_engine(model, ms.tokenizer, max(batch, 2 * len(clips)), seconds, graphs=graphs,
+        slots = max(batch, 2)
+        engine = make_engine(model, ms.tokenizer, slots, seconds, graphs=graphs,
                              graph_backend=s.get("graph_backend", "reduce-overhead"))
-        # every clip's live call and upload side by side: a tick steps them all for little more than one
-        # call costs on the CPU, and the batch below then reuses their slots
-        records = iter(drive(engine, [CallPlan(audio, upload=upload, seed=seed)
-                                      for audio in audios for upload in (False, True)]))
+        # every clip's live call and upload side by side (as many at once as the engine holds): a tick steps
+        # them all for little more than one call costs on the CPU, and the batch below then reuses their slots
+        pairs = [CallPlan(audio, upload=upload, seed=seed) for audio in audios for upload in (False, True)]
+        records = iter([rec for i in range(0, len(pairs), slots) for rec in drive(engine, pairs[i: i + slots])])
         for clip, ref in zip(clips, refs):
             for name, rec in (("live", next(records)), ("upload", next(records))):
                 comparisons.append(compare(clip.name, f"streaming/engine {name} ({tag})", ref, rec.text_tokens,

@@ -47,12 +47,16 @@ def encoder_parity(ctx: GateContext, criteria: Criteria) -> RowResult:
         per_clip[clip.name] = {"frames": frames, "bf16_offline": _summary(bf16_offline)}
     # Every clip at every append size as calls of one engine per model: a tick steps the whole batch,
     # which costs little more than stepping one call on the CPU, and the engine's slots must keep their
-    # calls' encoder state apart besides.
+    # calls' encoder state apart besides. At most as many at once as the consistency row's batch (the
+    # engine size this model is run at anyway), so many long clips do not size the engine past that.
     calls = [(c, chunk) for c in range(len(clips)) for chunk in chunk_sizes]
+    at_once = min(len(calls), max(int(settings.get("batch_calls", 8)), len(chunk_sizes)))
     seconds = max(a.shape[0] for a in audios) / ms.fp32.cfg.source_sample_rate
     for name, model in ctx.progress((("fp32", ms.fp32), ("bf16", ms.bf16)), "encoder_parity"):
-        engine = make_engine(model, ms.tokenizer, len(calls), seconds)
-        records = drive(engine, [CallPlan(audios[c], chunk=chunk) for c, chunk in calls], record_encoder=True)
+        engine = make_engine(model, ms.tokenizer, at_once, seconds)
+        records = [rec for i in range(0, len(calls), at_once)
+                   for rec in drive(engine, [CallPlan(audios[c], chunk=chunk) for c, chunk in calls[i: i + at_once]],
+                                    record_encoder=True)]
         for (c, chunk), rec in zip(calls, records):
             clip, yardstick, bf16_offline = clips[c], yardsticks[c], bf16_offlines[c]
             entry, frames = per_clip[clip.name], yardstick.shape[0]
