@@ -524,7 +524,7 @@ def test_coalesce_wait_rule():
     # ...is never waited for, and alone (or with calls that fell behind) is stepped at once
     assert coalesce_wait([upload, (9.9, 9.99, 2)], 10.003, L, F) == 0.0
     # an inconsistent reading (one pending, no arrival time) never raises: it took the engine thread
-    # down on the H200 (calls now read all three under one lock, Call._pacing)
+    # down on the H200 (calls now read all three under one lock, Call.pacing)
     assert coalesce_wait([(None, 10.0, 1), (None, 9.921, 0)], 10.003, L, F) == 0.0
     assert coalesce_wait([(None, 10.0, 1), (10.000, 10.000, 1), (None, 9.921, 0)], 10.003, L, F) == pytest.approx(0.017)
 
@@ -612,7 +612,7 @@ def test_backlog_hold_in_the_engine(tiny, example_clip):
             threading.Timer(a_after, lambda: a.append(frame)).start()
         t0 = time.monotonic()
         live = eng._live_calls()
-        eng._hold_backlog(live, [c._pacing() for c in live])
+        eng._hold_backlog(live, [c.pacing() for c in live])
         return time.monotonic() - t0
 
     assert 0.06 < held_for(0.5) < 0.2

@@ -154,7 +154,7 @@ class Server:
 
     async def _start_engine(self) -> None:
         try:
-            if not self.engine._running:   # graph capture happens here: on a worker thread, not on the loop
+            if not self.engine.running:   # graph capture happens here: on a worker thread, not on the loop
                 await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
             await self.warm_up()
         except Exception:
@@ -195,8 +195,7 @@ class Server:
             await asyncio.sleep(1.0)
 
     def healthy(self) -> bool:
-        t = self.engine._thread
-        return self.ready and getattr(self.engine, "ready", True) and t is not None and t.is_alive()
+        return self.ready and getattr(self.engine, "ready", True) and self.engine.alive
 
     # -- routes
     def app(self) -> Starlette:

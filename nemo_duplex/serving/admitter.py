@@ -89,4 +89,4 @@ class Admitter:
                 except Exception as e:  # noqa: BLE001 - the call ends with it; the thread goes on
                     error = e
             self.done.append((call, error))
-            self.engine._wake()
+            self.engine.wake()

@@ -169,8 +169,8 @@ class Call:
         self.frames_stepped = 0   # frames a step has heard (frames_out, plus those in flight when pipelined)
         # engine.pipeline: the frames between their steps (Engine._step): heard, its text half next (two
         # deep); its text half done, its speech half next
-        self._text_due: InFlight | None = None
-        self._speech_due: InFlight | None = None
+        self.text_due: InFlight | None = None
+        self.speech_due: InFlight | None = None
         self.admitted = False
         self.cohort = None        # engine.admission_thread: the calls admitted with it (admitter.Cohort)
         self.in_admission = False  # ... and while the thread admits it (its slot is the thread's)
@@ -204,7 +204,7 @@ class Call:
                 self.frames_in += 1
                 self.last_ready = now
             self._buf = pcm[whole:]
-        self.engine._wake()
+        self.engine.wake()
 
     def end_input(self) -> None:
         """No more audio: a partial last frame is zero-padded; a DrainedEvent follows the last frame."""
@@ -217,7 +217,7 @@ class Call:
                 self._buf = np.zeros(0, dtype=np.float32)
                 self.frames_in += 1
             self.input_ended = True
-        self.engine._wake()
+        self.engine.wake()
 
     def clear_pending(self) -> None:
         """Drop the input received but not yet stepped (whole frames and the partial one)."""
@@ -227,7 +227,7 @@ class Call:
 
     def abort(self, reason: str = "aborted", message: str = "") -> None:
         """End the call now; its slot is freed before the next tick."""
-        self.engine._request_end(self, reason, message)
+        self.engine.request_end(self, reason, message)
 
     def inject_function_tokens(self, ids: list[int]) -> None:
         """Force these tokens onto the function channel, one per frame (tool results, spec 3.9)."""
@@ -252,14 +252,20 @@ class Call:
             return bool(self._frames) or self._buf.size > 0
 
     # engine side
-    def _pacing(self) -> tuple[float | None, float | None, int]:
+    @property
+    def has_frame(self) -> bool:
+        """A whole frame waits. Without the lock: a deque's length is read atomically, and the engine's waits
+        call this on every wake-up."""
+        return bool(self._frames)
+
+    def pacing(self) -> tuple[float | None, float | None, int]:
         """(arrival of the oldest pending frame or None, arrival of the last frame or None, frames pending),
         read under one lock: read one at a time, an append landing in between gave "1 pending, oldest
         None", which crashed the engine thread under load (H200, 128 lockstep calls)."""
         with self._lock:
             return (self._frames[0][1] if self._frames else None), self.last_ready, len(self._frames)
 
-    def _take_frame(self):
+    def take_frame(self):
         with self._lock:
             if not self._frames:
                 return None

@@ -147,11 +147,21 @@ class Engine:
     def active_calls(self) -> int:
         return self.slots.in_use
 
-    def _wake(self) -> None:
+    @property
+    def running(self) -> bool:
+        """Started and not stopped."""
+        return self._running
+
+    @property
+    def alive(self) -> bool:
+        """The loop's thread is running (false before start, after stop, or after a device error ended it)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wake(self) -> None:
         with self._lock:
             self._work.notify()
 
-    def _request_end(self, call: Call, reason: str, message: str) -> None:
+    def request_end(self, call: Call, reason: str, message: str) -> None:
         with self._lock:
             if call.id in self._calls and call.id not in self._to_end:
                 self._to_end[call.id] = (reason, message)
@@ -175,7 +185,7 @@ class Engine:
 
     def stop(self) -> None:
         self._running = False
-        self._wake()
+        self.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.admitter is not None:
@@ -193,7 +203,7 @@ class Engine:
     def _hold_backlog(self, live: list[Call], pacing: list[tuple]) -> bool:
         """Hold a step that would take only backlogs while `backlog_hold` says it would run into the paced
         calls' next frames: until one of those arrives (then `_coalesce` gathers the rest) or is due.
-        live, pacing: the live calls and their `_pacing()`, as `_coalesce` read them. Whether it held."""
+        live, pacing: the live calls and their `pacing()`, as `_coalesce` read them. Whether it held."""
         if self.cfg.coalesce_ms <= 0:
             return False
         backlogs = sum(pending > 1 for _, _, pending in pacing)
@@ -206,7 +216,7 @@ class Engine:
         if now >= end:
             return False
         paced = [c for c, (_, last, pending) in zip(live, pacing) if pending == 0 and last is not None]
-        while self._running and now < end and not any(c._frames or c.closed or c.input_ended for c in paced):
+        while self._running and now < end and not any(c.has_frame or c.closed or c.input_ended for c in paced):
             with self._lock:
                 self._work.wait(timeout=min(end - now, self.cfg.idle_wait_s))
             now = time.monotonic()
@@ -227,10 +237,10 @@ class Engine:
         quiet = self.cfg.open_quiet_ms / 1e3
         if limit <= 0 and self.cfg.max_duty <= 0:
             return
-        pacing = [c._pacing() for c in live]
+        pacing = [c.pacing() for c in live]
         if self._hold_backlog(live, pacing):   # it waited: what it saw is old
             live = self._live_calls()
-            pacing = [c._pacing() for c in live]
+            pacing = [c.pacing() for c in live]
         now = time.monotonic()
         deadline = coalesce_deadline(pacing, limit) if limit > 0 else None
         wait = coalesce_wait(pacing, now, limit, self.frame_seconds) if limit > 0 else 0.0
@@ -257,8 +267,8 @@ class Engine:
         awaited = fresh + [c for c, (_, last, pending) in zip(live, pacing)
                            if frame_due(last, pending, coalesce_end, self.frame_seconds)]
 
-        def arrived(c: Call) -> bool:  # len() needs no lock
-            return bool(c._frames) or c.closed or c.input_ended
+        def arrived(c: Call) -> bool:
+            return c.has_frame or c.closed or c.input_ended
 
         while self._running:
             coalescing = awaited and now < coalesce_end
@@ -332,7 +342,7 @@ class Engine:
         for call in calls:
             if not call.admitted or call.closed or held_for_cohort(call, now, self.cfg.coalesce_ms / 1e3):
                 continue
-            last = call._text_due or call._speech_due   # the frame in flight that stepped last
+            last = call.text_due or call.speech_due   # the frame in flight that stepped last
             if call.frames_stepped >= call.max_frames and last is None:
                 # at the limit, the call ends with "limit" only once audio past it arrives; input of exactly
                 # max_call_s completes, also when its end-of-input is still on its way (it waits for it)
@@ -341,7 +351,7 @@ class Engine:
                     continue
                 if not call.input_ended:
                     continue
-            item = call._take_frame() if call.frames_stepped < call.max_frames else None
+            item = call.take_frame() if call.frames_stepped < call.max_frames else None
             if item is not None:
                 batch.append((call, *item))
             elif last is not None and (call.input_ended or call.frames_stepped >= call.max_frames
@@ -429,10 +439,10 @@ class Engine:
         audio = np.stack([a if a is not None else silence for _, a, _, _ in batch])
         speech = text = None
         if depth >= 1:
-            speech = np.array([c.slot if c._speech_due is not None else sink for c, *_ in batch], dtype=np.int64)
+            speech = np.array([c.slot if c.speech_due is not None else sink for c, *_ in batch], dtype=np.int64)
         if depth == 2:   # the forced token goes with its frame's text half
-            text = np.array([c.slot if c._text_due is not None else sink for c, *_ in batch], dtype=np.int64)
-            forced = np.array([c._text_due.forced if c._text_due is not None else -1 for c, *_ in batch],
+            text = np.array([c.slot if c.text_due is not None else sink for c, *_ in batch], dtype=np.int64)
+            forced = np.array([c.text_due.forced if c.text_due is not None else -1 for c, *_ in batch],
                               dtype=np.int64)
         else:
             forced = np.array([f for *_, f in batch], dtype=np.int64)
@@ -461,21 +471,21 @@ class Engine:
                                      codes[i], frame.ready_at, sent, pcm16[i].tobytes()))
         for i, (call, frame_audio, ready, forced_i) in enumerate(batch):
             if speech is not None and speech[i] != sink:   # a frame's speech: its event is whole now
-                due, call._speech_due = call._speech_due, None
+                due, call.speech_due = call.speech_due, None
                 hand_out(call, due, i)
             heard = None
             if frame_audio is not None:
                 heard = InFlight(call.frames_stepped, ready, sent, [t for t in user[i] if t >= 0], forced_i)
                 call.frames_stepped += 1
             if depth == 2:   # the text half ran last step's frame; the new one waits for its own
-                spoken, call._text_due = call._text_due, heard
+                spoken, call.text_due = call.text_due, heard
             else:
                 spoken = heard
             if spoken is None:
                 continue
             spoken.text, spoken.func, spoken.top2, spoken.stepped_at = text_out[i], func[i], tuple(top2[i]), sent
             if depth >= 1:
-                call._speech_due = spoken
+                call.speech_due = spoken
                 continue
             hand_out(call, spoken, i)
         done = time.perf_counter()

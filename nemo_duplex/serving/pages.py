@@ -20,7 +20,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
 
 from nemo_duplex.serving.memory import kv_page_counts
 from nemo_duplex.serving.state import CallState, allocate_call_state
