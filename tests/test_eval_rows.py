@@ -117,6 +117,7 @@ def test_margins_reports_the_codes_an_fp8_talker_kv_moves(tmp_path, tiny, exampl
     assert fp8.bf16.cfg.dtype.talker == "fp32"
     moved = margins(_ctx(tmp_path, [clip], fp8), CRITERIA["margins"])
     assert moved.metrics["talker_kv"] == "fp8" and moved.metrics["diverging_frames"] == 0
+    assert (moved.metrics["llm_weights"], moved.metrics["mamba_ssm_state"]) == ("llm", "fp32")
     assert 0 < moved.metrics["code_diverging_frames"] <= 24 and 0 < moved.metrics["codes_differing_rate"] < 1
 
 

@@ -154,7 +154,7 @@ class Server:
 
     async def _start_engine(self) -> None:
         try:
-            if not self.engine.running:   # graph capture happens here: on a worker thread, not on the loop
+            if not self.engine.alive:   # graph capture happens here: on a worker thread, not on the loop
                 await asyncio.get_running_loop().run_in_executor(None, self.engine.start)
             await self.warm_up()
         except Exception:

@@ -148,11 +148,6 @@ class Engine:
         return self.slots.in_use
 
     @property
-    def running(self) -> bool:
-        """Started and not stopped."""
-        return self._running
-
-    @property
     def alive(self) -> bool:
         """The loop's thread is running (false before start, after stop, or after a device error ended it)."""
         return self._thread is not None and self._thread.is_alive()
