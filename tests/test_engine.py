@@ -341,7 +341,8 @@ def test_device_error_stops_the_engine_and_refuses_new_calls(tiny, example_clip)
         call = eng.open_call(on_event=events.append)
         call.append(example_clip[: 1280 * 2].numpy())
         deadline = time.monotonic() + 30
-        while not call.closed and time.monotonic() < deadline:
+        # the ended event, not call.closed: the engine marks the call closed just before it delivers the event
+        while not (events and isinstance(events[-1], EndedEvent)) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert call.closed and events[-1].reason == "error" and message.split(":")[0] in events[-1].message
         assert eng.slots.in_use == 0
