@@ -33,3 +33,12 @@ def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; an H200's 132 elsewhere (the interpreter runs the GPU's
     launch choices)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def check_fp8_device(device: torch.device, setting: str = "model.dtype.llm_weights=fp8") -> None:
+    """Float8 GEMMs, and Triton's e4m3 type, need compute capability 8.9 or later (L4/L40S, H100/H200, ...):
+    refuse at load, naming the setting, rather than fail in the first step. The CPU runs the torch statements."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"{setting} needs float8 support (compute capability 8.9 or later); "
+                         f"{name} has {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")

@@ -334,12 +334,12 @@ def _merge_splits_kernel(
     d_mask = offs_d < HEAD_DIM
     part = (row * NUM_HEADS + head) * NUM_SPLITS + offs_s
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=-1.0e30)
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    l_sum = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - m_max)  # empty splits carry m = -1e30 and l = 0: weight 0
-    total = tl.sum(w * l, axis=0)
+    total = tl.sum(w * l_sum, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 

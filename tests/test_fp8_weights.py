@@ -108,3 +108,29 @@ def test_the_engine_serves_with_fp8_projections(tiny, example_clip):
         assert o.text_tokens.shape[0] == 12 and torch.isfinite(o.wav).all()
     # each projection saw at least the 24 frames' rows and the prompt's tokens
     assert min(rows.values()) >= 24 + 3
+
+
+def test_a_gpu_without_float8_is_refused_at_load(monkeypatch):
+    """An A100 (compute capability 8.0) has no float8 GEMMs nor Triton's e4m3: loading refuses, naming the
+    setting (the FP8 projections, or the talker's fp8 KV pools), before any step could fail; 8.9 and 9.0 pass,
+    and the CPU (the torch statements) needs nothing."""
+    import pytest
+
+    from ops import check_fp8_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    for capability, refused in (((8, 0), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        if refused:
+            with pytest.raises(ValueError, match=r"model.dtype.llm_weights=fp8 needs float8 support .*A100 has 8.0"):
+                check_fp8_device(torch.device("cuda"))
+            with pytest.raises(ValueError, match=r"model.dtype.talker_kv=fp8 needs float8 support"):
+                check_fp8_device(torch.device("cuda"), "model.dtype.talker_kv=fp8")
+        else:
+            check_fp8_device(torch.device("cuda"))
+    check_fp8_device(torch.device("cpu"))
+    # the engine's pools: refused before anything is allocated
+    from nemo_duplex.serving.state import allocate_call_state
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"model.dtype.talker_kv=fp8 needs float8 support .*A100"):
+        allocate_call_state(VoiceChat(_cfg(talker_kv="fp8")), 1, 4, torch.device("cuda"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ops import check_fp8_device
 from ops.fp8_linear import fp8_linear, quantize_weight
 
 FP8_PROJECTIONS = ("in_proj", "out_proj", "up_proj", "down_proj")
@@ -42,6 +43,7 @@ class Fp8Linear(nn.Module):
 def quantize_llm_projections(llm: nn.Module) -> int:
     """Replace the LLM's FP8_PROJECTIONS nn.Linear modules with Fp8Linear in place; -> how many. Idempotent."""
     count = 0
+    check_fp8_device(next(llm.parameters()).device)
     for parent in list(llm.modules()):
         for name, child in list(parent.named_children()):
             if name in FP8_PROJECTIONS and type(child) is nn.Linear:

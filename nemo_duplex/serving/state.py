@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 
 from nemo_duplex.models.config import ModelConfig, torch_dtype
+from ops import check_fp8_device
 from ops.kv_pages import kv_places
 
 
@@ -91,6 +92,8 @@ def allocate_call_state(model, max_calls: int, max_frames: int, device: torch.de
     S = max_calls + 1
     d = cfg.dtype
     llm_dtype, talker_kv_dtype = torch_dtype(d.llm), torch_dtype(d.talker_kv_pool)
+    if d.talker_kv_pool == "fp8":
+        check_fp8_device(torch.device(device), "model.dtype.talker_kv=fp8")
     i64 = dict(dtype=torch.int64, device=device)
     paged = dict(llm={}, talker={})
     if kv_pages is not None:
