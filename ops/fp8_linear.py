@@ -1,7 +1,7 @@
 """FP8 linear layer: y = x @ w^T with the weight in float8 e4m3, one scale per output row, and each row of x
 quantised to e4m3 with its own scale as it comes (Hopper's FP8 tensor cores, `torch._scaled_mm`).
 
-Why: a frame step reads ~19 GiB of bf16 weights, ~9 of them the LLM's Mamba and MLP projections, at the copy
+Why: a frame step reads ~19 GiB of bf16 weights, ~14 of them the LLM's Mamba and MLP projections, at the copy
 rate; in e4m3 they are half the bytes (`model.dtype.llm_weights: fp8`, docs/decisions.md says what it costs).
 
     w_scale[n] = max_k |w[n, k]| * (1/448)     w8 = e4m3(w / w_scale)          (once, at load)
@@ -9,8 +9,9 @@ rate; in e4m3 they are half the bytes (`model.dtype.llm_weights: fp8`, docs/deci
     y[m, n]    = x_scale[m] w_scale[n] sum_k x8[m, k] w8[n, k]                 (fp32 sums, rounded once)
 
 e4m3(.) is the nearest e4m3 value, ties to even (ops/kv_pages.py to_pool); the division is IEEE (div_rn, and
-torch's tensor by tensor), so the kernel's x8 and scales are the reference's bit for bit. A row of zeros gets scale 1 (nothing to divide).
-The product is `torch._scaled_mm` with row-wise scales on CUDA; the reference states it in fp32 torch.
+torch's tensor by tensor), so the kernel's x8 and scales are the reference's bit for bit. A row of zeros gets
+scale 1 (nothing to divide). The product is `torch._scaled_mm` with row-wise scales on CUDA; the reference
+states it in fp32 torch.
 """
 from __future__ import annotations
 
