@@ -4,7 +4,7 @@ causality, streaming == one-shot (delayed by 6 samples), the decoder's GEMMs wit
 
 CPU, tiny config (C = 16, latent 32, 64 codewords x 31 quantisers; 1764 samples per code frame), fp32.
 The codec's output is bounded by 1 in magnitude (|w clamp(x, -w, w)| <= w^2, divided by sum w^2), so
-tolerances are absolute."""
+tolerances are absolute. One file past 500 lines on purpose: one per model part, sharing its tiny codec."""
 import collections
 import copy
 import dataclasses

@@ -1,6 +1,7 @@
 """Server protocol, limits and refusals over real loopback sockets, on the real Engine with a scripted
 frame step (tests/server_support.py): scripted tokens make turns, tool calls and packet order exact.
-The same server runs the tiny model in test_server_model.py."""
+The same server runs the tiny model in test_server_model.py. One file past 500 lines on purpose: both
+protocols' happy paths over one scripted server (hostile input is tests/test_server_edges.py)."""
 from __future__ import annotations
 
 import asyncio

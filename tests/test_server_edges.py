@@ -1,6 +1,7 @@
 """Hostile and edge input at the server's edge (scripted frame step, tests/server_support.py): every field
 is checked for its type and range where it enters, with an error naming the field and its limit, and the
-call (or the next one) goes on; ids are validated; limits hold at exactly their value."""
+call (or the next one) goes on; ids are validated; limits hold at exactly their value. Just past 500 lines:
+one check per field of both protocols."""
 from __future__ import annotations
 
 import asyncio

@@ -6,6 +6,9 @@ it only through `Call`: `append` PCM of any length, `end_input`, `abort`, `injec
 they receive events through the callback they passed to `open_call`. The loop never blocks on a client
 (appends and events cross threads through locks and callbacks) and knows nothing about sockets or file
 formats. Calls join and leave between ticks; a call's slot is returned when it ends, however it ends.
+
+One file past 500 lines on purpose: the loop, its waits (pacing.py has the rules) and the admissions' and
+ends' bookkeeping all work on the call table under one lock, and read best beside each other.
 """
 from __future__ import annotations
 
