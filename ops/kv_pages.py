@@ -9,9 +9,9 @@ same addresses these do.
 
 A pool may hold float8 e4m3 (`model.dtype.talker_kv: fp8`): a value is stored as the nearest e4m3 value,
 saturated at +-448 (clamped first, so that no path depends on what a cast makes of a value past the
-range), unscaled: keys are RMS-normed per head and values
-stay far below 448 in practice, and e4m3's 3 mantissa bits keep a relative error of at most 1/16 over
-[2^-6, 448] without a scale to store and apply. The kernels store and upcast the same values.
+range), unscaled: keys are RMS-normed per head and values stay far below 448 in practice, and e4m3's 3
+mantissa bits keep a relative error of at most 1/16 over [2^-6, 448] without a scale to store and apply.
+The kernels store and upcast the same values.
 """
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def test_paged_engine_equals_unpaged(tiny, example_clip):
                                seed=7)
     paged = build_engine(model, tok, cfg)
     assert paged.state.llm.pages is not None and paged.state.llm.k.shape[3] == 16
-    max_frames = paged.max_frames
+    max_frames = paged.state.max_frames
     state = allocate_call_state(model, cfg.max_calls, max_frames, torch.device("cpu"), cfg.max_prompt_tokens)
     flat = Engine(model, tok, cfg, state, engine_runner(model, state, special_ids(model, torch.device("cpu")), cfg))
     assert flat.pages is None

@@ -203,13 +203,20 @@ class Gemma3Layer(nn.Module):
         return self.post_feedforward_layernorm.add_to_then(x, self.mlp(h), following)
 
 
+def talker_pool_page(stream: int, page: int, num_pages: int) -> int:
+    """The pool row of CFG stream `stream`'s page `page` in a paged talker pool of num_pages pages per stream
+    (page num_pages is the stream's sink): the streams' pages lie one after the other, num_pages + 1 each, so
+    serving/pages.py hands out stream 0's page numbers and stream 1 reads the same page of its own half."""
+    return stream * (num_pages + 1) + page
+
+
 @dataclass
 class TalkerCache:
     """Backbone KV pools: k, v [n_layers, 2, S, kv_heads, max_len, head_dim]; dim 1 is the CFG stream
     (0 = conditional, 1 = unconditional), dim 2 the slot (the last slot is the sink). Paged: k, v
     [n_layers, 2, pages, kv_heads, page_len, head_dim] and `pages` [2 * S, max_len / page_len] int32, the
     table of each stream's row (row = stream * S + slot, as the unpaged views below number them) into the
-    layer's two streams' pages (stream 1's page p is entry p + pages per stream; serving/pages.py)."""
+    layer's two streams' pages (talker_pool_page; serving/pages.py hands them out)."""
     k: torch.Tensor
     v: torch.Tensor
     pages: torch.Tensor | None = None

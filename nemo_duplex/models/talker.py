@@ -26,6 +26,7 @@ from nemo_duplex.models.gemma import (
     attention_projections,
     rope_frequencies,
     rotary_cos_sin,
+    talker_pool_page,
 )
 from nemo_duplex.models.mog_head import MoGHead, MoGLayer, residual_quantise, top_k_filter
 from nemo_duplex.models.stacking import stack_all
@@ -247,7 +248,8 @@ class EarTTS(nn.Module):
         if page_len is not None:
             rows, length = num_pages + 1, page_len
             per_row = -(-max_len // page_len)
-            sink = torch.tensor([num_pages, 2 * num_pages + 1], dtype=torch.int32, device=device)  # each stream's
+            sink = torch.tensor([talker_pool_page(s, num_pages, num_pages) for s in (0, 1)], dtype=torch.int32,
+                                device=device)   # each stream's
             pages = sink.repeat_interleave(num_slots)[:, None].expand(2 * num_slots, per_row).contiguous()
         shape = (b.num_hidden_layers, 2, rows, b.num_key_value_heads, length, b.head_dim)
         return TalkerCache(k=torch.zeros(shape, device=device, dtype=dtype),

@@ -91,7 +91,6 @@ class Engine:
         mc = model.cfg
         self.frame_samples = mc.samples_per_frame_in
         self.sample_rate = mc.source_sample_rate
-        self.max_frames = frames_per_call(mc, self.cfg.max_call_s)
         self.max_pending_frames = math.ceil(self.cfg.max_pending_s / mc.frame_length)
         self.frame_seconds = mc.frame_length
         self.state = state
@@ -128,7 +127,7 @@ class Engine:
         options = options or CallOptions()
         if self.down is not None:
             raise EngineDown(f"the engine stopped after a device error and needs a restart: {self.down}")
-        max_frames = call_max_frames(options, self.cfg.max_call_s, self.frame_seconds)   # <= self.max_frames
+        max_frames = call_max_frames(options, self.cfg.max_call_s, self.frame_seconds)   # <= state.max_frames
         slot = self.slots.take()
         if slot is None:
             raise EngineBusy(f"all {self.cfg.max_calls} call slots are in use (engine.max_calls)")

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-
+from nemo_duplex.models.gemma import talker_pool_page
 from nemo_duplex.serving.memory import kv_page_counts
 from nemo_duplex.serving.state import CallState, allocate_call_state
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class _Pool:
     """One pool's free pages and the pages committed but not yet taken."""
     num_pages: int
-    free: list[int] = field(default_factory=list)
+    free: list[int] = field(init=False)   # popped from the end: page 0 first
     promised: int = 0     # committed to live calls and not yet taken
 
     def __post_init__(self):
@@ -130,9 +130,9 @@ class KVPages:
             new_talker = self._take(self.talker, claim.talker, talker)
         for j, page in new_llm:
             self.llm_table[slot, j] = page
-        for j, page in new_talker:   # both CFG streams: stream 1's pages follow stream 0's (and its sink)
-            self.talker_table[slot, j] = page
-            self.talker_table[self.slots + slot, j] = page + self.talker.num_pages + 1
+        for j, page in new_talker:   # both CFG streams, each its own half of the pool
+            for stream in (0, 1):
+                self.talker_table[stream * self.slots + slot, j] = talker_pool_page(stream, page, self.talker.num_pages)
 
     @staticmethod
     def _take(pool: _Pool, held: list[int], want: int) -> list[tuple[int, int]]:
@@ -157,8 +157,9 @@ class KVPages:
         if claim.llm:
             self.llm_table[slot].fill_(self.llm.num_pages)
         if claim.talker:
-            self.talker_table[slot].fill_(self.talker.num_pages)
-            self.talker_table[self.slots + slot].fill_(2 * self.talker.num_pages + 1)
+            sink = self.talker.num_pages
+            for stream in (0, 1):
+                self.talker_table[stream * self.slots + slot].fill_(talker_pool_page(stream, sink, sink))
 
     # ---- what /metrics and tests read ---------------------------------------------------------------
     def usage(self) -> dict[str, int]:
