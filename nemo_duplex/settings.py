@@ -43,12 +43,18 @@ class EngineConfig:
     # 500 tokens on the H200) runs on a thread of its own (serving/admitter.py; on CUDA on a stream of the
     # lowest priority) beside the live calls' steps. H200, 128 lockstep calls while calls with fresh
     # 500-token prompts arrive twice a second: live lag p99 74-82 ms against 57-59 without arrivals; on the
-    # engine thread, 8.3 s (docs/performance.md). false: on the engine thread between steps, in pieces:
-    # prompts prefilled prefill_chunk_tokens at a time (0: whole), at most admission_pieces_per_tick pieces
-    # between two steps while calls are live (an engine driven tick by tick, serving/drive.py, always does).
+    # engine thread, 8.3 s (docs/performance.md). false: on the engine thread between steps, in pieces,
+    # at most admission_pieces_per_tick between two steps while calls are live (an engine driven tick by
+    # tick, serving/drive.py, always does).
     admission_thread: bool = True
-    prefill_chunk_tokens: int = 0
+    # A prompt is prefilled in pieces of this many tokens, the rest in falling powers of two (0: whole;
+    # frame_step.prompt_pieces), on either path.
+    prefill_chunk_tokens: int = 256
     admission_pieces_per_tick: int = 2
+    # The admission's prefill pieces and talker warm-up replayed from CUDA graphs, one per piece size
+    # (serving/admission_graphs.py; prefill_chunk_tokens must then be a power of two): "auto" = where the
+    # steps are captured (engine.graphs), true, false.
+    prefill_graphs: Any = "auto"
     capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
     graphs: Any = "auto"               # "auto" | true | false: "auto" = captured on CUDA, eager on the CPU (graphs/capture.py)
     graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)

@@ -109,7 +109,8 @@ class ScriptedModel:
 
 def scripted_engine(monkeypatch, model: ScriptedModel, tokenizer, max_calls: int = 4, **engine_kwargs) -> Engine:
     """A real Engine over the script: its admission is the script's, its runner ScriptedRunner."""
-    def admission(model_, st, slot, prompt_ids, seed, sampling, speaker=None, prefix_cache=None, chunk_tokens=0):
+    def admission(model_, st, slot, prompt_ids, seed, sampling, speaker=None, prefix_cache=None, chunk_tokens=0,
+                  graphs=None):
         model.admit(model_, st, slot, prompt_ids, seed, sampling, speaker, prefix_cache)
         yield   # one piece, as a short prompt's admission is
 

@@ -61,7 +61,7 @@ from nemo_duplex.settings import EngineConfig
 def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torch.device | None = None) -> "Engine":
     """An engine for `model` with settings `cfg`: its state pools (one slot per call, plus the sink) and
     the step runner over them (serving/runner.py: the capture buckets, the pipeline depth, the graphs)."""
-    from nemo_duplex.serving.runner import engine_runner
+    from nemo_duplex.serving.runner import admission_graphs, engine_runner
 
     cfg = cfg or EngineConfig()
     device = device or model.stt_model.embed_tokens.weight.device
@@ -70,15 +70,16 @@ def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torc
                            cfg.kv_pool_gib)
     state = allocate_call_state(model, cfg.max_calls, max_frames, device, cfg.max_prompt_tokens, pages)
     specials = special_ids(model, device)
-    return Engine(model, tokenizer, cfg, state, engine_runner(model, state, specials, cfg))
+    return Engine(model, tokenizer, cfg, state, engine_runner(model, state, specials, cfg),
+                  admission_graphs(model, state, cfg))
 
 
 class Engine:
     """The step loop over `state` (serving/state.py CallState: the pools, one slot per call), stepping through
     `runner` (a graphs.capture.HostStepper: serving/runner.py builds the real one; `build_engine` makes all
-    three)."""
+    three), admitting calls through `admission_graphs` where given (serving/admission_graphs.py)."""
 
-    def __init__(self, model, tokenizer, cfg: EngineConfig, state, runner):
+    def __init__(self, model, tokenizer, cfg: EngineConfig, state, runner, admission_graphs=None):
         self.model, self.tokenizer = model, tokenizer
         self.cfg = cfg
         if cfg.prefix_cache_mib < 0:
@@ -109,6 +110,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.step_runner = runner
+        self.admission_graphs = admission_graphs   # captured in prepare(), with the steps
         self.ready = False        # set once every capture bucket is recorded (GET /health)
         # (with graphs "auto", step_runner.graphs says what was chosen)
         self.down: str | None = None  # set when a device error stopped the engine (device_lost)
@@ -169,6 +171,8 @@ class Engine:
         """Capture every bucket (largest first) before serving; never while serving."""
         if not self.ready:
             self.step_runner.capture()
+            if self.admission_graphs is not None:
+                self.admission_graphs.capture()
             self.ready = True
 
     def start(self) -> None:
@@ -379,7 +383,8 @@ class Engine:
         if self.pages is not None:
             self.pages.admitted(call)
         pieces = admission(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
-                           call.options.speaker, self.prefix_cache, self.cfg.prefill_chunk_tokens)
+                           call.options.speaker, self.prefix_cache, self.cfg.prefill_chunk_tokens,
+                           self.admission_graphs)
         if self.admitter is not None:
             call.cohort, call.in_admission = cohort, True
             cohort.pending += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
@@ -23,6 +24,9 @@ from nemo_duplex.models.model import ClipResult
 from nemo_duplex.models.sampling import sample_text
 from nemo_duplex.serving.state import CallState, PrefixCache, allocate_call_state
 from ops.argmax_top2 import argmax_top2
+
+if TYPE_CHECKING:
+    from nemo_duplex.serving.admission_graphs import AdmissionGraphs
 
 
 @dataclass
@@ -227,15 +231,33 @@ def admit(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed
         pass
 
 
+def prompt_pieces(tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """(start, length) of the pieces a prompt of `tokens` tokens is prefilled in: whole when chunk_tokens is
+    0, else pieces of chunk_tokens and the rest in falling powers of two (500 by 256: 256, 128, 64, 32, 16,
+    4). With chunk_tokens a power of two every piece is one, so a graph per power of two up to it covers
+    every prompt exactly (serving/admission_graphs.py)."""
+    if chunk_tokens <= 0:
+        return [(0, tokens)] if tokens else []
+    pieces, start = [], 0
+    while start < tokens:
+        rest = tokens - start
+        size = chunk_tokens if rest >= chunk_tokens else 1 << (rest.bit_length() - 1)
+        pieces.append((start, size))
+        start += size
+    return pieces
+
+
 @torch.no_grad()
 def admission(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed: int,
               sampling: SamplingParams, speaker: str | None = None, prefix_cache: PrefixCache | None = None,
-              chunk_tokens: int = 0) -> Iterator[None]:
-    """`admit` in pieces, one per next(): the prompt's prefill `chunk_tokens` tokens at a time (0: whole), then
-    the talker's warm-up and the slot's scalars. The engine runs a bounded number of pieces between two steps,
-    so a new call's long prompt never stalls the live ones' step (engine.prefill_chunk_tokens). Each chunk
-    continues the last: attention over the keys already in the pool, the Mamba layers from the conv and SSM
-    state the previous chunk left (tests/test_engine.py: chunked == whole)."""
+              chunk_tokens: int = 0, graphs: AdmissionGraphs | None = None) -> Iterator[None]:
+    """`admit` in pieces, one per next(): the prompt's prefill in `prompt_pieces` of at most `chunk_tokens`
+    tokens (0: whole), then the talker's warm-up and the slot's scalars. The engine runs a bounded number of
+    pieces between two steps, so a new call's long prompt never stalls the live ones' step
+    (engine.prefill_chunk_tokens). Each piece continues the last: attention over the keys already in the
+    pool, the Mamba layers from the conv and SSM state the previous piece left (tests/test_engine.py:
+    chunked == whole). `graphs`: the prefill pieces and the warm-up replayed from CUDA graphs
+    (engine.prefill_graphs), the same computation."""
     cfg = model.cfg
     dev = st.llm_len.device
     s = torch.tensor([slot], dtype=torch.int64, device=dev)
@@ -253,12 +275,17 @@ def admission(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, 
     else:
         if has_prompt:
             x = model.prompt_embeddings(prompt_ids.to(dev))[None]
-            step = chunk_tokens if chunk_tokens > 0 else P
-            for start in range(0, P, step):
-                model.llm.prefill(x[:, start: start + step], st.llm, s,
-                                  torch.full((1,), start, dtype=torch.int64, device=dev))
+            for start, size in prompt_pieces(P, chunk_tokens):
+                at = torch.full((1,), start, dtype=torch.int64, device=dev)
+                if graphs is not None:
+                    graphs.prefill(x[:, start: start + size], s, at)
+                else:
+                    model.llm.prefill(x[:, start: start + size], st.llm, s, at)
                 yield
-        model.talker.prefill_warmup(st.talker, s, model.speaker_latent(speaker), model.silence_codes)
+        if graphs is not None:
+            graphs.warmup(s, model.speaker_latent(speaker))
+        else:
+            model.talker.prefill_warmup(st.talker, s, model.speaker_latent(speaker), model.silence_codes)
         if prefix_cache is not None and prefix_cache.wants(key):
             prefix_cache.put(key, PrefixCache.snapshot(st, slot, P, cfg.prompt_frames))
     pad = cfg.tokens.pad_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from graphs.capture import StepRunner, buckets_for, resolve_graphs
+from nemo_duplex.serving.admission_graphs import AdmissionGraphs
 from nemo_duplex.serving.frame_step import frame_step
 from nemo_duplex.serving.state import state_tensors
 
@@ -107,3 +108,17 @@ def engine_runner(model, state, specials: torch.Tensor, cfg) -> StepRunner:
                         graphs=cfg.graphs, backend=cfg.graph_backend, greedy_graphs=cfg.greedy_graphs,
                         side_stream=cfg.side_stream, pad_eager=cfg.batch_invariant, pipeline=cfg.pipeline,
                         llm_sm_carveout=cfg.llm_sm_carveout)
+
+
+def admission_graphs(model, state, cfg) -> AdmissionGraphs | None:
+    """The captured admission an engine with settings `cfg` runs (engine.prefill_graphs), None when off."""
+    device = state.llm_len.device
+    choice = cfg.prefill_graphs
+    if choice not in ("auto", True, False):
+        raise ValueError(f"engine.prefill_graphs must be auto, true or false, got {choice!r}")
+    on = resolve_graphs(cfg.graphs, device) if choice == "auto" else choice
+    if not on:
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"engine.prefill_graphs=true needs CUDA; the engine runs on {device}")
+    return AdmissionGraphs(model, state, cfg.prefill_chunk_tokens, graphs=True)

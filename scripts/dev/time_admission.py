@@ -1,7 +1,9 @@
-"""How long a new call's admission takes, piece by piece, on the full model (random weights): the prompt's
-prefill chunks and the talker warm-up, each timed with the device synchronised, and the ops that dominate.
+"""How long a new call's admission takes on the full model (random weights): the prompt's prefill pieces
+and the talker warm-up, each timed with the device synchronised, then the whole admission's host time
+(until its last launch returns) and wall time (until the device is done), eager and replayed from CUDA
+graphs (engine.prefill_graphs), and the ops that dominate the eager one.
 
-    python scripts/dev/time_admission.py [--prompt-tokens 500] [--chunk 128] [--device cuda]
+    python scripts/dev/time_admission.py [--prompt-tokens 500] [--chunk 256] [--device cuda]
     python scripts/dev/time_admission.py --model nemotron_duplex_tiny --device cpu --prompt-tokens 40 --chunk 16
 """
 import argparse
@@ -15,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nemo_duplex import runtime, settings  # noqa: E402
 from nemo_duplex.models.config import SamplingParams  # noqa: E402
+from nemo_duplex.serving.admission_graphs import AdmissionGraphs  # noqa: E402
 from nemo_duplex.serving.frame_step import admission  # noqa: E402
 from nemo_duplex.serving.state import allocate_call_state  # noqa: E402
 
@@ -22,7 +25,7 @@ from nemo_duplex.serving.state import allocate_call_state  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt-tokens", type=int, default=500)
-    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="nemotron_duplex", help="a preset (nemotron_duplex_tiny for a CPU check)")
     args = ap.parse_args()
@@ -41,17 +44,31 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    for chunk in (args.chunk, 0):
+    graphs = None
+    if dev.type == "cuda":
+        graphs = AdmissionGraphs(model, st, args.chunk, graphs=True)
+        t = time.perf_counter()
+        graphs.capture()
+        print(f"captured {len(graphs.prefills.keys)} prefill sizes and the warm-up in {time.perf_counter() - t:.1f} s")
+    runs = [("eager whole", 0, None), ("eager pieces", args.chunk, None)] + [("graphs", args.chunk, graphs)] * bool(graphs)
+    for label, chunk, g in runs:
         for trial in range(3):
             pieces, t = [], time.perf_counter()
-            for _ in admission(model, st, trial % 4, ids, 0, SamplingParams(), None, None, chunk):
+            for _ in admission(model, st, trial % 4, ids, 0, SamplingParams(), None, None, chunk, g):
                 sync()
                 pieces.append(time.perf_counter() - t)
                 t = time.perf_counter()
             sync()
             pieces.append(time.perf_counter() - t)
-            print(f"chunk {chunk}: trial {trial}: pieces ms {[round(1000 * p, 1) for p in pieces]}, "
-                  f"total {1000 * sum(pieces):.1f}", flush=True)
+            sync()
+            t = time.perf_counter()
+            for _ in admission(model, st, trial % 4, ids, 0, SamplingParams(), None, None, chunk, g):
+                pass
+            host = time.perf_counter() - t
+            sync()
+            wall = time.perf_counter() - t
+            print(f"{label}: trial {trial}: pieces ms {[round(1000 * p, 1) for p in pieces]}; unsynchronised: "
+                  f"host {1000 * host:.1f} ms, until done {1000 * wall:.1f} ms", flush=True)
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:

@@ -1,0 +1,111 @@
+"""A call's admission in pieces and as CUDA graphs (serving/admission_graphs.py, frame_step.prompt_pieces)."""
+import copy
+
+import pytest
+import torch
+
+from graphs.shapes import ShapeGraphs
+from nemo_duplex.models.config import SamplingParams
+from nemo_duplex.serving.admission_graphs import AdmissionGraphs, piece_sizes
+from nemo_duplex.serving.engine import build_engine
+from nemo_duplex.serving.frame_step import admission, prompt_pieces
+from nemo_duplex.serving.state import allocate_call_state, state_tensors
+from nemo_duplex.settings import EngineConfig
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 4, 7, 256])
+def test_prompt_pieces_tile_the_prompt(chunk):
+    """Pieces are contiguous, cover every token once, never exceed the chunk, and (chunk a power of two)
+    are powers of two falling after the full chunks: a graph per power of two covers every prompt."""
+    for tokens in list(range(0, 70)) + [255, 256, 257, 500, 512]:
+        pieces = prompt_pieces(tokens, chunk)
+        assert [s for s, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+        assert sum(n for _, n in pieces) == tokens
+        if chunk == 0:
+            assert pieces == ([(0, tokens)] if tokens else [])
+            continue
+        sizes = [n for _, n in pieces]
+        assert max(sizes, default=0) <= chunk and sizes == sorted(sizes, reverse=True)
+        tail = [n for n in sizes if n != chunk]
+        assert len(tail) == len(set(tail)) and all(n & (n - 1) == 0 for n in tail)   # distinct powers of two
+        if chunk & (chunk - 1) == 0:
+            assert set(sizes) <= set(piece_sizes(chunk))
+    assert prompt_pieces(500, 256) == [(0, 256), (256, 128), (384, 64), (448, 32), (480, 16), (496, 4)]
+
+
+@pytest.mark.parametrize("largest", [0, 3, 100, -4])
+def test_captured_pieces_need_a_power_of_two(largest):
+    with pytest.raises(ValueError, match="engine.prefill_chunk_tokens"):
+        piece_sizes(largest)
+
+
+def test_prefill_graphs_settings_fail_loudly(tiny):
+    model, tok, *_ = tiny
+    with pytest.raises(ValueError, match="engine.prefill_graphs=true needs CUDA"):
+        build_engine(model, tok, EngineConfig(max_calls=2, max_call_s=10.0, prefill_graphs=True))
+    with pytest.raises(ValueError, match="engine.prefill_graphs must be auto, true or false"):
+        build_engine(model, tok, EngineConfig(max_calls=2, max_call_s=10.0, prefill_graphs="sometimes"))
+    eng = build_engine(model, tok, EngineConfig(max_calls=2, max_call_s=10.0))   # auto: eager on the CPU
+    assert eng.admission_graphs is None
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        ShapeGraphs(lambda: None, torch.device("cpu"), graphs=True)
+
+
+def _admitted_state(model, prompt_ids, chunk, graphs_on: bool | None, device="cpu"):
+    """A fresh state with slot 1 admitted: eager whole/pieces (graphs_on None) or through AdmissionGraphs."""
+    st = allocate_call_state(model, 2, 50, torch.device(device), max_prompt_tokens=prompt_ids.numel())
+    graphs = None
+    if graphs_on is not None:
+        graphs = AdmissionGraphs(model, st, chunk, graphs=graphs_on)
+        graphs.capture()
+    for _ in admission(model, st, 1, prompt_ids, 5, SamplingParams(), None, None, chunk, graphs):
+        pass
+    return st
+
+
+def _slot_tensors(st, slot):
+    """Every state pool's rows of `slot` (pools have a slot dim: the LLM's and the talker's pools), by name."""
+    llm, talker = st.llm, st.talker
+    return {"llm.conv": llm.conv[:, slot], "llm.ssm": llm.ssm[:, slot], "llm.k": llm.k[:, slot],
+            "llm.v": llm.v[:, slot], "talker.k": talker.k[:, :, slot], "talker.v": talker.v[:, :, slot]}
+
+
+def test_prefill_in_pieces_equals_whole_prefill(tiny):
+    """A 45-token prompt prefilled in pieces of 16, 8, 4, 1 (through AdmissionGraphs' eager path, as the
+    graphs run it) leaves the slot's LLM state and talker KV equal to one whole prefill's: fp32, within
+    float rounding (atol 1e-5, rtol 1e-4); the slot's scalars equal."""
+    model, tok, *_ = tiny
+    ids = torch.randint(3, model.cfg.llm.vocab_size, (45,), generator=torch.Generator().manual_seed(0))
+    whole = _admitted_state(model, ids, 0, None)
+    pieces = _admitted_state(model, ids, 16, False)
+    for name, t in _slot_tensors(whole, 1).items():
+        torch.testing.assert_close(_slot_tensors(pieces, 1)[name], t, atol=1e-5, rtol=1e-4, msg=name)
+    for name, t in state_tensors(whole):
+        if t.dim() == 1:
+            assert torch.equal(dict(state_tensors(pieces))[name], t), name
+    # and the pieces moved the state: the SSM rows are not the zeros a reset leaves
+    assert _slot_tensors(pieces, 1)["llm.ssm"].abs().max() > 0
+
+
+@pytest.mark.gpu
+def test_captured_admission_equals_eager_pieces_on_cuda(tiny):
+    """On CUDA the graphs replay what the eager pieces compute, bit for bit (fp32 tiny model): every pool of
+    the state, a 300-token prompt (pieces 256, 32, 8, 4) and one of 5, the default speaker's warm-up."""
+    model = copy.deepcopy(tiny[0]).to("cuda")
+    for n in (300, 5):
+        ids = torch.randint(3, model.cfg.llm.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).cuda()
+        eager = _admitted_state(model, ids, 256, None, "cuda")
+        captured = _admitted_state(model, ids, 256, True, "cuda")
+        for name, t in _slot_tensors(eager, 1).items():
+            assert torch.equal(_slot_tensors(captured, 1)[name], t), (n, name)
+        scalars = {name: t for name, t in state_tensors(captured) if t.dim() == 1}
+        for name, t in state_tensors(eager):
+            if t.dim() == 1:
+                assert torch.equal(scalars[name], t), (n, name)
+    graphs = AdmissionGraphs(model, allocate_call_state(model, 2, 50, torch.device("cuda"), max_prompt_tokens=16),
+                             16, graphs=True)
+    graphs.capture()
+    assert sorted(graphs.prefills.keys) == [1, 2, 4, 8, 16] and len(graphs.warmups.keys) == 1
+    with pytest.raises(ValueError, match="captured for inputs of shape"):
+        graphs.prefills(4, torch.zeros(1, 3, 8, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda"),
+                        torch.zeros(1, dtype=torch.int64, device="cuda"))
