@@ -228,16 +228,25 @@ class EarTTS(nn.Module):
     def prefill_warmup(self, cache: TalkerCache, slots: torch.Tensor, speaker_latent: torch.Tensor,
                        silence_codes: torch.Tensor) -> None:
         """Write positions 0..P-1 of both streams of `slots` (the same speaker for all of them)."""
+        self.write_warmup(cache, slots, *self.warmup_kv(speaker_latent, silence_codes))
+
+    def warmup_kv(self, speaker_latent: torch.Tensor, silence_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The warm-up's keys and values, k, v [layers, 2 streams, P, kv_heads, D]: a function of the speaker
+        alone, so a server may compute them once per speaker (serving/admission_graphs.py)."""
         x_cond, x_uncond = self.warmup_inputs(speaker_latent, silence_codes)
         p = x_cond.shape[0]
         positions = torch.arange(p, device=x_cond.device).expand(2, p)
         _, kv = self.backbone.prefill(torch.stack([x_cond, x_uncond]), positions)
+        return (torch.stack([k.transpose(1, 2) for k, _ in kv]), torch.stack([v.transpose(1, 2) for _, v in kv]))
+
+    def write_warmup(self, cache: TalkerCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """warmup_kv's k, v into positions 0..P-1 of both streams of every slot in `slots`."""
         rows = torch.stack([slots, slots + cache.num_slots])[:, :, None]   # [2 streams, slots, 1]
-        at = torch.arange(p, device=x_cond.device)
-        for i, (k, v) in enumerate(kv):  # k, v [2 streams, kv_heads, P, D]
+        at = torch.arange(k.shape[2], device=k.device)
+        for i in range(k.shape[0]):
             pool_k, pool_v = cache.layer_pools(i)
-            kv_write(pool_k, cache.pages, rows, at, k.transpose(1, 2)[:, None])   # [2, 1, P, kv, D] to every slot
-            kv_write(pool_v, cache.pages, rows, at, v.transpose(1, 2)[:, None])
+            kv_write(pool_k, cache.pages, rows, at, k[i][:, None])   # [2, 1, P, kv, D] to every slot
+            kv_write(pool_v, cache.pages, rows, at, v[i][:, None])
 
     def allocate_cache(self, num_slots: int, max_len: int, device, dtype, page_len: int | None = None,
                        num_pages: int = 0) -> TalkerCache:

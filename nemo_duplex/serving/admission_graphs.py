@@ -6,7 +6,8 @@ Why: admission launched op by op is host-bound (a 500-token prompt: ~0.2 s of Py
 and the server's event loop while 128 live calls wait for their packets (docs/performance.md, "Admission
 beside live calls"). A prompt is prefilled in pieces whose sizes are powers of two (frame_step.prompt_pieces),
 so a handful of graphs, sizes 1, 2, 4 .. engine.prefill_chunk_tokens, covers every prompt exactly: no
-padding, which a Mamba layer's state could not ignore. The eager admission runs the same pieces, so
+padding, which a Mamba layer's state could not ignore. The warm-up's keys and values are the speaker's
+alone: computed once per speaker, copied into the slot by a graph. The eager admission runs the same pieces, so
 captured and eager compute the same thing (tests/test_admission_graphs.py).
 """
 from __future__ import annotations
@@ -26,27 +27,32 @@ def piece_sizes(largest: int) -> list[int]:
 
 
 class AdmissionGraphs:
-    """`prefill(x, slot, start)` and `warmup(slot, latent)` for frame_step.admission, replayed from CUDA
+    """`prefill(x, slot, start)` and `warmup(slot, speaker)` for frame_step.admission, replayed from CUDA
     graphs captured over `state` by `capture` (graphs=True), or run eagerly (graphs=False: the same calls,
-    which is what the CPU tests check). slot, start: int64 [1] tensors on the state's device."""
+    which is what the CPU tests check). slot, start: int64 [1] tensors on the state's device.
+
+    The talker's warm-up depends on the speaker alone (talker.warmup_kv), so its keys and values are
+    computed once per speaker, eagerly (the char encoder and the warm-up's masks are not worth a graph
+    for one run), and each admission replays only their copy into the slot's pages."""
 
     def __init__(self, model, state: CallState, largest_piece: int, graphs: bool):
         self.model, self.state = model, state
         self.sizes = piece_sizes(largest_piece)
         device = state.llm_len.device
         self.prefills = ShapeGraphs(self._prefill, device, graphs)
-        self.warmups = ShapeGraphs(self._warmup, device, graphs)
+        self.warmup_writes = ShapeGraphs(self._write_warmup, device, graphs)
+        self.speaker_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _prefill(self, x: torch.Tensor, slot: torch.Tensor, start: torch.Tensor) -> None:
         self.model.llm.prefill(x, self.state.llm, slot, start)
 
-    def _warmup(self, slot: torch.Tensor, latent: torch.Tensor) -> None:
-        self.model.talker.prefill_warmup(self.state.talker, slot, latent, self.model.silence_codes)
+    def _write_warmup(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.model.talker.write_warmup(self.state.talker, slot, k, v)
 
     def capture(self) -> None:
-        """Record every piece size and the default speaker's warm-up (speakers whose latent has its shape
-        share the graph; another shape runs eagerly), on the sink slot: what the recording computes lands
-        in the rows that padding rows point at, which no call reads."""
+        """Record every piece size and the warm-up's copy (for the default speaker's shape: speakers whose
+        latent has another length run it eagerly) on the sink slot: what the recording computes lands in
+        the rows that padding rows point at, which no call reads."""
         if not self.prefills.graphs:
             return
         device = self.state.llm_len.device
@@ -56,12 +62,21 @@ class AdmissionGraphs:
         for size in self.sizes:
             self.prefills.capture(size, torch.zeros(1, size, embed.shape[1], dtype=embed.dtype, device=device),
                                   sink, start)
-        latent = self.model.speaker_latent()
-        self.warmups.capture(tuple(latent.shape), sink, latent)
+        k, v = self._speaker(self.model.cfg.talker.speaker)
+        self.warmup_writes.capture(tuple(k.shape), sink, k, v)
+
+    def _speaker(self, speaker: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if speaker not in self.speaker_kv:
+            with torch.no_grad():
+                self.speaker_kv[speaker] = self.model.talker.warmup_kv(self.model.speaker_latent(speaker),
+                                                                       self.model.silence_codes)
+        return self.speaker_kv[speaker]
 
     def prefill(self, x: torch.Tensor, slot: torch.Tensor, start: torch.Tensor) -> None:
         """x [1, T, H] (T one of `sizes`) at positions start .. start + T - 1 of `slot`."""
         self.prefills(x.shape[1], x, slot, start)
 
-    def warmup(self, slot: torch.Tensor, latent: torch.Tensor) -> None:
-        self.warmups(tuple(latent.shape), slot, latent)
+    def warmup(self, slot: torch.Tensor, speaker: str | None = None) -> None:
+        """The talker warm-up of `speaker` (None: the model's default) into `slot`."""
+        k, v = self._speaker(speaker or self.model.cfg.talker.speaker)
+        self.warmup_writes(tuple(k.shape), slot, k, v)

@@ -283,7 +283,7 @@ def admission(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, 
                     model.llm.prefill(x[:, start: start + size], st.llm, s, at)
                 yield
         if graphs is not None:
-            graphs.warmup(s, model.speaker_latent(speaker))
+            graphs.warmup(s, speaker)
         else:
             model.talker.prefill_warmup(st.talker, s, model.speaker_latent(speaker), model.silence_codes)
         if prefix_cache is not None and prefix_cache.wants(key):
