@@ -103,9 +103,10 @@ def test_captured_admission_equals_eager_pieces_on_cuda(tiny):
             if t.dim() == 1:
                 assert torch.equal(scalars[name], t), (n, name)
     graphs = AdmissionGraphs(model, allocate_call_state(model, 2, 50, torch.device("cuda"), max_prompt_tokens=16),
-                             16, graphs=True)
+                             256, graphs=True)
     graphs.capture()
-    assert sorted(graphs.prefills.keys) == [1, 2, 4, 8, 16] and len(graphs.warmup_writes.keys) == 1
+    # sizes up to the chunk that fit the LLM's pool (16 prompt tokens + 50 frames: 66 positions)
+    assert sorted(graphs.prefills.keys) == [1, 2, 4, 8, 16, 32, 64] and len(graphs.warmup_writes.keys) == 1
     with pytest.raises(ValueError, match="captured for inputs of shape"):
         graphs.prefills(4, torch.zeros(1, 3, 8, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda"),
                         torch.zeros(1, dtype=torch.int64, device="cuda"))

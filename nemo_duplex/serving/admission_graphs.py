@@ -37,7 +37,8 @@ class AdmissionGraphs:
 
     def __init__(self, model, state: CallState, largest_piece: int, graphs: bool):
         self.model, self.state = model, state
-        self.sizes = piece_sizes(largest_piece)
+        # a piece never runs past the pool (admission trims a prompt to engine.max_prompt_tokens)
+        self.sizes = [n for n in piece_sizes(largest_piece) if n <= state.llm.max_len]
         device = state.llm_len.device
         self.prefills = ShapeGraphs(self._prefill, device, graphs)
         self.warmup_writes = ShapeGraphs(self._write_warmup, device, graphs)
