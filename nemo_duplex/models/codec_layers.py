@@ -2,7 +2,8 @@
 (`tts_model.audio_codec.` + `encoder.layers.N`, `decoder.layers.N`, `prvq.mus_list.i`,
 `prvq._variance_list.i.variance`, spec 6.3): the causal ConvNeXt block both stacks are built of, the encoder
 (wav -> latent), the decoder (latent -> iSTFT head input, one-shot and one frame per call) and the residual
-vector quantiser. Their GEMMs run through codec.py's `linear` (fp32, or fp32-accurate on tensor cores).
+vector quantiser. The decoder's GEMMs run as the `Gemm` kind the codec made at load (codec.py: fp32, or
+fp32-accurate on tensor cores), passed in by RVQCodec.
 """
 from __future__ import annotations
 
@@ -12,19 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_duplex.models.codec import (
-    channels_last_weight,
-    fp16x3_weight,
-    gemm_path,
-    linear,
-    upsample,
-    upsample_channels_last,
-)
+from nemo_duplex.models.codec import IEEE, Gemm, channels_last_weight
 from nemo_duplex.models.config import CodecConfig
-from ops import use_triton
 from ops.codebook_sum import codebook_sum
 from ops.dwconv_layernorm import dwconv_layer_norm
-from ops.fp16x3_linear import fp16x3_linear, split_fp16_rows
 from ops.istft_step import hann_window
 
 # ----------------------------------------------------------------------------------------------------
@@ -54,32 +46,27 @@ class ConvNeXtBlock(nn.Module):
         self.register_buffer("pwconv1_split", torch.empty(0), persistent=False)
         self.register_buffer("pwconv2_split", torch.empty(0), persistent=False)
 
-    def forward(self, x: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gemm: Gemm = IEEE) -> torch.Tensor:
         """x [B, C, L] from the start of the signal: zeros before it (the causal pad)."""
         return self.forward_padded(F.pad(x, (self.history, 0)), gemm)
 
-    def forward_padded(self, padded: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
+    def forward_padded(self, padded: torch.Tensor, gemm: Gemm = IEEE) -> torch.Tensor:
         """padded [B, C, history + L]: the input with its `history` preceding frames -> [B, C, L].
-        `gemm`: how the k=1 convs run (`linear`)."""
+        `gemm`: the kind the k=1 convs run as."""
         residual = padded[:, :, self.history:]
         y = self.dwconv(padded).transpose(1, 2)  # [B, L, C]: LayerNorm and k=1 convs over channels
         y = self.norm(y)
-        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True)
-        y = linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm)
+        y = gemm(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gelu=True)
+        y = gemm(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias)
         return residual + y.transpose(1, 2)
 
-    def step(self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, gemm: str) -> torch.Tensor:
+    def step(self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Streaming, channels-last: x [B, L, C] new frames, history [S, k-1, C] the last k-1 input frames of
         each slot (rows `slots` precede x, then are moved on in place) -> [B, L, C]. The conv and the
-        LayerNorm are one kernel reading the history where it is (ops/dwconv_layernorm.py); the skip is
-        added in the second GEMM's epilogue. Same sums as `forward_padded` up to their order. The k=1
-        convs take their weights' pre-split halves where built (RVQCodec.presplit_weights)."""
-        split1, split2 = _built(self.pwconv1_split), _built(self.pwconv2_split)
-        # fp16x3w in the Triton kernels: pwconv1's epilogue writes its output split for pwconv2, so the 4C-wide
-        # activation never exists in fp32; the conv + norm output is split by a pass of its own (faster on the
-        # H200 than the conv + norm kernel writing it split: ops/dwconv_layernorm.py). The same with or
-        # without the weights split beforehand, so both give the same bits.
-        fp16_chain = gemm_path(gemm, x) == "fp16x3w" and use_triton(x)
+        LayerNorm are one kernel reading the history where it is (ops/dwconv_layernorm.py); the k=1 convs
+        are `gemm.mlp`, the skip added in the second GEMM's epilogue. Same sums as `forward_padded` up to
+        their order. The k=1 convs take their weights' pre-split halves where built
+        (RVQCodec.presplit_weights)."""
         y = dwconv_layer_norm(x, history, slots, self.dwconv.weight, self.dwconv.bias, self.norm.weight,
                               self.norm.bias, self.norm.eps)
         # after the read above: the last k-1 input frames (fewer new frames than that: some old ones stay)
@@ -87,14 +74,9 @@ class ConvNeXtBlock(nn.Module):
             history.index_copy_(0, slots, x[:, x.shape[1] - self.history:])
         else:
             history.index_copy_(0, slots, torch.cat([history.index_select(0, slots), x], 1)[:, -self.history:])
-        if fp16_chain:
-            w1, w2 = self.pwconv1.weight[:, :, 0], self.pwconv2.weight[:, :, 0]
-            h = fp16x3_linear(split_fp16_rows(y.view(-1, y.shape[-1])), fp16x3_weight(split1, w1), self.pwconv1.bias,
-                              gelu=True, split_out=True)
-            out = fp16x3_linear(h, fp16x3_weight(split2, w2), self.pwconv2.bias, residual=x.reshape(-1, x.shape[-1]))
-            return out.view(x.shape)
-        y = linear(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, gemm, gelu=True, split=split1)
-        return linear(y, self.pwconv2.weight[:, :, 0], self.pwconv2.bias, gemm, residual=x, split=split2)
+        return gemm.mlp(y, self.pwconv1.weight[:, :, 0], self.pwconv1.bias, self.pwconv2.weight[:, :, 0],
+                        self.pwconv2.bias, residual=x, split1=_built(self.pwconv1_split),
+                        split2=_built(self.pwconv2_split))
 
     def init_weights(self, generator: torch.Generator) -> None:
         channels, kernel = self.dwconv.weight.shape[0], self.dwconv.weight.shape[-1]
@@ -182,26 +164,26 @@ class Latent2Wav(nn.Module):
             width_in = width
         layers.append(nn.Conv1d(width_in, cfg.n_fft + 2, 1, bias=False))
         self.layers = nn.ModuleList(layers)
-        # split_{i}: split_weight(gemm_weight(layers[i]), gemm) for the upsampling layers and the final
+        # split_{i}: the kind's split_weight(gemm_weight(layers[i])) for the upsampling layers and the final
         # conv in `step` (the ConvNeXt blocks hold their own); empty unless RVQCodec.presplit_weights built them.
         for i, layer in enumerate(layers):
             if not isinstance(layer, ConvNeXtBlock):
                 self.register_buffer(f"split_{i}", torch.empty(0), persistent=False)
 
-    def forward(self, latent: torch.Tensor, gemm: str = "ieee") -> torch.Tensor:
-        """latent [B, latent, T] -> iSTFT head input [B, n_fft + 2, 441 T]. `gemm`: see `linear`."""
+    def forward(self, latent: torch.Tensor, gemm: Gemm = IEEE) -> torch.Tensor:
+        """latent [B, latent, T] -> iSTFT head input [B, n_fft + 2, 441 T]; `gemm`: the GEMMs' kind."""
         x = latent
         for layer in self.layers:
             x = layer(x, gemm) if isinstance(layer, ConvNeXtBlock) else self._linear_layer(layer, x, gemm)
         return x
 
     @staticmethod
-    def _linear_layer(layer: nn.Module, x: torch.Tensor, gemm: str) -> torch.Tensor:
+    def _linear_layer(layer: nn.Module, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """The upsampling ConvTranspose1d layers and the final k=1 Conv1d, as matmuls (no cuDNN dgrad
         kernels, and the same GEMM numerics as the ConvNeXt blocks)."""
         if isinstance(layer, nn.ConvTranspose1d):
-            return upsample(x, layer.weight, gemm)
-        return linear(x.transpose(1, 2), layer.weight[:, :, 0], None, gemm).transpose(1, 2)
+            return gemm.upsample(x, layer.weight)
+        return gemm(x.transpose(1, 2), layer.weight[:, :, 0], None).transpose(1, 2)
 
     def convnext_blocks(self) -> list[ConvNeXtBlock]:
         return [layer for layer in self.layers if isinstance(layer, ConvNeXtBlock)]
@@ -218,7 +200,7 @@ class Latent2Wav(nn.Module):
         return gemms
 
     def step(self, latent: torch.Tensor, history: list[torch.Tensor], slots: torch.Tensor,
-             gemm: str = "ieee") -> torch.Tensor:
+             gemm: Gemm = IEEE) -> torch.Tensor:
         """One code frame per row, channels-last throughout (every GEMM's rows are frames, so no transpose
         between layers): latent [B, 1, latent] -> head input [B, 441, n_fft + 2]. history[i] [S, k-1, C_i]
         holds the last k-1 input frames of ConvNeXt block i per slot; rows `slots` are read and then
@@ -231,9 +213,9 @@ class Latent2Wav(nn.Module):
                 x = layer.step(x, history[block], slots, gemm)
                 block += 1
             elif isinstance(layer, nn.ConvTranspose1d):
-                x = upsample_channels_last(x, layer.weight, gemm, split=_built(getattr(self, f"split_{i}")))
+                x = gemm.upsample_channels_last(x, layer.weight, split=_built(getattr(self, f"split_{i}")))
             else:
-                x = linear(x, layer.weight[:, :, 0], None, gemm, split=_built(getattr(self, f"split_{i}")))
+                x = gemm(x, layer.weight[:, :, 0], None, split=_built(getattr(self, f"split_{i}")))
         return x
 
     def init_weights(self, generator: torch.Generator) -> None:

@@ -1,6 +1,7 @@
 """`RVQCodec`, the RVQ-VAE audio codec under `tts_model.audio_codec.` (MODEL_SPEC section 5): one-shot decode
 and encode, and the streaming decode with its per-call state; the iSTFT head (5.3) that turns the decoder's
-output into samples. Its networks are in codec_layers.py, its GEMM numerics in codec.py.
+output into samples. Its networks are in codec_layers.py, its GEMM numerics in codec.py (the kind made
+once here, `gemm_kind`, when the codec is built, cast or moved, its weights presplit or `gemm` set).
 
 Streaming (`decode_step`): the transposed convolutions have kernel == stride (no overlap, no state);
 each causal ConvNeXt keeps its last 6 input frames; the overlap-add keeps the 12 samples (and their
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nemo_duplex.models.codec import GEMMS, exact_fp32, presplit_used, resolve_gemm, split_weight
+from nemo_duplex.models.codec import Gemm, codec_gemm, exact_fp32
 from nemo_duplex.models.codec_layers import Latent2Wav, ResidualVQ, Wav2Latent, gemm_weight
 from nemo_duplex.models.config import CodecConfig
 from ops.istft_step import hann_window, istft_step, overlap_add, synthesis_frames, window_envelope
@@ -71,16 +72,12 @@ class RVQCodec(nn.Module):
             raise ValueError(f"prod(rates) * hop_length must equal wav_to_token_ratio: {cfg}")
         if cfg.n_fft % cfg.hop_length or (cfg.n_fft - cfg.hop_length) % 2:
             raise ValueError(f"n_fft must be a multiple of hop_length with an even difference: {cfg}")
-        if cfg.gemm not in GEMMS:
-            raise ValueError(f"codec gemm must be one of {GEMMS}; got {cfg.gemm!r}")
         self.cfg = cfg
-        # The decoder's GEMM numerics (`linear`); a plain attribute so a caller can switch it (the pre-split
-        # weights are read only where the GEMM runs tf32x3w, so a switch never reads them wrongly).
-        self.gemm = cfg.gemm
         self.encoder = Wav2Latent(cfg)
         self.decoder = Latent2Wav(cfg)
         self.prvq = ResidualVQ(cfg)
         self.keep_presplit = False  # presplit_weights was called: keep them built and current
+        self.gemm = cfg.gemm   # checks the name (ValueError) and makes `gemm_kind`
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.weights_loaded())
         # decode_step's constants (not in the state_dict): built once here and after every cast or move
         # (`_apply`), not in every step (they were ~15 small launches of each captured frame step)
@@ -112,6 +109,24 @@ class RVQCodec(nn.Module):
         """Samples by which `decode_step`'s stream lags the one-shot decode: (n_fft - hop) / 2 = 6."""
         return (self.cfg.n_fft - self.cfg.hop_length) // 2
 
+    @property
+    def gemm(self) -> str:
+        """The decoder GEMMs' kind by name (CodecConfig.gemm, e.g. "auto"). Setting it checks the name
+        (ValueError) and makes the kind they run as, `gemm_kind`, once (`_choose_gemm`)."""
+        return self._gemm
+
+    @gemm.setter
+    def gemm(self, name: str) -> None:
+        self._choose_gemm(name)
+
+    def _choose_gemm(self, name: str) -> None:
+        """`gemm_kind`: `name` resolved for the weights' device (codec.codec_gemm: "auto", the row line, the
+        Triton kernels there or not); the weights split again for it where presplit_weights was called."""
+        self.gemm_kind: Gemm = codec_gemm(name, self.decoder.layers[-1].weight.device)
+        self._gemm = name
+        if self.keep_presplit:
+            self._build_presplit()
+
     def _require_fp32(self) -> None:
         for name, tensor in self.named_parameters():
             if tensor.dtype != torch.float32:
@@ -132,7 +147,7 @@ class RVQCodec(nn.Module):
         if silence_codes is not None:
             codes = replace_control_codes(codes, silence_codes, self.cfg.codebook_size)
         with exact_fp32(codes.device):
-            head = self.decoder(self.dequantize(codes).transpose(1, 2), self.gemm)
+            head = self.decoder(self.dequantize(codes).transpose(1, 2), self.gemm_kind)
             return istft(head, self.cfg.n_fft, self.cfg.hop_length, by_matmul)
 
     def encode(self, wav: torch.Tensor) -> torch.Tensor:
@@ -191,7 +206,7 @@ class RVQCodec(nn.Module):
         hop = self.cfg.hop_length
         with exact_fp32(codes.device):
             latent = self.dequantize(codes[:, None, :])  # [B, 1, latent]
-            head = self.decoder.step(latent, state.convnext_history, slots, self.gemm)  # [B, 441, 18]
+            head = self.decoder.step(latent, state.convnext_history, slots, self.gemm_kind)  # [B, 441, 18]
             # the iSTFT, overlap-add with the state's tails, envelope division, before-start zeros and the
             # state update: one kernel (ops/istft_step.py; its torch reference on the CPU)
             return istft_step(head, self.step_window, self.step_inner_bins, self.step_envelope, self.step_head,
@@ -219,21 +234,21 @@ class RVQCodec(nn.Module):
     def presplit_weights(self) -> None:
         """Split every decoder GEMM weight of decode_step (ConvNeXt pwconv1/pwconv2, the upsampling layers
         in their channels-last row order, the final k=1 conv) once for the GEMM kernel that multiplies by it
-        (`split_weight`: TF32 halves for tf32x3w, scaled fp16 halves for fp16x3w) into buffers
+        (`gemm_kind.split_weight`: TF32 halves for tf32x3w, scaled fp16 halves for fp16x3w) into buffers
         (Latent2Wav.step_gemms), so the GEMMs take them as they are: for tf32x3w, without them every step
         ran split_tf32 over the ~92 M weights (0.26 ms in an H200 profile) and copied the upsampling weights
         into their row order; with them decode_step took 0.38 / 0.36 / 0.47 / 0.44 ms less at 8 / 32 / 64 /
         128 calls on the H200, bit for bit the same output (scripts/dev/bench_ops.py --only codec).
         fp16x3w has no per-step split kernel (its weight split is torch code). Bytes per weight: 2 x 4
         (tf32x3w: 700 MiB at full size) or 2 x 2 plus 4 per output channel (fp16x3w: 350 MiB), counted by
-        memory.derived_table_bytes. Built only where decode_step reads them (`presplit_used`: tf32x3w or
-        fp16x3w on CUDA, or on the CPU under TRITON_INTERPRET=1)
-        and kept current from then on: re-split in place when weights are loaded (`weights_loaded`:
-        load_state_dict, checkpoint.load_state, init_weights), rebuilt from the new weights after a cast
-        or move, or dropped where no longer read (`_apply`). VoiceChat.cast_for_inference calls it.
-        Weights written in place any other way need `weights_loaded`."""
+        memory.derived_table_bytes. Made with the GEMMs' kind again (`_choose_gemm`), then built only where
+        decode_step reads them (`gemm_kind.takes_split`: tf32x3w or fp16x3w on CUDA, or on the CPU under
+        TRITON_INTERPRET=1) and kept current from then on: re-split in place when weights are loaded
+        (`weights_loaded`: load_state_dict, checkpoint.load_state, init_weights), rebuilt from the new
+        weights after a cast or move or for a new `gemm`, or dropped where no longer read (`_apply`).
+        VoiceChat.cast_for_inference calls it. Weights written in place any other way need `weights_loaded`."""
         self.keep_presplit = True
-        self._build_presplit()
+        self._choose_gemm(self.gemm)
 
     def weights_loaded(self) -> None:
         """The weights were overwritten in place: the splits are re-made, into the same memory where the
@@ -243,17 +258,17 @@ class RVQCodec(nn.Module):
 
     @torch.no_grad()
     def _build_presplit(self) -> None:
-        """Split where `presplit_used` (into the tables already there when they fit: a captured graph keeps
-        its pointers), else drop."""
+        """Split where `gemm_kind` takes the splits (into the tables already there when they fit: a
+        captured graph keeps its pointers), else drop."""
         device = self.decoder.layers[-1].weight.device
-        build = presplit_used(self.gemm, device) and all(
+        kind = self.gemm_kind
+        build = kind.takes_split and all(
             layer.weight.dtype == torch.float32 for _, _, layer in self.decoder.step_gemms())
-        gemm = resolve_gemm(self.gemm, device)
         for holder, name, layer in self.decoder.step_gemms():
             if not build:
                 setattr(holder, name, torch.empty(0, device=device))
                 continue
-            setattr(holder, name, split_weight(gemm_weight(layer), gemm, out=getattr(holder, name)))
+            setattr(holder, name, kind.split_weight(gemm_weight(layer), out=getattr(holder, name)))
 
     def _apply(self, fn, *args, **kwargs):
         if self.keep_presplit:  # not moved or cast: made again from the moved or cast weights below
@@ -261,6 +276,5 @@ class RVQCodec(nn.Module):
                 setattr(holder, name, torch.empty(0, device=layer.weight.device))
         out = super()._apply(fn, *args, **kwargs)
         self._build_step_constants()   # a cast would leave them rounded; a move keeps the values
-        if self.keep_presplit:
-            self._build_presplit()
+        self._choose_gemm(self.gemm)     # for the new device (and the splits, where kept)
         return out

@@ -202,11 +202,12 @@ class CodecConfig:
     num_quantizers: int = 31
     codebook_size: int = 1024
     wav_to_token_ratio: int = 1764
-    # How the decoder's GEMMs (pointwise and transposed convs) run, codec.linear: "ieee" (fp32 SGEMM),
-    # "tf32x3" (3xTF32 Triton GEMM, fp32-accurate; "tf32x3w": the weight split beforehand, for decode_step
-    # once at load, RVQCodec.presplit_weights), "fp16x3w" (three fp16 products of power-of-two-scaled halves,
-    # as accurate, weights split once the same way), "bf16x3" (~1e-5 relative), or "auto": fp16x3w on CUDA
-    # (measured fastest, docs/performance.md), ieee elsewhere. Not in config.json.
+    # How the decoder's GEMMs (pointwise and transposed convs) run, resolved once at load (codec.codec_gemm,
+    # which refuses other names): "ieee" (fp32 SGEMM), "tf32x3" (3xTF32 Triton GEMM, fp32-accurate;
+    # "tf32x3w": the weight split beforehand, for decode_step once at load, RVQCodec.presplit_weights),
+    # "fp16x3w" (three fp16 products of power-of-two-scaled halves, as accurate, weights split once the same
+    # way), "bf16x3" (~1e-5 relative), or "auto": fp16x3w on CUDA (measured fastest, docs/performance.md),
+    # ieee elsewhere. Not in config.json.
     gemm: str = "auto"
 
 

@@ -160,7 +160,7 @@ def _old_decode_attention():
 # ---------------------------------------------------------------------------------------- fp32 linear
 
 def bench_fp32_linear(device, smoke, quick, sweep):
-    from nemo_duplex.models.codec import exact_fp32, linear
+    from nemo_duplex.models.codec import codec_gemm, exact_fp32
     # The codec decoder's GEMMs for N = 128 calls (one code frame each): (rows, in, out) per stage
     shapes = [("stage1 pwconv1 N=32", 32 * 9, 1536, 6144), ("stage1 pwconv2 N=32", 32 * 9, 6144, 1536),
               ("stage2 pwconv2 N=32", 32 * 63, 3072, 768), ("stage3 pwconv2 N=32", 32 * 441, 1536, 384),
@@ -182,12 +182,13 @@ def bench_fp32_linear(device, smoke, quick, sweep):
         nbytes = (m * k + n * k + m * n) * 4
         flops = 2 * m * n * k
         case = f"{name} {m}x{k}->{n}"
+        bf16x3 = codec_gemm("bf16x3", x.device)
         with exact_fp32(x.device):
             for impl, fn in (("torch F.linear fp32 (SGEMM)", lambda: fp32_linear_reference(x, w, b)),
                              ("triton tf32x3", lambda: fp32_linear_triton(x, w, b)),
                              ("triton tf32x3w (weight split first, included)",
                               lambda: fp32_linear_triton(x, w, b, precision="tf32x3w")),
-                             ("torch bf16x3 (1 cuBLAS bf16 GEMM)", lambda: linear(x, w, b, "bf16x3"))):
+                             ("torch bf16x3 (1 cuBLAS bf16 GEMM)", lambda: bf16x3(x, w, b))):
                 out = fn()
                 ms = timed(fn, smoke)
                 record("fp32_linear", case, impl, ms, nbytes, max_err(out, ref64) / scale,
@@ -268,11 +269,11 @@ def bench_codec(device, smoke, quick, sweep):
         variants += [(f"fp16x3w min_rows={r} split once", "fp16x3w", r, default_split)
                      for r in (0, 64, 256) if r != default_fp16_rows]
     for label, gemm, min_rows, split_max in variants:
-        codec.gemm = gemm
-        if label.endswith("split once"):
-            codec.presplit_weights()
         codec_module.SPLIT_GEMM_MIN_ROWS = codec_module.FP16X3_MIN_ROWS = min_rows
         fp32_linear_module.SPLIT_K_MAX = split_max
+        codec.gemm = gemm   # after the row line: the kind reads it when it is made
+        if label.endswith("split once"):
+            codec.presplit_weights()
         try:
             error = max_err(stream(), ref64)
             for n in batches:
