@@ -60,17 +60,23 @@ def mamba_step_reference(xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: to
 # ----------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _row_block(slots_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, block) over a row's WIDTH channels: the row, its slot, the block's BLOCK channel
+    offsets and their mask."""
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    return row, slot, offs, offs < WIDTH
+
+
+@triton.jit
 def _conv_step_kernel(
     xbc_ptr, state_ptr, weight_ptr, bias_ptr, slots_ptr, out_ptr,
     stride_xb, stride_ss, stride_sc, stride_ob,
     CONV_DIM: tl.constexpr, KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    block = tl.program_id(1)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    offs_c = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    row, slot, offs_c, c_mask = _row_block(slots_ptr, CONV_DIM, BLOCK_C)
     offs_k = tl.arange(0, BLOCK_K)
-    c_mask = offs_c < CONV_DIM
     hist = offs_k < KERNEL - 1  # window columns 0..K-2 come from the state, column K-1 is the new input
 
     state_row = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
@@ -103,13 +109,8 @@ def _ssm_step_kernel(
 ):
     # Program (row, block): BLOCK_R consecutive channels r = head * HEAD_DIM + p of one row, each with its
     # d_state-long state line. At full size (head_dim 80, BLOCK_R 16) a block sits inside one head.
-    row = tl.program_id(0)
-    block = tl.program_id(1)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-
-    offs_r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row, slot, offs_r, r_mask = _row_block(slots_ptr, D_INNER, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
-    r_mask = offs_r < D_INNER
     n_mask = offs_n < D_STATE
     rn_mask = r_mask[:, None] & n_mask[None, :]
     head = offs_r // HEAD_DIM
