@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from graphs.compile_cache import CompileCache, compile_counters
 from graphs.fallbacks import register_inductor_fallbacks
 from graphs.regions import install_regions
 
@@ -155,8 +156,10 @@ class StepRunner(HostStepper):
     def __init__(self, step, static: list[torch.Tensor], sink: int, frame_samples: int, device: torch.device,
                  buckets: list[int], graphs: bool | str = True, backend: str = "reduce-overhead",
                  compiler: str = "inductor", greedy_graphs: bool = False, pad_eager: bool = False,
-                 host_fields: tuple[str, ...] = (), regions_root=None, label: str = ""):
+                 host_fields: tuple[str, ...] = (), regions_root=None, label: str = "",
+                 compile_cache: CompileCache | None = None):
         self.step, self.sink, self.frame_samples = step, sink, frame_samples
+        self.compile_cache = compile_cache   # the compiled back ends' work kept between runs (capture())
         self.label = label   # what the capture log says of the step (its pipeline depth, its SM carveout)
         self.host_fields = tuple(host_fields)
         self.pad_eager = pad_eager  # eager steps padded to the buckets as the graphs are (batch invariance)
@@ -242,6 +245,9 @@ class StepRunner(HostStepper):
         """Record every bucket, largest first, on padding rows only (the sink slot)."""
         if not self.graphs:
             return
+        if self.compile_cache is not None:
+            self.compile_cache.activate()
+            before = compile_counters()
         n_in = self.frame_samples
         skips = cudagraph_skips()
         for b in sorted(self.buckets, reverse=True):
@@ -263,6 +269,11 @@ class StepRunner(HostStepper):
             if self.backend == "reduce-overhead" and self.device.type == "cuda" and cudagraph_skips() > skips:
                 raise RuntimeError(f"engine.graph_backend=reduce-overhead recorded no CUDA graph for bucket {b} "
                                    "(torch.compile skipped it; TORCH_LOGS=cudagraphs says why)")
+        if self.compile_cache is not None:
+            self.compile_cache.save()
+            counts = {k: v - before[k] for k, v in compile_counters().items()}
+            log.info("compile cache %s: %d graphs from the cache, %d compiled", self.compile_cache.directory,
+                     counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"])
 
     def _staged_inputs(self, b: int):
         """A bucket's static inputs as views of ONE device buffer, with a pinned host twin: a step then

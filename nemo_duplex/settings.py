@@ -58,6 +58,9 @@ class EngineConfig:
     capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
     graphs: Any = "auto"               # "auto" | true | false: "auto" = captured on CUDA, eager on the CPU (graphs/capture.py)
     graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)
+    # Where the compiled back ends keep torch.compile's work between runs (graphs/compile_cache.py):
+    # "auto" = outputs/compile_cache in this checkout when the back end compiles; a directory; null = off.
+    compile_cache_dir: Optional[str] = "auto"
     # Also capture each bucket for batches of greedy calls only (no sort over the vocabulary; greedy is the
     # default sampling): H200, position 1000, N=32 / 128: -1.0 / -2.8 ms per step, for twice the captures.
     greedy_graphs: bool = True

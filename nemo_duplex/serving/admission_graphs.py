@@ -12,10 +12,15 @@ captured and eager compute the same thing (tests/test_admission_graphs.py).
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from graphs.shapes import ShapeGraphs
 from nemo_duplex.serving.state import CallState
+
+log = logging.getLogger(__name__)
 
 
 def piece_sizes(largest: int) -> list[int]:
@@ -56,6 +61,7 @@ class AdmissionGraphs:
         the rows that padding rows point at, which no call reads."""
         if not self.prefills.graphs:
             return
+        started = time.perf_counter()
         device = self.state.llm_len.device
         sink = torch.full((1,), self.state.sink, dtype=torch.int64, device=device)
         start = torch.zeros(1, dtype=torch.int64, device=device)
@@ -65,6 +71,8 @@ class AdmissionGraphs:
                                   sink, start)
         k, v = self._speaker(self.model.cfg.talker.speaker)
         self.warmup_writes.capture(tuple(k.shape), sink, k, v)
+        log.info("captured the admission (prefill pieces of %s tokens, the warm-up's copy) in %.1f s",
+                 ", ".join(map(str, self.sizes)), time.perf_counter() - started)
 
     def _speaker(self, speaker: str) -> tuple[torch.Tensor, torch.Tensor]:
         if speaker not in self.speaker_kv:

@@ -7,12 +7,19 @@ and hands it to the engine (serving/engine.py `build_engine`).
 """
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
 
 from graphs.capture import StepRunner, buckets_for, resolve_graphs
+from graphs.compile_cache import CompileCache, cache_key
 from nemo_duplex.serving.admission_graphs import AdmissionGraphs
 from nemo_duplex.serving.frame_step import frame_step
 from nemo_duplex.serving.state import state_tensors
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
 
 # What the engine takes to the host after a step (StepOutput's `enc` stays on the device).
 HOST_FIELDS = ("text", "func", "top2", "user", "codes", "pcm")
@@ -83,7 +90,7 @@ class FrameStep:
 def build_runner(model, state, specials: torch.Tensor, buckets: list[int], graphs=True,
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
                  side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0,
-                 llm_sm_carveout=0) -> StepRunner:
+                 llm_sm_carveout=0, compile_cache: CompileCache | None = None) -> StepRunner:
     """A StepRunner of the frame step over `state` (the engine settings of the same names)."""
     device = state.llm_len.device
     captured = resolve_graphs(graphs, device)
@@ -97,17 +104,40 @@ def build_runner(model, state, specials: torch.Tensor, buckets: list[int], graph
     static = [t for _, t in state_tensors(state)] + [specials]
     return StepRunner(step, static, state.sink, model.cfg.samples_per_frame_in, device, buckets, graphs=graphs,
                       backend=backend, compiler=compiler, greedy_graphs=greedy_graphs, pad_eager=pad_eager,
-                      host_fields=HOST_FIELDS, regions_root=model, label=step.describe())
+                      host_fields=HOST_FIELDS, regions_root=model, label=step.describe(), compile_cache=compile_cache)
 
 
 def engine_runner(model, state, specials: torch.Tensor, cfg) -> StepRunner:
     """The runner an engine with settings `cfg` (EngineConfig) steps through: its capture buckets up to
     max_calls (only the one covering max_calls when batch_invariant, eager steps padded to it too)."""
     buckets = buckets_for(cfg.capture_buckets, cfg.max_calls)
-    return build_runner(model, state, specials, buckets[-1:] if cfg.batch_invariant else buckets,
+    buckets = buckets[-1:] if cfg.batch_invariant else buckets
+    return build_runner(model, state, specials, buckets,
                         graphs=cfg.graphs, backend=cfg.graph_backend, greedy_graphs=cfg.greedy_graphs,
                         side_stream=cfg.side_stream, pad_eager=cfg.batch_invariant, pipeline=cfg.pipeline,
-                        llm_sm_carveout=cfg.llm_sm_carveout)
+                        llm_sm_carveout=cfg.llm_sm_carveout,
+                        compile_cache=engine_compile_cache(model, state.llm_len.device, cfg, buckets))
+
+
+def engine_compile_cache(model, device: torch.device, cfg, buckets: list[int]) -> CompileCache | None:
+    """The compile cache of engine.compile_cache_dir for a runner with settings `cfg` (EngineConfig), keyed by
+    the code and by what it compiles: the back end, the buckets and their variants, the pipeline depth, the
+    model's config (dimensions, dtypes) and the device. None where nothing compiles (a directory given
+    then is named in a warning) or the setting is null."""
+    where = cfg.compile_cache_dir
+    compiles = resolve_graphs(cfg.graphs, device) and cfg.graph_backend != "cudagraph-eager"
+    if where is None:
+        return None
+    if not compiles:
+        if where != "auto":
+            log.warning("engine.compile_cache_dir=%s is unused: engine.graph_backend=%s (engine.graphs=%s) compiles "
+                        "nothing", where, cfg.graph_backend, cfg.graphs)
+        return None
+    directory = REPO / "outputs" / "compile_cache" if where == "auto" else Path(where)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    parts = dict(backend=cfg.graph_backend, buckets=tuple(buckets), greedy_graphs=cfg.greedy_graphs,
+                 pipeline=cfg.pipeline, side_stream=cfg.side_stream, model=repr(model.cfg), device=name)
+    return CompileCache(directory, cache_key(parts, [REPO / "nemo_duplex", REPO / "graphs", REPO / "ops"]))
 
 
 def admission_graphs(model, state, cfg) -> AdmissionGraphs | None:

@@ -1,0 +1,88 @@
+"""A persistent cache of torch.compile's work for the compiled back ends (engine.compile_cache_dir).
+
+Why: building one bucket of the step under `reduce-overhead` took 71-86 s on the H200, most of it
+Inductor's code generation and Triton's kernel builds (docs/performance.md, "Compiled back ends"); twenty
+buckets are half an hour before a server is ready. Both results can be kept: Inductor's FX graph cache
+and AOTAutograd's cache (keyed by the traced graph, its input shapes, the configuration and the torch
+version) and Triton's kernel cache live under a directory, and `torch.compiler.save_cache_artifacts`
+packs what a run compiled into one file that a later process, on this machine or a fresh one, loads
+before it compiles (`load_cache_artifacts`), so its compiles hit those caches instead of building.
+
+`CompileCache(directory, key)`: the directory holds `inductor/` and `triton/` (set for the whole process
+by `activate`, before the first compile) and `artifacts-<key>.bin`. The key names the code and shapes the
+artifacts were made for (`cache_key`); artifacts under another key are never loaded, and a stale entry
+under the right key can only miss (the caches check their own keys), never give a wrong kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def source_digest(roots: list[Path]) -> str:
+    """sha256 of every .py file's path and contents under `roots`: the code whose compile is cached."""
+    h = hashlib.sha256()
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(parts: dict, roots: list[Path]) -> str:
+    """16 hex digits naming the code (`roots`' sources, torch's and Triton's versions) and what is compiled
+    (`parts`: the back end, the buckets, the model's dimensions and dtypes, the device)."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    named = dict(parts, torch=torch.__version__, triton=triton_version, source=source_digest(roots))
+    return hashlib.sha256(repr(sorted(named.items())).encode()).hexdigest()[:16]
+
+
+def compile_counters() -> dict[str, int]:
+    """Inductor's FX graph cache hits and misses so far in this process."""
+    from torch._dynamo.utils import counters
+    return {k: int(counters["inductor"][k]) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+
+
+class CompileCache:
+    def __init__(self, directory: str | Path, key: str):
+        self.directory = Path(directory)
+        self.key = key
+        self.artifacts = self.directory / f"artifacts-{key}.bin"
+        self.loaded = False
+
+    def activate(self) -> None:
+        """Point Inductor's and Triton's caches at the directory (process-wide: their environment variables,
+        read at each compile) and load the artifacts saved under this key, if any. Call before compiling."""
+        import torch._functorch.config
+        import torch._inductor.config
+
+        (self.directory / "inductor").mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.directory / "inductor")
+        os.environ["TRITON_CACHE_DIR"] = str(self.directory / "triton")
+        torch._inductor.config.fx_graph_cache = True
+        torch._functorch.config.enable_autograd_cache = True
+        if self.artifacts.exists():
+            torch.compiler.load_cache_artifacts(self.artifacts.read_bytes())
+            self.loaded = True
+            log.info("compile cache: loaded %s", self.artifacts)
+
+    def save(self) -> None:
+        """Write what this process compiled (with what it loaded) to the artifacts file, atomically."""
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return
+        data, _ = saved
+        tmp = self.artifacts.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(self.artifacts)
+        log.info("compile cache: saved %s (%.1f MiB)", self.artifacts, len(data) / 2**20)

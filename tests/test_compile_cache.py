@@ -1,0 +1,79 @@
+"""The compiled back ends' persistent cache (graphs/compile_cache.py, engine.compile_cache_dir)."""
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from graphs.compile_cache import cache_key
+from nemo_duplex.serving.runner import REPO, engine_compile_cache
+from nemo_duplex.settings import EngineConfig
+
+COMPILE = textwrap.dedent("""
+    import json, sys
+    import torch
+    from graphs.compile_cache import CompileCache, compile_counters
+
+    cache = CompileCache(sys.argv[1], "k")
+    cache.activate()
+    f = torch.compile(lambda x: ((x.sin() * 2 + 1).relu() * x.cos()).sum(-1), fullgraph=True, dynamic=False)
+    y = f(torch.linspace(-3, 3, 64).view(8, 8))
+    cache.save()
+    print(json.dumps(dict(compile_counters(), loaded=cache.loaded, y=y.tolist())))
+""")
+
+
+def _compile_in_a_fresh_process(directory: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", COMPILE, str(directory)], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_artifacts_make_a_fresh_machine_skip_the_compile(tmp_path):
+    """A process compiles into an empty cache (a miss) and saves its artifacts; a second process with an
+    empty cache directory of its own but that artifacts file (a fresh machine given the file) loads it and
+    compiles nothing (hits only), with the same result."""
+    first = _compile_in_a_fresh_process(tmp_path / "a")
+    assert first["fxgraph_cache_miss"] >= 1 and first["fxgraph_cache_hit"] == 0 and not first["loaded"]
+    artifacts = tmp_path / "a" / "artifacts-k.bin"
+    assert artifacts.stat().st_size > 0
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "artifacts-k.bin").write_bytes(artifacts.read_bytes())
+    second = _compile_in_a_fresh_process(tmp_path / "b")
+    assert second["loaded"] and second["fxgraph_cache_hit"] >= 1 and second["fxgraph_cache_miss"] == 0
+    assert second["y"] == first["y"]
+
+
+def test_cache_key_names_code_and_shapes(tmp_path):
+    (tmp_path / "m.py").write_text("x = 1\n")
+    parts = dict(backend="reduce-overhead", buckets=(1, 32), model="cfg")
+    key = cache_key(parts, [tmp_path])
+    assert key == cache_key(dict(parts), [tmp_path])
+    assert key != cache_key(dict(parts, buckets=(1, 32, 128)), [tmp_path])
+    (tmp_path / "m.py").write_text("x = 2\n")
+    assert key != cache_key(parts, [tmp_path])
+
+
+def test_compile_cache_setting(tiny, caplog):
+    """auto: a cache where the back end compiles, none where it does not; a directory given where nothing
+    compiles is named in a warning; null: none."""
+    model = tiny[0]
+    cpu = torch.device("cpu")
+    compiled = EngineConfig(graphs=True, graph_backend="reduce-overhead")
+    cache = engine_compile_cache(model, cpu, compiled, [1, 8])
+    assert cache is not None and cache.directory == REPO / "outputs" / "compile_cache"
+    assert cache.key != engine_compile_cache(model, cpu, compiled, [1, 8, 16]).key
+    assert engine_compile_cache(model, cpu, EngineConfig(graphs=True, graph_backend="reduce-overhead",
+                                                         compile_cache_dir=None), [1, 8]) is None
+    with caplog.at_level(logging.WARNING):
+        assert engine_compile_cache(model, cpu, EngineConfig(), [1, 8]) is None
+        assert not caplog.records
+        assert engine_compile_cache(model, cpu, EngineConfig(compile_cache_dir="/tmp/cc"), [1, 8]) is None
+    assert "engine.compile_cache_dir=/tmp/cc is unused" in caplog.text
