@@ -165,7 +165,7 @@ def time_staged_steps(runner, slots, audio, forced, sampling: bool, iters: int, 
 @hydra.main(config_path="../conf", config_name="bench_step", version_base=None)
 def main(cfg: DictConfig) -> None:
     from graphs.capture import buckets_for
-    from nemo_duplex.serving.runner import build_runner
+    from nemo_duplex.serving.runner import build_runner, engine_compile_cache
 
     b = cfg.bench
     device = torch.device(cfg.device)
@@ -192,7 +192,8 @@ def main(cfg: DictConfig) -> None:
     buckets = buckets_for(cfg.engine.capture_buckets, max_n)
     graphs = build_runner(model, st, specials, buckets, graphs=cfg.engine.graphs, backend=cfg.engine.graph_backend,
                         greedy_graphs=cfg.engine.greedy_graphs, side_stream=cfg.engine.side_stream,
-                        pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
+                        pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout,
+                        compile_cache=engine_compile_cache(model, device, cfg.engine, buckets))
     # the benchmark's calls are greedy (SamplingParams' default): with engine.greedy_graphs the engine would
     # run them through the greedy-only graphs, so those are what is timed then
     sampling = not cfg.engine.greedy_graphs

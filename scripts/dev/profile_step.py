@@ -138,7 +138,7 @@ def print_graph_profile(prof, n: int, pos: int, top: int = 45, first_kernels: in
 def main(cfg: DictConfig) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from nemo_duplex.serving.runner import build_runner
+    from nemo_duplex.serving.runner import build_runner, engine_compile_cache
 
     device = torch.device(cfg.device)
     n_max, pos = max(cfg.bench.batch_sizes), max(cfg.bench.positions)
@@ -160,7 +160,8 @@ def main(cfg: DictConfig) -> None:
             greedy = cfg.profile.greedy
             runner = build_runner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
                                 side_stream=cfg.engine.side_stream, greedy_graphs=greedy,
-                                pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout)
+                                pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout,
+                                compile_cache=engine_compile_cache(model, device, cfg.engine, [n]))
             runner.capture()
             step = lambda: runner(slots, audio, forced, sampling=not greedy)  # noqa: E731
         else:
