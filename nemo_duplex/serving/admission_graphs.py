@@ -1,13 +1,13 @@
 """A call's admission as CUDA graphs (engine.prefill_graphs): the prompt's prefill, one graph per piece
 size, and the talker's speaker warm-up, each over the engine's state pools.
 
-Why: admission launched op by op is host-bound (a 500-token prompt: ~0.2 s of Python on the H200, for
-~20 ms of device work), and on the admission thread that host time takes the GIL from the engine thread
-and the server's event loop while 128 live calls wait for their packets (docs/performance.md, "Admission
-beside live calls"). A prompt is prefilled in pieces whose sizes are powers of two (frame_step.prompt_pieces),
-so a handful of graphs, sizes 1, 2, 4 .. engine.prefill_chunk_tokens, covers every prompt exactly: no
-padding, which a Mamba layer's state could not ignore. The warm-up's keys and values are the speaker's
-alone: computed once per speaker, copied into the slot by a graph. The eager admission runs the same pieces, so
+Why: admission launched op by op is host-bound (a 500-token prompt on the H200: 0.35-0.46 s, against 85 ms
+replayed: docs/performance.md, "Admission beside live calls"), and on the admission thread that host time
+takes the GIL from the engine thread and the server's event loop while the live calls wait for their
+packets. A prompt is prefilled in pieces whose sizes are powers of two (frame_step.prompt_pieces), so a
+handful of graphs, sizes 1, 2, 4 .. engine.prefill_chunk_tokens, covers every prompt exactly: no padding,
+which a Mamba layer's state could not ignore. The warm-up's keys and values are the speaker's alone:
+computed once per speaker, copied into the slot by a graph. The eager admission runs the same pieces, so
 captured and eager compute the same thing (tests/test_admission_graphs.py).
 """
 from __future__ import annotations
