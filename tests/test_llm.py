@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from nemo_duplex.models.config import LLMConfig, tiny_config
 from nemo_duplex.models.llm import Mamba2Mixer, NemotronH, reset_slots
+from tests.ops.support import DEVICE
 
 torch.set_grad_enabled(False)
 # kernel-path tests run on the GPU where there is one, else through TRITON_INTERPRET=1 (tests/conftest.py)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def tiny_model(seed=0):

@@ -1,6 +1,7 @@
 """What the kernel tests share."""
 import torch
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # where the kernel tests run (CPU: Triton's interpreter)
 # torch.library.opcheck's checks for an opaque custom op: its schema, its fake (shape) implementation and
 # AOT dispatch, which is what a compiled frame step relies on
 OPCHECK_TESTS = ("test_schema", "test_faketensor", "test_aot_dispatch_static")

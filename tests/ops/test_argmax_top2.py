@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from ops.argmax_top2 import argmax_top2, argmax_top2_op, argmax_top2_reference, argmax_top2_triton
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _check(x, block=None):

@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from ops.argmin_residual import argmin_residual, argmin_residual_op, argmin_residual_reference, argmin_residual_triton
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _inputs(gen, batch, codewords, width, device=DEVICE):

@@ -13,10 +13,9 @@ from ops.bounded_attention import (
     bounded_attention_triton,
     write_window,
 )
-from tests.ops.support import OPCHECK_TESTS
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 W = 70
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
 
 
 def random_inputs(t_values, num_heads, head_dim, num_slots=None, dtype=torch.float32, device="cpu", seed=0):

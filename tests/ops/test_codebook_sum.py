@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from ops.codebook_sum import codebook_sum, codebook_sum_op, codebook_sum_reference, codebook_sum_triton
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _inputs(gen, lead, books, codewords, width, device=DEVICE):

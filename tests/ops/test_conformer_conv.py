@@ -16,9 +16,8 @@ from ops.conformer_conv import (
     conformer_conv_step_reference,
     conformer_conv_step_triton,
 )
-from tests.ops.support import OPCHECK_TESTS, assert_norm_output
+from tests.ops.support import DEVICE, OPCHECK_TESTS, assert_norm_output
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
 
 

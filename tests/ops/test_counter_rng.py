@@ -5,9 +5,7 @@ import pytest
 import torch
 
 from ops.counter_rng import counter_rng_triton, normal_reference, random_bits_reference, uniform_reference
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _seeds():

@@ -12,9 +12,8 @@ from ops.decode_attention import decode_attention, decode_attention_op
 from ops.dft import basis_matmul, basis_matmul_op, irdft_basis
 from ops.fp32_linear import fp32_linear, fp32_linear_op, split_tf32
 from ops.mamba_step import mamba_step, mamba_step_op
-from tests.ops.support import OPCHECK_TESTS
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # opcheck's faketensor/aot tests; the autograd-registration test is for training ops (these are inference only)
 
 

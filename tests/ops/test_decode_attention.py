@@ -11,9 +11,9 @@ from ops.decode_attention import (
     decode_attention_triton,
     pick_num_splits,
 )
+from tests.ops.support import DEVICE
 
 # the kernel runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _make(batch, num_heads, kv_heads, head_dim, max_len, num_slots, dtype, device, gen):

@@ -12,9 +12,8 @@ from ops.dwconv_layernorm import (
     dwconv_layer_norm_reference,
     dwconv_layer_norm_triton,
 )
-from tests.ops.support import OPCHECK_TESTS
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6  # the codec's ConvNeXt LayerNorm (spec 5.2)
 
 

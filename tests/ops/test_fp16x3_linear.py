@@ -25,9 +25,7 @@ from ops.fp16x3_linear import (
     unpack_weight_split,
     weight_split_numel,
 )
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _inputs(m: int, k: int, n: int, seed: int, spread: float = 7.0):

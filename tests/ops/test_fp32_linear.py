@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.fp32_linear import fp32_linear, fp32_linear_reference, fp32_linear_triton, pick_split_k
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE
 
 
 def _relative_error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,

@@ -14,9 +14,7 @@ from ops.fp8_linear import (
     quantize_rows_triton,
     quantize_weight,
 )
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _mixed_rows(gen, m, k, dtype=torch.bfloat16):

@@ -26,9 +26,8 @@ from ops.istft_step import (
     synthesis_frames,
     window_envelope,
 )
-from tests.ops.support import OPCHECK_TESTS
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = RTOL = 1e-5
 
 

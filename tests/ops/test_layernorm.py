@@ -17,9 +17,8 @@ from ops.layernorm import (
     add_layer_norm_triton,
     layer_norm_op,
 )
-from tests.ops.support import OPCHECK_TESTS, assert_norm_output
+from tests.ops.support import DEVICE, OPCHECK_TESTS, assert_norm_output
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
 
 

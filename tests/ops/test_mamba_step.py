@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from ops.mamba_step import mamba_step, mamba_step_reference, mamba_step_triton
+from tests.ops.support import DEVICE
 
 # the kernels run on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _make(batch, num_slots, heads, head_dim, d_state, groups, kernel, dtype, state_dtype, device, gen):

@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from ops.mog_latent import mog_latent, mog_latent_op, mog_latent_reference, mog_latent_triton
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _inputs(gen, batch, hidden, predictions, rank, latent, dtype, device=DEVICE, passes=3):

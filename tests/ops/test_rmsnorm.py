@@ -12,9 +12,7 @@ from ops.rmsnorm import (
     rms_norm_reference,
     rms_norm_triton,
 )
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _float64(x, w, eps, offset, gate=None, group=None, residual=None):

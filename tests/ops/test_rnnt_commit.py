@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from ops.rnnt_commit import rnnt_commit, rnnt_commit_op, rnnt_commit_reference, rnnt_commit_triton
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _inputs(gen, batch, vocab, layers, hidden, dtype=torch.float32, device=DEVICE):

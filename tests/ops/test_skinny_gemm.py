@@ -4,8 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.skinny_gemm import MAX_ROWS, skinny_gemm_triton, skinny_linear, use_skinny
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE
 
 
 def _check_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, min_exact: float):

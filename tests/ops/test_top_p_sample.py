@@ -12,9 +12,7 @@ from ops.top_p_sample import (
     top_p_gumbel_argmax_reference,
     top_p_gumbel_argmax_triton,
 )
-from tests.ops.support import OPCHECK_TESTS
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.ops.support import DEVICE, OPCHECK_TESTS
 
 
 def _draws(gen, rows, n, scale, device=DEVICE):
