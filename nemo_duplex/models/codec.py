@@ -126,7 +126,7 @@ def codec_gemm(gemm: str, device: torch.device) -> Gemm:
     if kind == "ieee":
         return IEEE
     if kind == "bf16x3":
-        return Bf16x3Gemm(SPLIT_GEMM_MIN_ROWS)
+        return Bf16x3Gemm(SPLIT_GEMM_MIN_ROWS, cuda=device.type == "cuda")
     if kind == "fp16x3w":
         return Fp16x3Gemm(FP16X3_MIN_ROWS, triton)
     return Tf32x3Gemm(SPLIT_GEMM_MIN_ROWS, triton, presplit=kind == "tf32x3w")
@@ -243,9 +243,10 @@ class Bf16x3Gemm(SplitGemm):
     over a 3K-long reduction, [x_hi | x_lo | x_hi] . [w_hi | w_hi | w_lo], fp32 accumulation and output.
     ~1e-5 relative per product (bf16 alone: ~4e-3); tests/test_codec.py states the bounds. Off CUDA the
     same products run as an fp32 matmul of the bf16 parts (exact products, fp32 sums)."""
+    cuda: bool = False   # the weights' device is CUDA (`codec_gemm`): cuBLAS's bf16 GEMM with fp32 output
 
     def by_weight(self, x, weight, bias, gelu, residual):
-        return _epilogue(_bf16x3_linear(x, weight, bias), gelu, residual)
+        return _epilogue(_bf16x3_linear(x, weight, bias, self.cuda), gelu, residual)
 
 
 @dataclass(frozen=True)
@@ -354,11 +355,11 @@ def channels_last_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.permute(2, 1, 0).reshape(k * c_out, c_in)
 
 
-def _bf16x3_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _bf16x3_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cuda: bool) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     a = _split_bf16(x.reshape(-1, k), hi_again=True)    # [M, 3K]
     b = _split_bf16(weight, hi_again=False)             # [N, 3K]
-    if x.is_cuda:
+    if cuda:
         if bias is None:
             y = torch.mm(a, b.t(), out_dtype=torch.float32)
         else:
