@@ -21,6 +21,8 @@
 #                                             # the load sweep (both start modes, N up to 160) and the uploads run
 #   e.g. bash scripts/dev/gpu_check.sh load 420 engine.open_quiet_ms=0
 #   N_CALLS='[32,16]' UPLOAD_RUNS='[]' bash scripts/dev/gpu_check.sh load 100   # a short load run
+#   bash scripts/dev/gpu_check.sh admission       # 128 lockstep calls' lag without and with arrivals (~8 min)
+#   bash scripts/dev/gpu_check.sh compile-cache   # a reduce-overhead bucket built cold, then from its compile cache
 set -o pipefail
 source scripts/dev/gpu_env.sh
 export OUT=${OUT:-outputs/gpu_check}
@@ -67,6 +69,23 @@ elif [ "$PART" = load ]; then
     tar czf "$OUT/wandb.tgz" -C /tmp/gpu_check_load wandb 2>/dev/null
     tar czf "$OUT/calls.tgz" -C /tmp/gpu_check_load calls 2>/dev/null   # every packet's arrival, per run
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
+elif [ "$PART" = admission ]; then
+    # live lag at 128 lockstep calls without and with calls arriving (2 a second, fresh 500-token prompts)
+    timeout 560 python3 scripts/bench.py $M model/dtype=bf16 'loadtest.n_calls=[128]' 'loadtest.starts=[lockstep]' \
+        loadtest.duration_s=12 'loadtest.arrival_runs=[128]' loadtest.time_budget_s=200 "${@:2}" \
+        loadtest.out=/tmp/gpu_check_admission hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/admission.log" 2>&1
+    cp /tmp/gpu_check_admission/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
+    cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/admission.log"
+elif [ "$PART" = compile-cache ]; then
+    # one reduce-overhead bucket built twice, the second time from the first's compile cache: `capture` seconds
+    rm -rf /tmp/gpu_check_cc
+    for run in cold warm; do
+        timeout 280 python3 scripts/bench_step.py $M engine.graph_backend=reduce-overhead 'engine.capture_buckets=[32]' \
+            'bench.batch_sizes=[32]' 'bench.positions=[1000]' bench.compare_eager=false engine.greedy_graphs=false \
+            engine.compile_cache_dir=/tmp/gpu_check_cc hydra.run.dir=/tmp/gpu_check_cc_$run > "$OUT/cc_$run.log" 2>&1
+        echo "$run:"; grep -E "compile cache|^capture|^copy bandwidth|^ +32 " "$OUT/cc_$run.log"
+    done
 else
-    echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] | load [seconds] [server overrides...]" >&2; exit 2
+    echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] | load [seconds]" \
+        "[server overrides...] | admission [overrides...] | compile-cache" >&2; exit 2
 fi
