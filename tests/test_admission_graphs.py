@@ -110,3 +110,22 @@ def test_captured_admission_equals_eager_pieces_on_cuda(tiny):
     with pytest.raises(ValueError, match="captured for inputs of shape"):
         graphs.prefills(4, torch.zeros(1, 3, 8, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda"),
                         torch.zeros(1, dtype=torch.int64, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_engine_serves_the_same_with_captured_admission(tiny, example_clip):
+    """An engine with engine.prefill_graphs on gives a call with a prompt the text tokens and codes of the same
+    engine admitting eagerly (the same pieces), bit for bit: fp32 tiny model, one capture bucket."""
+    from nemo_duplex.serving.drive import clip_plans, drive
+
+    model = copy.deepcopy(tiny[0]).to("cuda")
+    kw = dict(max_calls=4, max_call_s=10.0, capture_buckets=[4], graphs=True, prefix_cache_mib=0)
+    clip = example_clip[: 1280 * 10]
+    served = {}
+    for captured in (False, True):
+        eng = build_engine(model, tiny[1], EngineConfig(**kw, prefill_graphs=captured))
+        assert (eng.admission_graphs is not None) == captured
+        served[captured] = drive(eng, clip_plans([clip, clip], prompt="Answer in three short words, please.",
+                                                 seed=2))
+    for eager, graphed in zip(served[False], served[True]):
+        assert torch.equal(eager.text_tokens, graphed.text_tokens) and torch.equal(eager.codes, graphed.codes)
