@@ -48,7 +48,7 @@ class EngineConfig:
     # tick, serving/drive.py, always does).
     admission_thread: bool = True
     # A prompt is prefilled in pieces of this many tokens, the rest in falling powers of two (0: whole;
-    # frame_step.prompt_pieces), on either path.
+    # frame_step.prompt_pieces), eager or captured alike.
     prefill_chunk_tokens: int = 256
     admission_pieces_per_tick: int = 2
     # The admission's prefill pieces and talker warm-up replayed from CUDA graphs, one per piece size

@@ -50,7 +50,9 @@ def main() -> None:
         t = time.perf_counter()
         graphs.capture()
         print(f"captured {len(graphs.prefills.keys)} prefill sizes and the warm-up in {time.perf_counter() - t:.1f} s")
-    runs = [("eager whole", 0, None), ("eager pieces", args.chunk, None)] + [("graphs", args.chunk, graphs)] * bool(graphs)
+    runs = [("eager whole", 0, None), ("eager pieces", args.chunk, None)]
+    if graphs is not None:
+        runs.append(("graphs", args.chunk, graphs))
     for label, chunk, g in runs:
         for trial in range(3):
             pieces, t = [], time.perf_counter()
