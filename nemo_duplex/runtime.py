@@ -29,10 +29,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_duplex import REPO
 from nemo_duplex.checkpoint.hub import EMBEDDED, CheckpointNotFound, CheckpointSource, resolve_checkpoint
 from nemo_duplex.models.config import ModelConfig
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINTS = REPO / "outputs" / "checkpoints"
 log = logging.getLogger("nemo_duplex")
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from graphs.compile_cache import cache_key
-from nemo_duplex.serving.runner import REPO, engine_compile_cache
+from nemo_duplex import REPO
+from nemo_duplex.serving.runner import engine_compile_cache
 from nemo_duplex.settings import EngineConfig
 
 COMPILE = textwrap.dedent("""

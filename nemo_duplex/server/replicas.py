@@ -28,10 +28,10 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
+
+from nemo_duplex import REPO
 
 log = logging.getLogger("nemo_duplex.replicas")
-REPO = Path(__file__).resolve().parents[2]
 APP_NAME = "nemo_duplex"
 REGISTRY = "nemo_duplex_registry"
 PROXY_CALLBACK = "nemo_duplex.server.replicas.proxy_middlewares"

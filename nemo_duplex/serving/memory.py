@@ -180,7 +180,7 @@ def derived_table_bytes(cfg: ModelConfig, device: str | torch.device = "cuda") -
 
 
 def codec_presplit_bytes(cfg: ModelConfig, gemm: str) -> int:
-    """The split of every weight of the codec decoder's GEMMs in decode_step (codec.split_weight): per
+    """The split of every weight of the codec decoder's GEMMs in decode_step (the GEMM kind's split_weight): per
     stage the upsampling ConvTranspose1d (C_in x C_out x rate) and num_blocks ConvNeXt blocks' pwconv1 and
     pwconv2 (4 C^2 each); then the final k=1 conv (C x (n_fft + 2)). "tf32x3w": w_hi and w_lo in fp32
     (700 MiB at full size); "fp16x3w": both in fp16 and an fp32 scale per output channel (350 MiB)."""
@@ -390,14 +390,13 @@ if __name__ == "__main__":
     # python -m nemo_duplex.serving.memory [capacity]: the table at conf/model/dtype/<name>.yaml's dtypes
     # (default bf16, the deployment)
     import sys
-    from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    from nemo_duplex.models.config import DtypeConfig, preset
+    from nemo_duplex.models.config import CONF, DtypeConfig, preset
 
     name = sys.argv[1] if len(sys.argv) > 1 else "bf16"
-    path = Path(__file__).resolve().parents[2] / "conf" / "model" / "dtype" / f"{name}.yaml"
+    path = CONF / "model" / "dtype" / f"{name}.yaml"
     if not path.is_file():
         sys.exit(f"no dtype preset {name!r} (conf/model/dtype/*.yaml)")
     dtype = DtypeConfig(**OmegaConf.to_container(OmegaConf.load(path)))

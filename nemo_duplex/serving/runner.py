@@ -14,12 +14,12 @@ import torch
 
 from graphs.capture import StepRunner, buckets_for, resolve_graphs
 from graphs.compile_cache import CompileCache, cache_key
+from nemo_duplex import REPO
 from nemo_duplex.serving.admission_graphs import AdmissionGraphs
 from nemo_duplex.serving.frame_step import frame_step
 from nemo_duplex.serving.state import state_tensors
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[2]
 
 # What the engine takes to the host after a step (StepOutput's `enc` stays on the device).
 HOST_FIELDS = ("text", "func", "top2", "user", "codes", "pcm")
