@@ -159,7 +159,7 @@ def consistency(ctx: GateContext, criteria: Criteria) -> RowResult:
         # every clip's live call and upload side by side (as many at once as the engine holds): a tick steps
         # them all for little more than one call costs on the CPU, and the batch below then reuses their slots
         pairs = [CallPlan(audio, upload=upload, seed=seed) for audio in audios for upload in (False, True)]
-        records = iter([rec for i in range(0, len(pairs), slots) for rec in drive(engine, pairs[i: i + slots])])
+        records = iter(drive(engine, pairs, at_once=slots))
         for clip, ref in zip(clips, refs):
             for name, rec in (("live", next(records)), ("upload", next(records))):
                 comparisons.append(compare(clip.name, f"streaming/engine {name} ({tag})", ref, rec.text_tokens,

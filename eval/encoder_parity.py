@@ -54,9 +54,8 @@ def encoder_parity(ctx: GateContext, criteria: Criteria) -> RowResult:
     seconds = max(a.shape[0] for a in audios) / ms.fp32.cfg.source_sample_rate
     for name, model in ctx.progress((("fp32", ms.fp32), ("bf16", ms.bf16)), "encoder_parity"):
         engine = make_engine(model, ms.tokenizer, at_once, seconds)
-        records = [rec for i in range(0, len(calls), at_once)
-                   for rec in drive(engine, [CallPlan(audios[c], chunk=chunk) for c, chunk in calls[i: i + at_once]],
-                                    record_encoder=True)]
+        records = drive(engine, [CallPlan(audios[c], chunk=chunk) for c, chunk in calls], record_encoder=True,
+                        at_once=at_once)
         for (c, chunk), rec in zip(calls, records):
             clip, yardstick, bf16_offline = clips[c], yardsticks[c], bf16_offlines[c]
             entry, frames = per_clip[clip.name], yardstick.shape[0]

@@ -67,9 +67,13 @@ class EncoderRecorder(HostStepper):
 
 
 @torch.no_grad()
-def drive(engine, plans: list[CallPlan], record_encoder: bool = False) -> list[ClipResult]:
+def drive(engine, plans: list[CallPlan], record_encoder: bool = False, at_once: int | None = None) -> list[ClipResult]:
     """Every planned call through `engine`, one tick at a time; each must end "completed" (else
-    RuntimeError naming why). `record_encoder`: also each call's encoder frames (ClipResult.encoder_out)."""
+    RuntimeError naming why). `record_encoder`: also each call's encoder frames (ClipResult.encoder_out).
+    `at_once`: the plans in groups of at most that many (an engine's slots), each group to its end in turn."""
+    if at_once is not None and len(plans) > at_once:
+        return [rec for i in range(0, len(plans), at_once)
+                for rec in drive(engine, plans[i: i + at_once], record_encoder)]
     recorder = EncoderRecorder(engine.step_runner) if record_encoder else None
     if recorder is not None:
         engine.step_runner = recorder
