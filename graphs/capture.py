@@ -20,14 +20,18 @@ Capture back ends (`engine.graph_backend`):
   kernels for the norms, the attention, the Mamba step, the RNG and the codec GEMMs.
 - "cudagraph-regions": the same hand capture, with the step's pure small-op pieces (the talker's MoG
   passes, the RNN-T symbol loop) compiled by Inductor on their own (graphs/regions.py says why it is off).
-- "reduce-overhead": `torch.compile(mode="reduce-overhead", fullgraph=True)`; Inductor fuses the
-  pointwise work and cudagraph trees record a CUDA graph per shape; the static tensors are marked as
-  static inputs (mark_static_inputs: without the mark no graph is recorded) and written in place.
+- "reduce-overhead": `torch.compile(fullgraph=True)` with mode="reduce-overhead"'s options (inductor_options);
+  Inductor fuses the pointwise work and cudagraph trees record a CUDA graph per shape; the static tensors
+  are marked as static inputs (mark_static_inputs: without the mark no graph is recorded) and written in
+  place. Once capture() has built every bucket, a call checks only the guards that tell the builds apart
+  (_run_prepared).
 - "cudagraph": `torch.compile` (default mode) for fusion, captured by hand as above.
 Why the hand capture serves: at full size on the H200, N=32 at position 1000, reduce-overhead took 22.75 ms a
 step with 3.66 ms of host work (Dynamo's guards and cudagraph trees' checks over the graph's 1,385 inputs at
 every call), against 18.18 ms and 0.74 ms for the hand capture, and 71 s to build one bucket
-(docs/performance.md, "Compiled back ends"; graphs/fallbacks.py is what made the build finish at all). The
+(docs/performance.md, "Compiled back ends"; graphs/fallbacks.py is what made the build finish at all). That
+build still copied the LLM's KV pools and the codec's histories whole at every step, and checked every
+guard at every call; neither does now, and the figures have not been measured since. The
 Triton kernels are custom ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True.
 On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
 `compiler="aot_eager"`, which the CPU graphs-vs-eager test uses to trace the same graph cheaply).
@@ -75,6 +79,21 @@ def mark_static_inputs(static: list[torch.Tensor]) -> None:
     are the same tensors for the runner's life (allocated once, written in place): static indeed."""
     for t in static:
         torch._dynamo.mark_static_address(t)
+
+
+def inductor_options(backend: str, device: torch.device) -> dict:
+    """Inductor's settings for a whole-step build: mode="reduce-overhead"'s own (cudagraph trees, on CUDA)
+    and `reorder_for_locality` off.
+
+    Why: that pass (inference graphs only, before reinplacing) moves a write into a state pool above an
+    earlier read of the pool it does not depend on: the codec's history writes went above the conv kernel
+    that reads the old history, and the reinplacing that follows must then keep the old pool, so every step
+    built each history pool anew and copied it back. tests/test_compiled_writes.py checks that every pool
+    the step writes is written in place."""
+    options = dict(torch._inductor.list_mode_options("reduce-overhead")) if (
+        backend == "reduce-overhead" and device.type == "cuda") else {}
+    options["reorder_for_locality"] = False
+    return options
 
 
 def resolve_graphs(graphs, device: torch.device) -> bool:
@@ -175,6 +194,7 @@ class StepRunner(HostStepper):
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
         self._compiled = None
+        self._prepared: set[tuple[int, bool]] = set()  # (bucket, sampling) torch.compile built in capture()
         self._cuda_graphs: dict[tuple, tuple] = {}  # (bucket, sampling) -> graph, static inputs, outputs
         self._graph_pool = None  # shared by every bucket's graph (_capture_cuda_graph)
         self._staging: dict[tuple, tuple] = {}  # per captured (bucket, sampling): pinned host twins of in/outputs
@@ -193,11 +213,11 @@ class StepRunner(HostStepper):
                                                         4 * len(self.buckets) * len(self.variants))
             mark_static_inputs(static)
             register_inductor_fallbacks()
-            mode = "reduce-overhead" if backend == "reduce-overhead" and self.device.type == "cuda" else None
             # compiler "aot_eager" traces the same graph but runs it with eager kernels: the CPU test of
             # graphs-vs-eager uses it, since Inductor's C++ build of the whole step takes minutes there
-            self._compiled = torch.compile(self._eager, mode=mode if compiler == "inductor" else None,
-                                           backend=compiler, fullgraph=True, dynamic=False)
+            options = inductor_options(backend, self.device) if compiler == "inductor" else None
+            self._compiled = torch.compile(self._eager, options=options, backend=compiler, fullgraph=True,
+                                           dynamic=False)
 
     @property
     def staged(self) -> bool:
@@ -260,6 +280,8 @@ class StepRunner(HostStepper):
                     inputs = self._padded_inputs(b, none, torch.empty(0, n_in), none)
                     for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
                         self._compiled(*inputs, sampling)
+                    if self.backend in ("reduce-overhead", "cudagraph"):   # built by torch.compile
+                        self._prepared.add((b, sampling))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.capture_seconds[b] = time.perf_counter() - t0
@@ -339,6 +361,19 @@ class StepRunner(HostStepper):
             times.append((time.perf_counter() - t0) * 1e3)
         self.replay_ms[(b, sampling)] = (times[0], times[1])
 
+    def _run_prepared(self, *inputs):
+        """A torch.compile'd step for a (bucket, variant) that capture() compiled, with Dynamo evaluating only
+        the guards that tell its builds apart (the inputs' shapes, `sampling`).
+
+        Why: before each call Dynamo checks every guard of the build: on the step's ~1,400 tensors (weights
+        and pools) that was ~1 ms of the compiled step's host time, measured on the CPU with the tiny model at
+        the full model's layer counts (docs/performance.md). The other guards cannot fail here: the weights
+        and pools are the same tensors for the runner's life (allocated once, written in place), nothing the
+        step reads from Python changes after start-up, and the runner only ever calls the step with inputs
+        padded to a bucket that capture() compiled. A call outside that set takes the guarded path."""
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self._compiled(*inputs)
+
     def variant(self, b: int, sampling: bool) -> tuple[int, bool]:
         """The captured graph for a batch in bucket b: the greedy-only one when the batch is all greedy
         and it was captured, else the general one (exact for greedy rows too)."""
@@ -369,6 +404,8 @@ class StepRunner(HostStepper):
             for buf, new in zip(static, self._padded_inputs(b, slots, audio, forced, speech, text)):
                 buf.copy_(new)
             graph.replay()
+        elif (b, sampling) in self._prepared:
+            out = self._run_prepared(*self._padded_inputs(b, slots, audio, forced, speech, text), sampling)
         else:
             out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced, speech, text),
                                                   sampling)

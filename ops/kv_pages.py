@@ -38,12 +38,28 @@ def kv_places(pages: torch.Tensor | None, page_len: int, rows: torch.Tensor,
     return page, positions % page_len
 
 
+# A custom op so that a compiled step writes the pool in place. Written in torch, the write into one layer
+# of a stacked pool (`pool = cache.k[layer]`) traces to a functional index_put on the layer and a
+# select_scatter of the whole stack, which Inductor's reinplacing does not turn back into a write in place:
+# every compiled step then rebuilt every layer's pool whole (tests/test_compiled_writes.py). A custom op
+# that declares the pool mutated is one node that Inductor reinplaces on a view as on a whole pool.
+@torch.library.custom_op("nemo_duplex::kv_write", mutates_args=("pool",))
+def kv_write_op(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor,
+                values: torch.Tensor) -> None:
+    row, offset = kv_places(pages, pool.shape[2], rows, positions)
+    pool[row, :, offset] = to_pool(values, pool.dtype)
+
+
+@kv_write_op.register_fake
+def _(pool, pages, rows, positions, values):
+    return None
+
+
 def kv_write(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor,
              values: torch.Tensor) -> None:
     """pool[row, :, position] = values for every (row, position): rows and positions broadcast to the
     leading shape of values [..., kv_heads, D]."""
-    row, offset = kv_places(pages, pool.shape[2], rows, positions)
-    pool[row, :, offset] = to_pool(values, pool.dtype)
+    kv_write_op(pool, pages, rows, positions, values)
 
 
 def kv_gather(pool: torch.Tensor, pages: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:

@@ -103,29 +103,6 @@ def _teacher_forced(st, eager_step, graph_step, chunks, check_int_state: bool):
     return worst, flips
 
 
-@pytest.fixture(scope="module")
-def slim():
-    """The tiny model with one layer of each kind where it has several (encoder 1 layer, LLM "M*-", talker
-    backbone one sliding and one full layer, MoG 1 layer, codec 1 block), two turns of each unrolled loop
-    (the RNN-T's symbols, the talker's RVQ iterations) and 4 codebooks, seeded random weights: every kind
-    of op is still in the graph Inductor compiles, at a fraction of the tiny model's (cold builds alone on
-    2 CPU cores: 237 s for the tiny model's step, 104 s for this one's)."""
-    from nemo_duplex.checkpoint.random_weights import random_model
-    from nemo_duplex.models.config import tiny_config
-
-    c = tiny_config()
-    c = dataclasses.replace(
-        c, encoder=dataclasses.replace(c.encoder, n_layers=1), llm=dataclasses.replace(c.llm, hybrid_override_pattern="M*-"),
-        rnnt=dataclasses.replace(c.rnnt, max_symbols_per_step=2),
-        talker=dataclasses.replace(c.talker, num_iter=2, num_quantizers=4,
-                                   backbone=dataclasses.replace(c.talker.backbone, num_hidden_layers=2,
-                                                                sliding_window_pattern=2),
-                                   mog=dataclasses.replace(c.talker.mog, num_layers=1)),
-        codec=dataclasses.replace(c.codec, num_blocks=1, num_quantizers=4))
-    model, tok, _ = random_model(c, "cpu", seed=0)
-    return model.cast_for_inference().eval(), tok
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_graphs_match_eager_teacher_forced(tiny, slim, example_clip, compiler):
@@ -615,3 +592,58 @@ def test_greedy_batches_use_only_what_was_captured(tiny):
         runner(slots, audio, forced, sampling=False)
         assert calls == expect
         calls.clear()
+
+
+@torch.no_grad()
+def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim):
+    """After capture(), a compiled step (reduce-overhead's path, aot_eager on the CPU) is called with Dynamo
+    evaluating only the guards between its builds (StepRunner._run_prepared). Two buckets x two variants
+    (greedy graphs), calls mixed across them: each call runs with guard evaluation skipped, nothing is
+    compiled after capture, and each gives what the eager step over the same padded rows gives from the
+    same state: the build of its own bucket and variant (calls of sampling rows through the greedy
+    variant give other tokens than through the general one, so a swapped build would show). Tolerances:
+    tokens and codes identical, floats within 1e-5 relative (aot_eager runs the same aten ops)."""
+    from torch._dynamo import eval_frame
+    from torch._dynamo.utils import counters
+
+    model, _ = slim
+    st = _admitted_state(model, 4)
+    for s in range(4):
+        st.temperature[s], st.greedy[s] = 1.5, False   # sampling rows: the two variants differ on them
+    specials = special_ids(model, torch.device("cpu"))
+    torch._dynamo.reset()
+    runner = build_runner(model, st, specials, [2, 4], graphs=True, backend="reduce-overhead",
+                          compiler="aot_eager", greedy_graphs=True)
+    compiled, skipped = runner._compiled, []
+
+    def spy(*inputs):
+        skipped.append(eval_frame._stance.skip_guard_eval_unsafe)
+        return compiled(*inputs)
+    runner._compiled = spy
+    s, a, f, *_ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
+    runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
+    runner.capture()
+    assert skipped and not any(skipped)       # capture's calls build and check everything
+    built = counters["stats"]["unique_graphs"]
+    skipped.clear()
+    g, differed = torch.Generator().manual_seed(7), 0
+    for n, sampling in ((1, True), (3, False), (2, False), (4, True), (1, False), (3, True)):
+        slots, forced = torch.arange(n), torch.full((n,), -1)
+        audio = torch.randn(n, 1280, generator=g) * 0.1
+        before = _snapshot(st)
+        padded = runner._padded_inputs(runner.bucket_for(n), slots, audio, forced)
+        other = runner._eager(*padded, not sampling)
+        _restore(st, before)
+        eager = runner._eager(*padded, sampling)
+        _restore(st, before)
+        out = runner(slots, audio, forced, sampling=sampling)
+        differed += int(not torch.equal(eager.text[:n], other.text[:n]) or not torch.equal(eager.codes[:n], other.codes[:n]))
+        for field in dataclasses.fields(out):
+            got, want = getattr(out, field.name), getattr(eager, field.name)[:n]
+            if got.is_floating_point():
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=field.name)
+            else:
+                assert torch.equal(got, want), (n, sampling, field.name)
+    assert skipped == [True] * 6
+    assert counters["stats"]["unique_graphs"] == built
+    assert differed > 0
