@@ -23,6 +23,8 @@
 #   N_CALLS='[32,16]' UPLOAD_RUNS='[]' bash scripts/dev/gpu_check.sh load 100   # a short load run
 #   bash scripts/dev/gpu_check.sh admission       # 128 lockstep calls' lag without and with arrivals (~8 min)
 #   bash scripts/dev/gpu_check.sh compile-cache   # a reduce-overhead bucket built cold, then from its compile cache
+#                                             # (each run's table row: that back end's step and host time)
+#   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end: the step compiled, captured by hand
 set -o pipefail
 source scripts/dev/gpu_env.sh
 export OUT=${OUT:-outputs/gpu_check}
@@ -85,7 +87,12 @@ elif [ "$PART" = compile-cache ]; then
             engine.compile_cache_dir=/tmp/gpu_check_cc hydra.run.dir=/tmp/gpu_check_cc_$run > "$OUT/cc_$run.log" 2>&1
         echo "$run:"; grep -E "compile cache|^capture|^copy bandwidth|^ +32 " "$OUT/cc_$run.log"
     done
+elif [ "$PART" = compiled ]; then
+    timeout 500 python3 scripts/bench_step.py $M engine.graph_backend=cudagraph 'engine.capture_buckets=[32]' \
+        'bench.batch_sizes=[32]' 'bench.positions=[1000]' bench.compare_eager=false engine.greedy_graphs=false \
+        engine.compile_cache_dir=/tmp/gpu_check_cc_cudagraph hydra.run.dir=/tmp/gpu_check_compiled > "$OUT/compiled.log" 2>&1
+    grep -E "compile cache|^capture|^ +32 " "$OUT/compiled.log" || tail -n 20 "$OUT/compiled.log"
 else
     echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] | load [seconds]" \
-        "[server overrides...] | admission [overrides...] | compile-cache" >&2; exit 2
+        "[server overrides...] | admission [overrides...] | compile-cache | compiled" >&2; exit 2
 fi
