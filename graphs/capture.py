@@ -23,21 +23,24 @@ Capture back ends (`engine.graph_backend`):
 - "reduce-overhead": `torch.compile(fullgraph=True)` with mode="reduce-overhead"'s options (inductor_options);
   Inductor fuses the pointwise work and cudagraph trees record a CUDA graph per shape; the static tensors
   are marked as static inputs (mark_static_inputs: without the mark no graph is recorded) and written in
-  place. Once capture() has built every bucket, a call checks only the guards that tell the builds apart
-  (_run_prepared).
+  place. Its inputs are the bucket's staged buffers, static too, so a step moves its inputs with one copy and
+  its host fields with one copy each, and cudagraph trees copy nothing in; once capture() has built every
+  bucket, a call checks only the guards that tell the builds apart (_run_prepared).
 - "cudagraph": `torch.compile` (default mode) for fusion, captured by hand as above.
 Why the hand capture serves: at full size on the H200, N=32 at position 1000, reduce-overhead took 22.75 ms a
 step with 3.66 ms of host work (Dynamo's guards and cudagraph trees' checks over the graph's 1,385 inputs at
 every call), against 18.18 ms and 0.74 ms for the hand capture, and 71 s to build one bucket
 (docs/performance.md, "Compiled back ends"; graphs/fallbacks.py is what made the build finish at all). That
-build still copied the LLM's KV pools and the codec's histories whole at every step, and checked every
-guard at every call; neither does now, and the figures have not been measured since. The
+build still copied the LLM's KV pools and the codec's histories whole at every step, checked every guard at
+every call, and took its inputs and outputs through ~50 torch calls a step; none does now, and the figures
+have not been measured since. The
 Triton kernels are custom ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True.
 On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
 `compiler="aot_eager"`, which the CPU graphs-vs-eager test uses to trace the same graph cheaply).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -55,6 +58,7 @@ NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
 
 
 BACKENDS = ("cudagraph-eager", "cudagraph-regions", "reduce-overhead", "cudagraph")
+COMPILED = ("reduce-overhead", "cudagraph")   # the whole step built by torch.compile
 
 
 def buckets_for(configured, max_calls: int) -> list[int]:
@@ -94,6 +98,23 @@ def inductor_options(backend: str, device: torch.device) -> dict:
         backend == "reduce-overhead" and device.type == "cuda") else {}
     options["reorder_for_locality"] = False
     return options
+
+
+def tracing_free_tensors_as_attributes(compiled):
+    """`compiled` (a torch.compile'd function) traced with Dynamo's install_free_tensors: the model's weights,
+    which the step reaches through its closure, become attributes of the traced graph instead of arguments
+    Dynamo gathers at every call (the state pools, marked static, stay arguments).
+
+    Why: the weights are ~1,200 tensors at full size; gathering them as arguments was about half of what a
+    call cost the host once the guards were skipped (_run_prepared): with the tiny widths and the full layer
+    counts on this project's CPU, 375 against 190 us a call, the graph's arguments 1,381 against 46
+    (scripts/dev/compiled_host_cost.py). AOTAutograd still lifts them as the graph's parameters, so Inductor
+    and cudagraph trees see the same inputs as before, static as parameters are."""
+    @functools.wraps(compiled)
+    def traced_with_attributes(*args):
+        with torch._dynamo.config.patch(install_free_tensors=True):
+            return compiled(*args)
+    return traced_with_attributes
 
 
 def resolve_graphs(graphs, device: torch.device) -> bool:
@@ -193,7 +214,8 @@ class StepRunner(HostStepper):
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
-        self._compiled = None
+        self._compiled = None   # the step as capture() runs it: eager, or torch.compile's (traced with settings)
+        self._built = None      # torch.compile's step itself (compiled back ends)
         self._prepared: set[tuple[int, bool]] = set()  # (bucket, sampling) torch.compile built in capture()
         self._cuda_graphs: dict[tuple, tuple] = {}  # (bucket, sampling) -> graph, static inputs, outputs
         self._graph_pool = None  # shared by every bucket's graph (_capture_cuda_graph)
@@ -216,12 +238,13 @@ class StepRunner(HostStepper):
             # compiler "aot_eager" traces the same graph but runs it with eager kernels: the CPU test of
             # graphs-vs-eager uses it, since Inductor's C++ build of the whole step takes minutes there
             options = inductor_options(backend, self.device) if compiler == "inductor" else None
-            self._compiled = torch.compile(self._eager, options=options, backend=compiler, fullgraph=True,
-                                           dynamic=False)
+            self._built = torch.compile(self._eager, options=options, backend=compiler, fullgraph=True,
+                                        dynamic=False)
+            self._compiled = tracing_free_tensors_as_attributes(self._built)
 
     @property
     def staged(self) -> bool:
-        """Captured buckets step through the staged path (step_to_host): CUDA graphs recorded by hand."""
+        """Captured or compiled buckets step through the staged path (step_to_host)."""
         return bool(self._staging)
 
     @property
@@ -275,13 +298,13 @@ class StepRunner(HostStepper):
             for sampling in self.variants:
                 if self.backend.startswith("cudagraph") and self.device.type == "cuda":
                     self._capture_cuda_graph(b, sampling)
-                else:
+                elif self.backend in COMPILED:
+                    self._prepare_compiled(b, sampling)
+                else:   # the hand capture's step on a machine without CUDA graphs: run as it is
                     none = torch.empty(0, dtype=torch.int64)
                     inputs = self._padded_inputs(b, none, torch.empty(0, n_in), none)
-                    for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
+                    for _ in range(3):
                         self._compiled(*inputs, sampling)
-                    if self.backend in ("reduce-overhead", "cudagraph"):   # built by torch.compile
-                        self._prepared.add((b, sampling))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.capture_seconds[b] = time.perf_counter() - t0
@@ -303,7 +326,7 @@ class StepRunner(HostStepper):
         n_in = self.frame_samples
         nbytes = b * n_in * 4 + 4 * b * 8
         device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
         def split(buf):
             a = buf[: b * n_in * 4].view(torch.float32).view(b, n_in)
@@ -316,6 +339,40 @@ class StepRunner(HostStepper):
         f.fill_(-1)
         host = tuple(t.numpy() for t in split(host_buf))
         return (s, a, f, ss, ts), (device_buf, host_buf, host)
+
+    def _host_outputs(self, out, packed: bool):
+        """One host buffer (pinned on CUDA) for the step's host fields in `host_fields` order, with each
+        field's numpy view into it: packed back to back as the hand capture's graph writes them (one copy
+        out), or each field 8-byte aligned with a torch view to copy it into (`packed=False`)."""
+        offsets, total = {}, 0
+        for k in self.host_fields:
+            t = getattr(out, k)
+            total = total if packed else -(-total // 8) * 8
+            offsets[k] = (total, t)
+            total += t.numel() * t.element_size()
+        host_out = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        flat, views, tensors = host_out.numpy(), {}, {}
+        for k, (offset, t) in offsets.items():
+            end = offset + t.numel() * t.element_size()
+            views[k] = flat[offset: end].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
+            if not packed:
+                tensors[k] = host_out[offset: end].view(t.dtype).view(t.shape)
+        return host_out, views, None if packed else tensors
+
+    def _prepare_compiled(self, b: int, sampling: bool) -> None:
+        """torch.compile's build of bucket b, called on the bucket's staged inputs (_staged_inputs, as the hand
+        capture's): marked static, so cudagraph trees copy nothing in and a step moves its inputs with one
+        copy; its host fields go out through one host buffer, one copy each (step_to_host). Its calls from
+        then on check only the guards between builds (_run_prepared)."""
+        if b not in self._inputs:
+            self._inputs[b] = self._staged_inputs(b)
+            mark_static_inputs(list(self._inputs[b][0]))
+        static, staging = self._inputs[b]
+        for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
+            out = self._compiled(*static, sampling)
+        self._prepared.add((b, sampling))
+        host_out, views, tensors = self._host_outputs(out, packed=False)
+        self._staging[(b, sampling)] = staging + (None, host_out, views, tensors)
 
     def _capture_cuda_graph(self, b: int, sampling: bool = True) -> None:
         if b not in self._inputs:
@@ -338,15 +395,9 @@ class StepRunner(HostStepper):
                                 for k in self.host_fields])
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
-        host_out = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
-        views, offset, flat = {}, 0, host_out.numpy()
-        for k in self.host_fields:
-            t = getattr(out, k)
-            nbytes = t.numel() * t.element_size()
-            views[k] = flat[offset: offset + nbytes].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
-            offset += nbytes
+        host_out, views, _ = self._host_outputs(out, packed=True)
         self._cuda_graphs[(b, sampling)] = (graph, *static, out)
-        self._staging[(b, sampling)] = staging + (packed, host_out, views)
+        self._staging[(b, sampling)] = staging + (packed, host_out, views, None)
         # Replay once now, on the sink rows the static inputs still hold, so that whatever a graph's first
         # launch costs (its upload to the device) is paid at start-up, not by the first calls in a bucket.
         # Measured: the first replay here takes 0.3-1.3 ms more than the second; a load run without this
@@ -365,19 +416,20 @@ class StepRunner(HostStepper):
         """A torch.compile'd step for a (bucket, variant) that capture() compiled, with Dynamo evaluating only
         the guards that tell its builds apart (the inputs' shapes, `sampling`).
 
-        Why: before each call Dynamo checks every guard of the build: on the step's ~1,400 tensors (weights
-        and pools) that was ~1 ms of the compiled step's host time, measured on the CPU with the tiny model at
-        the full model's layer counts (docs/performance.md). The other guards cannot fail here: the weights
+        Why: before each call Dynamo checks every guard of the build, on the step's weights and pools: with
+        the tiny widths at the full layer counts, on this project's CPU, 757 us a call against 190 with only
+        the guards between builds (scripts/dev/compiled_host_cost.py; docs/performance.md). The other guards cannot fail here: the weights
         and pools are the same tensors for the runner's life (allocated once, written in place), nothing the
         step reads from Python changes after start-up, and the runner only ever calls the step with inputs
         padded to a bucket that capture() compiled. A call outside that set takes the guarded path."""
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self._compiled(*inputs)
+            return self._built(*inputs)   # built: no tracing, so no tracing settings to set
 
     def variant(self, b: int, sampling: bool) -> tuple[int, bool]:
         """The captured graph for a batch in bucket b: the greedy-only one when the batch is all greedy
         and it was captured, else the general one (exact for greedy rows too)."""
-        return (b, False) if not sampling and (b, False) in self._cuda_graphs else (b, True)
+        greedy = (b, False) in self._cuda_graphs or (b, False) in self._prepared
+        return (b, False) if not sampling and greedy else (b, True)
 
     @torch.no_grad()
     def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
@@ -404,8 +456,11 @@ class StepRunner(HostStepper):
             for buf, new in zip(static, self._padded_inputs(b, slots, audio, forced, speech, text)):
                 buf.copy_(new)
             graph.replay()
-        elif (b, sampling) in self._prepared:
-            out = self._run_prepared(*self._padded_inputs(b, slots, audio, forced, speech, text), sampling)
+        elif key in self._prepared:
+            static = self._inputs[b][0]
+            for buf, new in zip(static, self._padded_inputs(b, slots, audio, forced, speech, text)):
+                buf.copy_(new)
+            out = self._run_prepared(*static, key[1])
         else:
             out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced, speech, text),
                                                   sampling)
@@ -437,8 +492,7 @@ class StepRunner(HostStepper):
 
 
     def _staged(self, key: tuple[int, bool], slots, audio, forced, speech, text, events=None) -> HostStep:
-        graph = self._cuda_graphs[key][0]
-        device_in, host_in, (s, a, f, ss, ts), packed, host_out, views = self._staging[key]
+        device_in, host_in, (s, a, f, ss, ts), packed, host_out, views, field_out = self._staging[key]
         b = key[0]
         n = len(slots)
         s[:n], s[n:] = slots, self.sink   # padding rows: the sink on every half, silence, nothing forced
@@ -449,11 +503,17 @@ class StepRunner(HostStepper):
         if events is not None:
             events[0].record()
         device_in.copy_(host_in, non_blocking=True)
-        graph.replay()
-        host_out.copy_(packed, non_blocking=True)
+        if packed is not None:   # captured by hand: the graph packed the host fields
+            self._cuda_graphs[key][0].replay()
+            host_out.copy_(packed, non_blocking=True)
+        else:                    # torch.compile's build
+            out = self._run_prepared(*self._inputs[b][0], key[1])
+            for k, t in field_out.items():
+                t.copy_(getattr(out, k), non_blocking=True)
         if events is not None:
             events[1].record()
         launched = time.perf_counter()
-        torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         # copies: the pinned buffers are overwritten by the bucket's next step
         return HostStep({k: views[k][:n].copy() for k in self.host_fields}, launched, b)
