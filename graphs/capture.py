@@ -40,7 +40,6 @@ On a CPU there are no graphs: the compiled back ends still compile (Inductor's C
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -49,6 +48,12 @@ import numpy as np
 import torch
 
 from graphs.compile_cache import CompileCache, compile_counters
+from graphs.compiled import (
+    cudagraph_skips,
+    inductor_options,
+    mark_static_inputs,
+    tracing_free_tensors_as_attributes,
+)
 from graphs.fallbacks import register_inductor_fallbacks
 from graphs.regions import install_regions
 
@@ -70,65 +75,11 @@ def buckets_for(configured, max_calls: int) -> list[int]:
     return below + [next((b for b in sizes if b >= max_calls), max_calls)]
 
 
-def mark_static_inputs(static: list[torch.Tensor]) -> None:
-    """Mark every tensor the step reads or writes outside its arguments (the state pools, the special-token
-    ids) as a static address for torch.compile.
-
-    Why: the step reaches them through its closure, so Dynamo lifts each one into a graph input, and
-    cudagraph trees (reduce-overhead) treat a graph input that is neither a parameter, a buffer nor
-    marked static as one to copy into the graph's own memory at every replay, and refuse to record a
-    graph for a function that writes one in place (torch/_inductor/cudagraph_utils.py,
-    `check_for_mutation`: "skipping cudagraphs due to mutated inputs"). The step writes every pool, so
-    without the mark torch.compile records no graph for it (on the H200: tests/test_graphs.py). The pools
-    are the same tensors for the runner's life (allocated once, written in place): static indeed."""
-    for t in static:
-        torch._dynamo.mark_static_address(t)
-
-
-def inductor_options(backend: str, device: torch.device) -> dict:
-    """Inductor's settings for a whole-step build: mode="reduce-overhead"'s own (cudagraph trees, on CUDA)
-    and `reorder_for_locality` off.
-
-    Why: that pass (inference graphs only, before reinplacing) moves a write into a state pool above an
-    earlier read of the pool it does not depend on: the codec's history writes went above the conv kernel
-    that reads the old history, and the reinplacing that follows must then keep the old pool, so every step
-    built each history pool anew and copied it back. tests/test_compiled_writes.py checks that every pool
-    the step writes is written in place."""
-    options = dict(torch._inductor.list_mode_options("reduce-overhead")) if (
-        backend == "reduce-overhead" and device.type == "cuda") else {}
-    options["reorder_for_locality"] = False
-    return options
-
-
-def tracing_free_tensors_as_attributes(compiled):
-    """`compiled` (a torch.compile'd function) traced with Dynamo's install_free_tensors: the model's weights,
-    which the step reaches through its closure, become attributes of the traced graph instead of arguments
-    Dynamo gathers at every call (the state pools, marked static, stay arguments).
-
-    Why: the weights are ~1,200 tensors at full size; gathering them as arguments was about half of what a
-    call cost the host once the guards were skipped (_run_prepared): with the tiny widths and the full layer
-    counts on this project's CPU, 375 against 190 us a call, the graph's arguments 1,381 against 46
-    (scripts/dev/compiled_host_cost.py). AOTAutograd still lifts them as the graph's parameters, so Inductor
-    and cudagraph trees see the same inputs as before, static as parameters are."""
-    @functools.wraps(compiled)
-    def traced_with_attributes(*args):
-        with torch._dynamo.config.patch(install_free_tensors=True):
-            return compiled(*args)
-    return traced_with_attributes
-
-
 def resolve_graphs(graphs, device: torch.device) -> bool:
     """engine.graphs: "auto" = captured on CUDA (the serving path), eager on the CPU (no graphs there)."""
     if graphs not in ("auto", True, False):
         raise ValueError(f"engine.graphs must be auto, true or false, got {graphs!r}")
     return device.type == "cuda" if graphs == "auto" else bool(graphs)
-
-
-def cudagraph_skips() -> int:
-    """Inductor's count of compiled functions that reduce-overhead ran without a CUDA graph (each skip
-    is logged with its reason under TORCH_LOGS=cudagraphs)."""
-    from torch._dynamo.utils import counters
-    return int(counters["inductor"]["cudagraph_skips"])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -418,10 +369,11 @@ class StepRunner(HostStepper):
 
         Why: before each call Dynamo checks every guard of the build, on the step's weights and pools: with
         the tiny widths at the full layer counts, on this project's CPU, 757 us a call against 190 with only
-        the guards between builds (scripts/dev/compiled_host_cost.py; docs/performance.md). The other guards cannot fail here: the weights
-        and pools are the same tensors for the runner's life (allocated once, written in place), nothing the
-        step reads from Python changes after start-up, and the runner only ever calls the step with inputs
-        padded to a bucket that capture() compiled. A call outside that set takes the guarded path."""
+        the guards between builds (scripts/dev/compiled_host_cost.py; docs/performance.md). The other guards
+        cannot fail here: the weights and pools are the same tensors for the runner's life (allocated once,
+        written in place), nothing the step reads from Python changes after start-up, and the runner only
+        ever calls the step with inputs padded to a bucket that capture() compiled. A call outside that set
+        takes the guarded path."""
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self._built(*inputs)   # built: no tracing, so no tracing settings to set
 

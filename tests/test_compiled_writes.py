@@ -7,20 +7,21 @@ copy into a copy of the pool onto itself, which it drops. Where reinplacing fail
 new pool, built and copied back at every step: a cost that grows with the pools (every call's whole KV), not
 with the step. This test runs what Inductor runs before its code generation (AOTAutograd with Inductor's
 decompositions, then its post-grad passes, reinplacing included, under the runner's Inductor options) on
-the slim model's step (every kind of pool the tiny one has; tests/conftest.py), with the graph the GPU traces (the ops' custom ops, the LLM's kernel path), and reads
-the epilogue: every copy back into a pool must be the pool itself.
+the slim model's step (every kind of pool the tiny one has; tests/conftest.py), with the graph the GPU
+traces (the ops' custom ops, the LLM's kernel path), and reads the epilogue: every copy back into a pool
+must be the pool itself.
 
 Two such copies were found this way: the LLM's KV write into one layer of its stacked pools (a functional
 index_put and a select_scatter of the whole stack; now the custom op nemo_duplex::kv_write) and the codec's
 history writes, which Inductor's reorder_for_locality moved above the conv kernel's read of the old history
-(graphs/capture.py inductor_options). The second test shows the check finding the latter with the pass on.
+(graphs/compiled.py inductor_options). The second test shows the check finding the latter with the pass on.
 """
 from collections import Counter
 
 import pytest
 import torch
 
-from graphs.capture import inductor_options
+from graphs.compiled import inductor_options
 from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving.frame_step import admit, special_ids
 from nemo_duplex.serving.pages import whole_call_state

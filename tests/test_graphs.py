@@ -605,9 +605,10 @@ def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim):
     (greedy graphs), calls mixed across them, through `runner(...)` and through the staged path the engine
     takes (step_to_host: the bucket's staged buffers in, one host buffer out): each call runs with guard
     evaluation skipped, nothing is compiled after capture, and each gives what the eager step over the
-    same padded rows gives from the same state: the build of its own bucket and variant (calls of sampling rows through the greedy
-    variant give other tokens than through the general one, so a swapped build would show). Tolerances:
-    tokens and codes identical, floats within 1e-5 relative (aot_eager runs the same aten ops)."""
+    same padded rows gives from the same state: the build of its own bucket and variant (calls of sampling
+    rows through the greedy variant give other tokens than through the general one, so a swapped build
+    would show). Tolerances: tokens and codes identical, floats within 1e-5 relative (aot_eager runs the
+    same aten ops)."""
     from torch._dynamo import eval_frame
     from torch._dynamo.utils import counters
 
@@ -646,7 +647,8 @@ def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim):
         out = runner(slots, audio, forced, sampling=sampling)
         _restore(st, before)
         host = runner.step_to_host(slots.numpy(), audio.numpy(), forced.numpy(), sampling=sampling)
-        differed += int(not torch.equal(eager.text[:n], other.text[:n]) or not torch.equal(eager.codes[:n], other.codes[:n]))
+        differed += int(not torch.equal(eager.text[:n], other.text[:n])
+                        or not torch.equal(eager.codes[:n], other.codes[:n]))
         assert host.padded_rows == runner.bucket_for(n)
         for field in dataclasses.fields(out):
             got, want = getattr(out, field.name), getattr(eager, field.name)[:n]

@@ -1,10 +1,10 @@
 """What a torch.compile'd frame step costs the host per call before any kernel runs: Dynamo's guards and
-the calling of the build with its inputs, with every guard evaluated and with only those that tell the
-builds apart (graphs/capture.py StepRunner._run_prepared), and with the weights and pools traced as graph
-attributes (as the runner does) or as arguments (`--free-tensors-as-arguments`). The build is traced as Inductor's would be
-(AOTAutograd, input mutations kept in the graph) but its forward only returns the outputs of its first run,
-so the time measured is the host's alone. Runs on the CPU: the model has the tiny widths and the full
-model's layer counts (the step's tensor inputs are as many as at full size, ~1,400), so the guards are
+the calling of the build with its inputs; with every guard evaluated and with only those that tell the
+builds apart (graphs/capture.py StepRunner._run_prepared); with the weights traced as graph attributes (as
+the runner does) or as arguments (`--free-tensors-as-arguments`). The build is traced as Inductor's would
+be (AOTAutograd, input mutations kept in the graph) but its forward only returns the outputs of its first
+run, so the time measured is the host's alone. Runs on the CPU: the model has the tiny widths and the full
+model's layer counts (the step's weights and pools are as many tensors as at full size), so the guards are
 those of the full model.
 
     python scripts/dev/compiled_host_cost.py [--calls 300] [--layers tiny] [--free-tensors-as-arguments]
@@ -70,7 +70,8 @@ def median_us(fn, calls: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--layers", choices=["full", "tiny"], default="full", help="the release model's layer counts or the tiny one's")
+    ap.add_argument("--layers", choices=["full", "tiny"], default="full",
+                    help="the release model's layer counts or the tiny one's")
     ap.add_argument("--free-tensors-as-arguments", action="store_true",
                     help="trace the weights and pools as arguments, not graph attributes (StepRunner's earlier build)")
     args = ap.parse_args()
