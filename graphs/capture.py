@@ -363,6 +363,7 @@ class StepRunner(HostStepper):
             times.append((time.perf_counter() - t0) * 1e3)
         self.replay_ms[(b, sampling)] = (times[0], times[1])
 
+    @torch.no_grad()   # as built in capture(): grad mode is one of the guards no longer evaluated
     def _run_prepared(self, *inputs):
         """A torch.compile'd step for a (bucket, variant) that capture() compiled, with Dynamo evaluating only
         the guards that tell its builds apart (the inputs' shapes, `sampling`).
