@@ -6,8 +6,11 @@ docs/performance.md ("Compiled back ends") has the measurements behind each.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def mark_static_inputs(static: list[torch.Tensor]) -> None:
@@ -51,6 +54,11 @@ def tracing_free_tensors_as_attributes(compiled):
     counts on this project's CPU, 375 against 190 us a call, the graph's arguments 1,381 against 46
     (scripts/dev/compiled_host_cost.py). AOTAutograd still lifts them as the graph's parameters, so Inductor
     and cudagraph trees see the same inputs as before, static as parameters are."""
+    if not hasattr(torch._dynamo.config, "install_free_tensors"):   # a torch without it: weights as arguments
+        log.warning("this torch has no torch._dynamo.config.install_free_tensors: the compiled step takes its "
+                    "weights as arguments (more host time per call)")
+        return compiled
+
     @functools.wraps(compiled)
     def traced_with_attributes(*args):
         with torch._dynamo.config.patch(install_free_tensors=True):
