@@ -148,7 +148,7 @@ class StepRunner(HostStepper):
                  buckets: list[int], graphs: bool | str = True, backend: str = "reduce-overhead",
                  compiler: str = "inductor", greedy_graphs: bool = False, pad_eager: bool = False,
                  host_fields: tuple[str, ...] = (), regions_root=None, label: str = "",
-                 compile_cache: CompileCache | None = None):
+                 compile_cache: CompileCache | None = None, dynamic_batch: bool = False):
         self.step, self.sink, self.frame_samples = step, sink, frame_samples
         self.compile_cache = compile_cache   # the compiled back ends' work kept between runs (capture())
         self.label = label   # what the capture log says of the step (its pipeline depth, its SM carveout)
@@ -165,6 +165,10 @@ class StepRunner(HostStepper):
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
+        self.dynamic_batch = dynamic_batch and self.graphs and backend in COMPILED   # _bucket_inputs
+        if dynamic_batch and not self.dynamic_batch:
+            log.warning("engine.compile_dynamic_batch=true is unused: engine.graph_backend=%s (engine.graphs=%s) "
+                        "builds nothing with torch.compile", backend, graphs)
         self._compiled = None   # the step as capture() runs it: eager, or torch.compile's (traced with settings)
         self._built = None      # torch.compile's step itself (compiled back ends)
         self._prepared: set[tuple[int, bool]] = set()  # (bucket, sampling) torch.compile built in capture()
@@ -190,7 +194,7 @@ class StepRunner(HostStepper):
             # graphs-vs-eager uses it, since Inductor's C++ build of the whole step takes minutes there
             options = inductor_options(backend, self.device) if compiler == "inductor" else None
             self._built = torch.compile(self._eager, options=options, backend=compiler, fullgraph=True,
-                                        dynamic=False)
+                                        dynamic=None if self.dynamic_batch else False)
             self._compiled = tracing_free_tensors_as_attributes(self._built)
 
     @property
@@ -315,20 +319,29 @@ class StepRunner(HostStepper):
         capture's): marked static, so cudagraph trees copy nothing in and a step moves its inputs with one
         copy; its host fields go out through one host buffer, one copy each (step_to_host). Its calls from
         then on check only the guards between builds (_run_prepared)."""
-        if b not in self._inputs:
-            self._inputs[b] = self._staged_inputs(b)
-            mark_static_inputs(list(self._inputs[b][0]))
-        static, staging = self._inputs[b]
+        static, staging = self._bucket_inputs(b)
         for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
             out = self._compiled(*static, sampling)
         self._prepared.add((b, sampling))
         host_out, views, tensors = self._host_outputs(out, packed=False)
         self._staging[(b, sampling)] = staging + (None, host_out, views, tensors)
 
-    def _capture_cuda_graph(self, b: int, sampling: bool = True) -> None:
+    def _bucket_inputs(self, b: int):
+        """Bucket b's staged inputs (_staged_inputs), made once and shared by its variants. For a torch.compile
+        build: marked static (mark_static_inputs), and with engine.compile_dynamic_batch their batch
+        dimension marked dynamic, so that the first build (the largest bucket's) already serves the others:
+        built static first, the second bucket would make a dynamic build that Dynamo may then pick for the
+        first bucket too at a call that skips the guards between builds, and record a CUDA graph then."""
         if b not in self._inputs:
             self._inputs[b] = self._staged_inputs(b)
-        static, staging = self._inputs[b]
+            if self._built is not None:
+                mark_static_inputs(list(self._inputs[b][0]))
+                for t in self._inputs[b][0] if self.dynamic_batch else ():
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self._inputs[b]
+
+    def _capture_cuda_graph(self, b: int, sampling: bool = True) -> None:
+        static, staging = self._bucket_inputs(b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -193,6 +193,7 @@ def main(cfg: DictConfig) -> None:
     graphs = build_runner(model, st, specials, buckets, graphs=cfg.engine.graphs, backend=cfg.engine.graph_backend,
                         greedy_graphs=cfg.engine.greedy_graphs, side_stream=cfg.engine.side_stream,
                         pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout,
+                        dynamic_batch=cfg.engine.compile_dynamic_batch,
                         compile_cache=engine_compile_cache(model, device, cfg.engine, buckets))
     # the benchmark's calls are greedy (SamplingParams' default): with engine.greedy_graphs the engine would
     # run them through the greedy-only graphs, so those are what is timed then

@@ -90,7 +90,8 @@ class FrameStep:
 def build_runner(model, state, specials: torch.Tensor, buckets: list[int], graphs=True,
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
                  side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0,
-                 llm_sm_carveout=0, compile_cache: CompileCache | None = None) -> StepRunner:
+                 llm_sm_carveout=0, compile_cache: CompileCache | None = None,
+                 dynamic_batch: bool = False) -> StepRunner:
     """A StepRunner of the frame step over `state` (the engine settings of the same names)."""
     device = state.llm_len.device
     captured = resolve_graphs(graphs, device)
@@ -104,7 +105,8 @@ def build_runner(model, state, specials: torch.Tensor, buckets: list[int], graph
     static = [t for _, t in state_tensors(state)] + [specials]
     return StepRunner(step, static, state.sink, model.cfg.samples_per_frame_in, device, buckets, graphs=graphs,
                       backend=backend, compiler=compiler, greedy_graphs=greedy_graphs, pad_eager=pad_eager,
-                      host_fields=HOST_FIELDS, regions_root=model, label=step.describe(), compile_cache=compile_cache)
+                      host_fields=HOST_FIELDS, regions_root=model, label=step.describe(), compile_cache=compile_cache,
+                      dynamic_batch=dynamic_batch)
 
 
 def engine_runner(model, state, specials: torch.Tensor, cfg) -> StepRunner:
@@ -115,7 +117,7 @@ def engine_runner(model, state, specials: torch.Tensor, cfg) -> StepRunner:
     return build_runner(model, state, specials, buckets,
                         graphs=cfg.graphs, backend=cfg.graph_backend, greedy_graphs=cfg.greedy_graphs,
                         side_stream=cfg.side_stream, pad_eager=cfg.batch_invariant, pipeline=cfg.pipeline,
-                        llm_sm_carveout=cfg.llm_sm_carveout,
+                        llm_sm_carveout=cfg.llm_sm_carveout, dynamic_batch=cfg.compile_dynamic_batch,
                         compile_cache=engine_compile_cache(model, state.llm_len.device, cfg, buckets))
 
 
@@ -136,6 +138,7 @@ def engine_compile_cache(model, device: torch.device, cfg, buckets: list[int]) -
     directory = REPO / "outputs" / "compile_cache" if where == "auto" else Path(where)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     parts = dict(backend=cfg.graph_backend, buckets=tuple(buckets), greedy_graphs=cfg.greedy_graphs,
+                 dynamic_batch=cfg.compile_dynamic_batch,
                  pipeline=cfg.pipeline, side_stream=cfg.side_stream, model=repr(model.cfg), device=name)
     return CompileCache(directory, cache_key(parts, [REPO / "nemo_duplex", REPO / "graphs", REPO / "ops"]))
 

@@ -24,7 +24,8 @@
 #   bash scripts/dev/gpu_check.sh admission       # 128 lockstep calls' lag without and with arrivals (~8 min)
 #   bash scripts/dev/gpu_check.sh compile-cache   # a reduce-overhead bucket built cold, then from its compile cache
 #                                             # (each run's table row: that back end's step and host time)
-#   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end: the step compiled, captured by hand
+#   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end (compiled, captured by hand), then
+#                                             # reduce-overhead with engine.compile_dynamic_batch (3 buckets, one build)
 set -o pipefail
 source scripts/dev/gpu_env.sh
 export OUT=${OUT:-outputs/gpu_check}
@@ -88,10 +89,16 @@ elif [ "$PART" = compile-cache ]; then
         echo "$run:"; grep -E "compile cache|^capture|^copy bandwidth|^ +32 " "$OUT/cc_$run.log"
     done
 elif [ "$PART" = compiled ]; then
-    timeout 500 python3 scripts/bench_step.py $M engine.graph_backend=cudagraph 'engine.capture_buckets=[32]' \
+    timeout 250 python3 scripts/bench_step.py $M engine.graph_backend=cudagraph 'engine.capture_buckets=[32]' \
         'bench.batch_sizes=[32]' 'bench.positions=[1000]' bench.compare_eager=false engine.greedy_graphs=false \
         engine.compile_cache_dir=/tmp/gpu_check_cc_cudagraph hydra.run.dir=/tmp/gpu_check_compiled > "$OUT/compiled.log" 2>&1
     grep -E "compile cache|^capture|^ +32 " "$OUT/compiled.log" || tail -n 20 "$OUT/compiled.log"
+    # reduce-overhead with one build for buckets 8, 16 and 32 (engine.compile_dynamic_batch)
+    timeout 290 python3 scripts/bench_step.py $M engine.graph_backend=reduce-overhead engine.compile_dynamic_batch=true \
+        'engine.capture_buckets=[8,16,32]' 'bench.batch_sizes=[8,32]' 'bench.positions=[1000]' bench.compare_eager=false \
+        engine.greedy_graphs=false engine.compile_cache_dir=/tmp/gpu_check_cc_dynamic hydra.run.dir=/tmp/gpu_check_dynamic \
+        > "$OUT/dynamic.log" 2>&1
+    grep -E "compile cache|captured bucket|^capture|^ +(8|32) " "$OUT/dynamic.log" || tail -n 20 "$OUT/dynamic.log"
 else
     echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] | load [seconds]" \
         "[server overrides...] | admission [overrides...] | compile-cache | compiled" >&2; exit 2

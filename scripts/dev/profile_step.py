@@ -161,6 +161,7 @@ def main(cfg: DictConfig) -> None:
             runner = build_runner(model, st, specials, [n], graphs=True, backend=cfg.engine.graph_backend,
                                 side_stream=cfg.engine.side_stream, greedy_graphs=greedy,
                                 pipeline=cfg.engine.pipeline, llm_sm_carveout=cfg.engine.llm_sm_carveout,
+                                dynamic_batch=cfg.engine.compile_dynamic_batch,
                                 compile_cache=engine_compile_cache(model, device, cfg.engine, [n]))
             runner.capture()
             step = lambda: runner(slots, audio, forced, sampling=not greedy)  # noqa: E731
