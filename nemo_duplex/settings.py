@@ -62,8 +62,9 @@ class EngineConfig:
     # "auto" = outputs/compile_cache in this checkout when the back end compiles; a directory; null = off.
     compile_cache_dir: Optional[str] = "auto"
     # The compiled back ends build the step with a dynamic batch dimension: one build serves every bucket
-    # but 1 (and any a branch on the batch size sets apart), not one build per bucket and variant; each bucket
-    # still records its own CUDA graph. For start-up time (graphs/capture.py); its step is not measured yet.
+    # except 1 (and any that a branch on the batch size sets apart), not one build per bucket and variant;
+    # each bucket still records its own CUDA graph. For start-up time (graphs/capture.py); its step time is
+    # not measured yet.
     compile_dynamic_batch: bool = False
     # Also capture each bucket for batches of greedy calls only (no sort over the vocabulary; greedy is the
     # default sampling): H200, position 1000, N=32 / 128: -1.0 / -2.8 ms per step, for twice the captures.

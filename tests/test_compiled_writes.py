@@ -11,10 +11,11 @@ the slim model's step (every kind of pool the tiny one has; tests/conftest.py), 
 traces (the ops' custom ops, the LLM's kernel path), and reads the epilogue: every copy back into a pool
 must be the pool itself.
 
-Two such copies were found this way: the LLM's KV write into one layer of its stacked pools (a functional
-index_put and a select_scatter of the whole stack; now the custom op nemo_duplex::kv_write) and the codec's
-history writes, which Inductor's reorder_for_locality moved above the conv kernel's read of the old history
-(graphs/compiled.py inductor_options). The second test shows the check finding the latter with the pass on.
+Two writes are kept in place by design: the LLM's KV write into one layer of its stacked pools (in torch, a
+functional index_put and a select_scatter of the whole stack; hence the custom op nemo_duplex::kv_write) and
+the codec's history writes, which Inductor's reorder_for_locality would move above the conv kernel's read of
+the old history (off: graphs/compiled.py inductor_options). The second test shows the check finding the
+latter with the pass on.
 """
 from collections import Counter
 
