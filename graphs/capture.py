@@ -387,9 +387,19 @@ class StepRunner(HostStepper):
         cannot fail here: the weights and pools are the same tensors for the runner's life (allocated once,
         written in place), nothing the step reads from Python changes after start-up, and the runner only
         ever calls the step with inputs padded to a bucket that capture() compiled. A call outside that set
-        takes the guarded path."""
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self._built(*inputs)   # built: no tracing, so no tracing settings to set
+        takes the guarded path, as does one that Dynamo refuses for torch settings changed since."""
+        try:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._built(*inputs)   # built: no tracing, so no tracing settings to set
+        except RuntimeError as e:
+            # Dynamo still checks torch's global settings (deterministic algorithms, ...) and refuses, before
+            # running anything, a call made under others than the builds': such a call takes every guard
+            # and builds what it needs, slower once, and serving goes on
+            if "skip_guard_eval_unsafe" not in str(e):
+                raise
+            log.warning("a compiled step was called under torch settings its builds were not made under "
+                        "(changed since capture()); this call evaluates every guard and may compile")
+            return self._compiled(*inputs)
 
     def variant(self, b: int, sampling: bool) -> tuple[int, bool]:
         """The captured graph for a batch in bucket b: the greedy-only one when the batch is all greedy

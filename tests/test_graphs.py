@@ -599,7 +599,7 @@ def test_greedy_batches_use_only_what_was_captured(tiny):
 
 
 @torch.no_grad()
-def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim):
+def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim, caplog):
     """After capture(), a compiled step (reduce-overhead's path, aot_eager on the CPU) is called with Dynamo
     evaluating only the guards between its builds (StepRunner._run_prepared). Two buckets x two variants
     (greedy graphs), calls mixed across them, through `runner(...)` and through the staged path the engine
@@ -608,7 +608,8 @@ def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim):
     same padded rows gives from the same state: the build of its own bucket and variant (calls of sampling
     rows through the greedy variant give other tokens than through the general one, so a swapped build
     would show). Tolerances: tokens and codes identical, floats within 1e-5 relative (aot_eager runs the
-    same aten ops)."""
+    same aten ops). A call under torch settings the builds were not made under (deterministic algorithms)
+    takes every guard instead, with a warning, and gives the same outputs."""
     from torch._dynamo import eval_frame
     from torch._dynamo.utils import counters
 
@@ -664,6 +665,21 @@ def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim):
     assert runner.staged and skipped["serve"] == [True] * 12
     assert counters["stats"]["unique_graphs"] == built
     assert differed > 0
+    # under torch settings the builds were not made under, a call is refused without the guards: it then
+    # takes them all, builds what it needs and gives the eager step's outputs, with a warning
+    slots, forced, audio = torch.arange(3), torch.full((3,), -1), torch.randn(3, 1280, generator=g) * 0.1
+    before = _snapshot(st)
+    eager = runner._eager(*runner._padded_inputs(4, slots, audio, forced), True)
+    _restore(st, before)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with caplog.at_level("WARNING"):
+            host = runner.step_to_host(slots.numpy(), audio.numpy(), forced.numpy())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert "called under torch settings its builds were not made under" in caplog.text
+    assert torch.equal(torch.from_numpy(host.outputs["text"]), eager.text[:3])
+    assert torch.equal(torch.from_numpy(host.outputs["codes"]), eager.codes[:3])
 
 
 @torch.no_grad()
