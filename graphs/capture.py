@@ -382,7 +382,7 @@ class StepRunner(HostStepper):
         the guards that tell its builds apart (the inputs' shapes, `sampling`).
 
         Why: before each call Dynamo checks every guard of the build, on the step's weights and pools: with
-        the tiny widths at the full layer counts, on this project's CPU, 757 us a call against 190 with only
+        the tiny widths at the full layer counts, on this project's CPU, 667 us a call against 185 with only
         the guards between builds (scripts/dev/compiled_host_cost.py; docs/performance.md). The other guards
         cannot fail here: the weights and pools are the same tensors for the runner's life (allocated once,
         written in place), nothing the step reads from Python changes after start-up, and the runner only

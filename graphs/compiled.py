@@ -51,7 +51,7 @@ def tracing_free_tensors_as_attributes(compiled):
 
     Why: the weights are ~1,200 tensors at full size; gathering them as arguments was about half of what a
     call cost the host once the guards were skipped (_run_prepared): with the tiny widths and the full layer
-    counts on this project's CPU, 375 against 190 us a call, the graph's arguments 1,381 against 46
+    counts on this project's CPU, 369 against 185 us a call, the graph's arguments 1,381 against 46
     (scripts/dev/compiled_host_cost.py). AOTAutograd still lifts them as the graph's parameters, so Inductor
     and cudagraph trees see the same inputs as before, static as parameters are."""
     if not hasattr(torch._dynamo.config, "install_free_tensors"):   # a torch without it: weights as arguments

@@ -94,11 +94,17 @@ def main() -> None:
             runner._compiled = runner._built
         runner._eager(*inputs[:3])   # the first step prepares the streaming stacks (outside any graph)
         runner.capture()
-        every = median_us(lambda: runner._compiled(*inputs, True), args.calls)
-        apart = median_us(lambda: runner._run_prepared(*inputs, True), args.calls)
+        static = runner._inputs[4][0]   # the bucket's staged inputs, which capture() built on
+        every = median_us(lambda: runner._compiled(*static, True), args.calls)
+        apart = median_us(lambda: runner._run_prepared(*static, True), args.calls)
+        rows = [t.numpy() for t in (torch.arange(2), torch.zeros(2, cfg.samples_per_frame_in), torch.full((2,), -1))]
+        call = median_us(lambda: runner(*map(torch.from_numpy, rows)), args.calls)
+        staged = median_us(lambda: runner.step_to_host(*rows), args.calls)
     print(f"layers: {args.layers}; the build's tensor inputs: {seen[0]}")
     print(f"host per call, every guard evaluated: {every:.0f} us")
     print(f"host per call, only the guards between builds (_run_prepared): {apart:.0f} us")
+    print(f"a step of 2 rows, through runner(...): {call:.0f} us; through step_to_host (staged, numpy in and out): "
+          f"{staged:.0f} us")
 
 
 if __name__ == "__main__":
