@@ -318,12 +318,13 @@ class StepRunner(HostStepper):
         """torch.compile's build of bucket b, called on the bucket's staged inputs (_staged_inputs, as the hand
         capture's): marked static, so cudagraph trees copy nothing in and a step moves its inputs with one
         copy; its host fields go out through one host buffer, one copy each (step_to_host). Its calls from
-        then on check only the guards between builds (_run_prepared)."""
+        then on check only the guards between builds (_run_prepared): the first such call is made here, so a
+        build that cannot serve that way fails at start-up, and its outputs give the host buffer's layout."""
         static, staging = self._bucket_inputs(b)
         for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
-            out = self._compiled(*static, sampling)
+            self._compiled(*static, sampling)   # no output kept alive into the next call (cudagraph trees)
         self._prepared.add((b, sampling))
-        host_out, views, tensors = self._host_outputs(out, packed=False)
+        host_out, views, tensors = self._host_outputs(self._run_prepared(*static, sampling), packed=False)
         self._staging[(b, sampling)] = staging + (None, host_out, views, tensors)
 
     def _bucket_inputs(self, b: int):

@@ -634,6 +634,8 @@ def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim, caplo
     runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
     runner.capture()
     assert skipped["capture"] and not any(skipped["capture"])   # capture's calls build and check everything
+    assert skipped["serve"] == [True] * 4   # and then each build is called once as it will serve (4 builds)
+    skipped["serve"].clear()
     built = counters["stats"]["unique_graphs"]
     g, differed = torch.Generator().manual_seed(7), 0
     for n, sampling in ((1, True), (3, False), (2, False), (4, True), (1, False), (3, True)):
