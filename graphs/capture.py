@@ -171,10 +171,10 @@ class StepRunner(HostStepper):
                         "builds nothing with torch.compile", backend, graphs)
         self._compiled = None   # the step as capture() runs it: eager, or torch.compile's (traced with settings)
         self._built = None      # torch.compile's step itself (compiled back ends)
-        self._prepared: set[tuple[int, bool]] = set()  # (bucket, sampling) torch.compile built in capture()
-        self._cuda_graphs: dict[tuple, tuple] = {}  # (bucket, sampling) -> graph, static inputs, outputs
+        self._cuda_graphs: dict[tuple, tuple] = {}  # (bucket, sampling) -> graph, its outputs (inputs: _inputs)
         self._graph_pool = None  # shared by every bucket's graph (_capture_cuda_graph)
-        self._staging: dict[tuple, tuple] = {}  # per captured (bucket, sampling): pinned host twins of in/outputs
+        # per captured or compiled (bucket, sampling): pinned host twins of in/outputs (_staged)
+        self._staging: dict[tuple, tuple] = {}
         self._inputs: dict[int, tuple] = {}     # per bucket: static inputs, shared by its variants
         self.capture_seconds: dict[int, float] = {}
         # per captured (bucket, sampling): its first and second replay at capture (_capture_cuda_graph), ms
@@ -323,7 +323,6 @@ class StepRunner(HostStepper):
         static, staging = self._bucket_inputs(b)
         for _ in range(3):  # compile, then (reduce-overhead) warm up and record the graph
             self._compiled(*static, sampling)   # no output kept alive into the next call (cudagraph trees)
-        self._prepared.add((b, sampling))
         host_out, views, tensors = self._host_outputs(self._run_prepared(*static, sampling), packed=False)
         self._staging[(b, sampling)] = staging + (None, host_out, views, tensors)
 
@@ -361,7 +360,7 @@ class StepRunner(HostStepper):
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
         host_out, views, _ = self._host_outputs(out, packed=True)
-        self._cuda_graphs[(b, sampling)] = (graph, *static, out)
+        self._cuda_graphs[(b, sampling)] = (graph, out)
         self._staging[(b, sampling)] = staging + (packed, host_out, views, None)
         # Replay once now, on the sink rows the static inputs still hold, so that whatever a graph's first
         # launch costs (its upload to the device) is paid at start-up, not by the first calls in a bucket.
@@ -405,8 +404,7 @@ class StepRunner(HostStepper):
     def variant(self, b: int, sampling: bool) -> tuple[int, bool]:
         """The captured graph for a batch in bucket b: the greedy-only one when the batch is all greedy
         and it was captured, else the general one (exact for greedy rows too)."""
-        greedy = (b, False) in self._cuda_graphs or (b, False) in self._prepared
-        return (b, False) if not sampling and greedy else (b, True)
+        return (b, False) if not sampling and (b, False) in self._staging else (b, True)
 
     @torch.no_grad()
     def __call__(self, slots: torch.Tensor, audio: torch.Tensor, forced: torch.Tensor,
@@ -428,16 +426,15 @@ class StepRunner(HostStepper):
             return type(parts[0])(**{fl.name: torch.cat([getattr(p, fl.name) for p in parts]) for fl in fields(parts[0])})
         b = self.bucket_for(n)
         key = self.variant(b, sampling)
-        if key in self._cuda_graphs:
-            graph, *static, out = self._cuda_graphs[key]
-            for buf, new in zip(static, self._padded_inputs(b, slots, audio, forced, speech, text)):
-                buf.copy_(new)
-            graph.replay()
-        elif key in self._prepared:
+        if key in self._staging:   # captured by hand or built by torch.compile: the bucket's staged inputs
             static = self._inputs[b][0]
             for buf, new in zip(static, self._padded_inputs(b, slots, audio, forced, speech, text)):
                 buf.copy_(new)
-            out = self._run_prepared(*static, key[1])
+            if key in self._cuda_graphs:
+                graph, out = self._cuda_graphs[key]
+                graph.replay()
+            else:
+                out = self._run_prepared(*static, key[1])
         else:
             out = (self._compiled or self._eager)(*self._padded_inputs(b, slots, audio, forced, speech, text),
                                                   sampling)
@@ -446,9 +443,9 @@ class StepRunner(HostStepper):
 
     def step_to_host(self, slots, audio, forced, sampling=True, speech=None, text=None,
                              events=None) -> HostStep:
-        """StepRunner.step_to_host: a captured bucket takes the staged path (its inputs through one pinned
-        buffer, the replay, its outputs through another); anything else (eager, compiled back ends, a batch
-        above the largest bucket, in groups) runs as HostStepper does. `events` (two CUDA timing events, staged
+        """StepRunner.step_to_host: a captured or compiled bucket takes the staged path (its inputs through one
+        pinned buffer, the replay or the compiled step, its outputs through another; a batch above the largest
+        bucket in groups, each staged); anything else (eager) runs as HostStepper does. `events` (two CUDA timing events, staged
         path only): recorded just before the step's input copy and just after its output copy are queued
         (scripts/bench_step.py)."""
         n = len(slots)
