@@ -13,9 +13,9 @@ logit on that channel; a divergence counts as a near-tie only when that margin i
 
 It reports how the talker's codes move as well (not judged: a code has no logit margin to call a near-tie):
 the frames whose codes differ and the share of codes that do, every frame again on the same inputs. With
-`++eval.models.bf16_dtype.talker_kv=fp8` the bf16 variant keeps its talker KV in float8 (`llm_weights=fp8`, the
-LLM's projections; `mamba_ssm_state=bf16`, its SSM state), and the row, run with and without, says what that costs
-against fp32 beside the bf16 run's own figures.
+`++eval.models.bf16_dtype.talker_kv=fp8` the bf16 variant keeps its talker KV in float8 (`llm_weights=fp8` or
+`fp8_weight_only`, the LLM's projections; `talker_weights=...`, the talker's; `mamba_ssm_state=bf16`, its SSM
+state), and the row, run with and without, says what that costs against fp32 beside the bf16 run's own figures.
 
 It also checks the codec of the bf16 deployment: its PCM must equal what the fp32 codec makes of the
 same codes (the codec always runs in fp32, spec 9.9: bf16 collapses its reconstruction).
@@ -137,6 +137,7 @@ def margins(ctx: GateContext, criteria: Criteria) -> RowResult:
                "codes_differing_rate": codes_moved / max(frames * ms.fp32.cfg.talker.num_quantizers, 1),
                # what the variant keeps in fewer bits than the deployment's default (eval.models.bf16_dtype)
                "talker_kv": ms.bf16.cfg.dtype.talker_kv_pool, "llm_weights": ms.bf16.cfg.dtype.llm_weights or "llm",
+               "talker_weights": ms.bf16.cfg.dtype.talker_weights or "talker",
                "mamba_ssm_state": ms.bf16.cfg.dtype.mamba_ssm_state}
     if len(non_ties) > criteria["max_non_tie_divergences"]:
         failures.append(f"{len(non_ties)} bf16 divergences are not near-ties (fp32 margin >= {bar}): "

@@ -136,12 +136,18 @@ def _split_k_sum_kernel(part_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_y
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     out_mask = (rows < M)[:, None] & col_mask[None, :]
-    offsets = rows[:, None] * N + cols[None, :]
-    acc = tl.load(part_ptr + offsets, mask=out_mask, other=0.0)
-    for split in range(1, SPLIT_K):
-        acc += tl.load(part_ptr + split * M * N + offsets, mask=out_mask, other=0.0)  # < 2^31: the launcher checks
+    acc = sum_splits(part_ptr, rows[:, None] * N + cols[None, :], out_mask, M, N, SPLIT_K)
     _epilogue(acc, rows, cols, col_mask, out_mask, b_ptr, r_ptr, y_ptr, stride_rm, stride_ym,
               HAS_BIAS, GELU, HAS_RESIDUAL)
+
+
+@triton.jit
+def sum_splits(part_ptr, offsets, mask, M, N, SPLIT_K: tl.constexpr):
+    """The partial products [SPLIT_K, M, N] (fp32) at `offsets` of one split's [M, N], added in split order."""
+    acc = tl.load(part_ptr + offsets, mask=mask, other=0.0)
+    for split in range(1, SPLIT_K):
+        acc += tl.load(part_ptr + split * M * N + offsets, mask=mask, other=0.0)  # < 2^31: the launchers check
+    return acc
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,20 @@ def test_margins_reports_the_codes_an_fp8_talker_kv_moves(tmp_path, tiny, exampl
     assert fp8.bf16.cfg.dtype.talker == "fp32"
     moved = margins(_ctx(tmp_path, [clip], fp8), CRITERIA["margins"])
     assert moved.metrics["talker_kv"] == "fp8" and moved.metrics["diverging_frames"] == 0
-    assert (moved.metrics["llm_weights"], moved.metrics["mamba_ssm_state"]) == ("llm", "fp32")
+    assert (moved.metrics["llm_weights"], moved.metrics["talker_weights"], moved.metrics["mamba_ssm_state"]) == (
+        "llm", "talker", "fp32")
+    assert 0 < moved.metrics["code_diverging_frames"] <= 24 and 0 < moved.metrics["codes_differing_rate"] < 1
+
+
+def test_margins_reports_the_codes_fp8_talker_weights_move(tmp_path, tiny, example_clip):
+    """The talker's projections in e4m3 (`eval.models.bf16_dtype.talker_weights=fp8_weight_only`, the talker in
+    bf16): codes move, the text stays fp32's on every frame (the talker never feeds the LLM), and the row names
+    the weights it measured."""
+    model, tok, rnnt_vocab, _ = tiny
+    clip = _clip(tmp_path, "speech", example_clip[20 * 1280: 44 * 1280], seed=3)
+    fp8 = ModelSet.from_fp32(model, tok, rnnt_vocab, {"talker": "bf16", "talker_weights": "fp8_weight_only"})
+    moved = margins(_ctx(tmp_path, [clip], fp8), CRITERIA["margins"])
+    assert moved.metrics["talker_weights"] == "fp8_weight_only" and moved.metrics["diverging_frames"] == 0
     assert 0 < moved.metrics["code_diverging_frames"] <= 24 and 0 < moved.metrics["codes_differing_rate"] < 1
 
 

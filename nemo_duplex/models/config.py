@@ -16,6 +16,8 @@ DTYPE_NAMES = ("fp32", "bf16", "fp16")
 # A KV pool may also hold float8 e4m3 (`dtype.talker_kv: fp8`): values as they are, saturated at +-448
 # (ops/kv_pages.py), upcast in the attention kernel.
 KV_DTYPE_NAMES = (*DTYPE_NAMES, "fp8")
+# The float8 weight products (dtype.llm_weights, dtype.talker_weights; nemo_duplex/models/fp8_weights.py)
+WEIGHT_PRODUCTS = ("fp8", "fp8_weight_only")
 
 
 def torch_dtype(name: str):
@@ -237,10 +239,13 @@ class DtypeConfig:
     # call's memory): null keeps them in the talker's dtype; fp8 (e4m3, unscaled) halves them, at a
     # fidelity the gate's margins row reports (eval/margins.py: the codes that move).
     talker_kv: str | None = None
-    # The LLM's Mamba and MLP projections (~7 of its ~9 billion parameters): null keeps them in the LLM's dtype;
-    # fp8 stores them in e4m3 with a scale per output row and multiplies on FP8 tensor cores, each call's rows
-    # quantised as they come (nemo_duplex/models/fp8_weights.py), at a fidelity the margins row measures.
+    # The LLM's Mamba and MLP projections (~7 of its ~9 billion parameters) and the talker backbone's
+    # projections (~0.6 of its ~0.8): null keeps them in the part's dtype; both products store them in e4m3
+    # with a scale per output row (nemo_duplex/models/fp8_weights.py): `fp8` quantises each call's rows too
+    # and multiplies on FP8 tensor cores; `fp8_weight_only` keeps x in the part's bf16/fp16 and widens the
+    # weights in registers. Each at a fidelity the gate's margins row measures.
     llm_weights: str | None = None
+    talker_weights: str | None = None
 
     def __post_init__(self):
         for name in ("encoder", "llm", "talker", "codec", "mamba_ssm_state"):
@@ -250,8 +255,14 @@ class DtypeConfig:
         if self.talker_kv is not None and self.talker_kv not in KV_DTYPE_NAMES:
             raise ValueError(f"dtype.talker_kv: unknown dtype {self.talker_kv!r}; expected null or one of "
                              f"{sorted(KV_DTYPE_NAMES)}")
-        if self.llm_weights not in (None, "fp8"):
-            raise ValueError(f"dtype.llm_weights: {self.llm_weights!r}; expected null (the LLM's dtype) or fp8")
+        for name, part in (("llm_weights", "llm"), ("talker_weights", "talker")):
+            product = getattr(self, name)
+            if product not in (None, *WEIGHT_PRODUCTS):
+                raise ValueError(f"dtype.{name}: {product!r}; expected null (the {part}'s dtype) or one of "
+                                 f"{list(WEIGHT_PRODUCTS)}")
+            if product == "fp8_weight_only" and getattr(self, part) not in ("bf16", "fp16"):
+                raise ValueError(f"dtype.{name}=fp8_weight_only widens the weights to the {part}'s dtype on the "
+                                 f"tensor cores: dtype.{part} must be bf16 or fp16, not {getattr(self, part)}")
         if self.codec != "fp32":
             raise ValueError("dtype.codec must be fp32: the codec collapses in bf16 (spec 9.9)")
 

@@ -202,7 +202,7 @@ class RelPositionMultiHeadAttention(StackedProjections):
         frame's k/v are written at ring = t % W after attending (ops/bounded_attention.py)."""
         b = x.shape[0]
         # q, k, v from one GEMM over the stacked weight (prepare_stream); strided views, no copies
-        q, k, v = F.linear(x, self.stack).view(b, 3, self.n_heads, self.head_dim).unbind(1)
+        q, k, v = self.stacked_product(x).view(b, 3, self.n_heads, self.head_dim).unbind(1)
         out = bounded_attention_and_store(q, k, v, keys, values, self.pos_by_distance, self.pos_bias_u,
                                           self.pos_bias_v, slots, t)
         return self.linear_out(out.reshape(b, -1))

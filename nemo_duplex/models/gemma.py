@@ -77,7 +77,7 @@ class GatedMLP(StackedProjections):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stack is not None:
-            gate, up = F.linear(x, self.stack).chunk(2, dim=-1)
+            gate, up = self.stacked_product(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(gelu_tanh_mul(gate, up))
@@ -115,7 +115,7 @@ class Gemma3Attention(StackedProjections):
         column views (the norm + rotary kernels read them strided, no copies)."""
         if self.stack is not None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return F.linear(x, self.stack).split((q_size, kv_size, kv_size), dim=-1)
+            return self.stacked_product(x).split((q_size, kv_size, kv_size), dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rotary(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):

@@ -221,7 +221,7 @@ class Attention(StackedProjections):
     def _qkv(self, x: torch.Tensor):
         if self.stack is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.stack).split([q_width, kv_width, kv_width], dim=-1)
+            q, k, v = self.stacked_product(x).split([q_width, kv_width, kv_width], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return (q.unflatten(-1, (self.num_heads, self.head_dim)), k.unflatten(-1, (self.kv_heads, self.head_dim)),

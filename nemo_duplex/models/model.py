@@ -17,7 +17,7 @@ from nemo_duplex.models import rng
 from nemo_duplex.models.codec_model import RVQCodec
 from nemo_duplex.models.config import ModelConfig, SamplingParams, torch_dtype
 from nemo_duplex.models.encoder import Perception
-from nemo_duplex.models.fp8_weights import quantize_llm_projections
+from nemo_duplex.models.fp8_weights import LLM_PROJECTIONS, TALKER_PROJECTIONS, quantize_projections
 from nemo_duplex.models.llm import NemotronH
 from nemo_duplex.models.rnnt import RNNTDecoder, RNNTJoint, rnnt_greedy_decode
 from nemo_duplex.models.sampling import sample_text
@@ -128,16 +128,22 @@ class VoiceChat(nn.Module):
 
     def cast_for_inference(self, quantize: bool = True) -> "VoiceChat":
         """Per-part compute dtypes from config (spec 1.6: codec always fp32; SSM state dtype is separate).
-        `quantize=False` leaves `dtype.llm_weights: fp8`'s projections as nn.Linear for weights still to come
-        (checkpoint.load.build_empty_model); the cast after loading quantises them from the loaded values."""
+        `quantize=False` leaves the projections that `dtype.llm_weights` / `talker_weights` turn into float8 as
+        nn.Linear for weights still to come (checkpoint.load.build_empty_model); the cast after loading quantises
+        them from the loaded values."""
         d = self.cfg.dtype
         self.perception.to(torch_dtype(d.encoder))
         self.perception.preprocessor.float()  # mel features in fp32 always (spec 9.10)
         if self.has_rnnt:
             self.stt_model.rnnt_decoder.to(torch_dtype(d.encoder))
             self.stt_model.rnnt_joint.to(torch_dtype(d.encoder))
-        if d.llm_weights == "fp8" and quantize:   # from the loaded values, before the cast (Fp8Linear keeps e4m3)
-            quantize_llm_projections(self.llm)
+        if quantize:   # from the loaded values, before the casts (Fp8Linear keeps e4m3)
+            if d.llm_weights:
+                quantize_projections(self.llm, LLM_PROJECTIONS, d.llm_weights,
+                                     f"model.dtype.llm_weights={d.llm_weights}")
+            if d.talker_weights:
+                quantize_projections(self.talker.backbone, TALKER_PROJECTIONS, d.talker_weights,
+                                     f"model.dtype.talker_weights={d.talker_weights}")
         for m in [self.llm, self.stt_model.embed_tokens, self.stt_model.lm_head] + (
                 [self.stt_model.function_head] if self.has_function_head else []):
             m.to(torch_dtype(d.llm))

@@ -5,7 +5,6 @@ residual quantisation of a drawn latent into RVQ codes.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nemo_duplex.models.config import MoGConfig
@@ -60,7 +59,7 @@ class MoGHead(StackedProjections):
         """x [B, H] -> (proj_logits(x) [B, P], proj_else(x) [B, L]): views of one GEMM's output once stacked."""
         if self.stack is None:
             return self.proj_logits(x), self.proj_else(x)
-        out = F.linear(x, self.stack)
+        out = self.stacked_product(x)
         return out[:, :self.num_predictions], out[:, self.num_predictions:]
 
 

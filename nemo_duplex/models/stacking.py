@@ -2,12 +2,16 @@
 
 Used where several projections read the same input: the talker's attention q/k/v and gated-MLP gate/up,
 the encoder's attention q/k/v. Each Linear's weight becomes a row block of the stack, so the official
-checkpoint keys still load (into the blocks), and a state_dict load updates the stack in place.
+checkpoint keys still load (into the blocks), and a state_dict load updates the stack in place. Float8
+projections (Fp8Linear, nemo_duplex/models/fp8_weights.py) stack alike: their e4m3 rows and their row scales.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from nemo_duplex.models.fp8_weights import Fp8Linear, fp8_product
 
 
 @torch.no_grad()
@@ -26,6 +30,20 @@ def stack_linears(*linears: nn.Linear) -> torch.Tensor:
     return stack
 
 
+@torch.no_grad()
+def stack_fp8_linears(*linears: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """stack_linears for Fp8Linear: (e4m3 rows [sum of outs, in], their scales [sum of outs]), each module's
+    weight and weight_scale re-pointed at its blocks (a row's scale belongs to the row, so stacking changes no
+    value)."""
+    stack, scales = torch.cat([linear.weight for linear in linears]), torch.cat([lin.weight_scale for lin in linears])
+    row = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight, linear.weight_scale = stack[row: row + rows], scales[row: row + rows]
+        row += rows
+    return stack, scales
+
+
 class StackedProjections(nn.Module):
     """A module whose `stacked` linears (names of child Linears) may share one weight tensor, `stack`
     (None until `stack_projections`), re-stacked after every cast or move so it never holds stale values."""
@@ -34,9 +52,27 @@ class StackedProjections(nn.Module):
     def __init__(self):
         super().__init__()
         self.stack: torch.Tensor | None = None
+        self.stack_scale: torch.Tensor | None = None   # the row scales where the stacked linears are Fp8Linear
+        self.stack_product: str | None = None
 
     def stack_projections(self) -> None:
-        self.stack = stack_linears(*(getattr(self, name) for name in self.stacked))
+        linears = [getattr(self, name) for name in self.stacked]
+        fp8 = [isinstance(linear, Fp8Linear) for linear in linears]
+        if all(fp8):
+            if len({linear.product for linear in linears}) != 1:
+                raise ValueError(f"{type(self).__name__}: stacked Fp8Linear with different products")
+            self.stack, self.stack_scale = stack_fp8_linears(*linears)
+            self.stack_product = linears[0].product
+        elif any(fp8):
+            raise ValueError(f"{type(self).__name__}: {self.stacked} are partly Fp8Linear; stack all or none")
+        else:
+            self.stack, self.stack_scale, self.stack_product = stack_linears(*linears), None, None
+
+    def stacked_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., sum of outs]: every stacked linear in one GEMM."""
+        if self.stack_scale is None:
+            return F.linear(x, self.stack)
+        return fp8_product(x, self.stack, self.stack_scale, self.stack_product)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)

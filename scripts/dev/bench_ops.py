@@ -480,6 +480,68 @@ def bench_gemms(device, smoke, quick, sweep, skinny=False):
         record(f"{section} per step", f"{part} N={n_calls}", impl if skinny else "sum of its GEMMs", ms, nbytes, None)
 
 
+def bench_fp8_weights(device, smoke, quick, sweep):
+    """The projections `model.dtype.llm_weights` / `talker_weights` turn into float8 (the LLM's Mamba and MLP
+    ones, the talker's stacked q/k/v, o, stacked gate/up, down) at N = 1, 32, 128 calls: bf16 cuBLAS against
+    the FP8 GEMM (`fp8`: x quantised, torch._scaled_mm) and the weight-only kernel (`fp8_weight_only`), errors
+    against the fp32 product of the bf16 weights, and each product's sum per step; --sweep: the weight-only
+    kernel's tiles and splits."""
+    from nemo_duplex.checkpoint.load import parameters_on_meta
+    from nemo_duplex.models.config import ModelConfig, tiny_config
+    from nemo_duplex.models.fp8_weights import LLM_PROJECTIONS
+    from nemo_duplex.models.model import VoiceChat
+    from ops.fp8_linear import fp8_linear, quantize_weight
+    from ops.fp8_weight_linear import fp8_weight_linear_triton
+
+    cfg = tiny_config() if smoke else ModelConfig()
+    with parameters_on_meta():
+        model = VoiceChat(cfg)
+    shapes: dict[tuple[str, int, int, int], int] = {}   # (part, in, out, rows per call) -> count per step
+    for name, module in model.llm.layers.named_modules():
+        if name.rsplit(".", 1)[-1] in LLM_PROJECTIONS:
+            key = ("llm", module.in_features, module.out_features, 1)
+            shapes[key] = shapes.get(key, 0) + 1
+    t = cfg.talker.backbone
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    for k, n in ((t.hidden_size, q + 2 * kv), (q, t.hidden_size), (t.hidden_size, 2 * t.intermediate_size),
+                 (t.intermediate_size, t.hidden_size)):
+        shapes[("talker", k, n, 2)] = shapes.get(("talker", k, n, 2), 0) + t.num_hidden_layers
+    totals: dict[tuple[str, int, str], list[float]] = {}
+    for n_calls in (2,) if smoke else (32,) if quick else (1, 32, 128):
+        for (part, k, n, rows), count in shapes.items():
+            m = n_calls * rows
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            w = (torch.randn(n, k, device=device) * k ** -0.5).to(torch.bfloat16)
+            w8, scale = quantize_weight(w)
+            ref = F.linear(x.float(), w.float())
+            case = f"{part} {m}x{k}->{n} (x{count} per step)"
+            impls = (("bf16 cuBLAS", lambda: F.linear(x, w), 2),
+                     ("fp8 (x quantised, _scaled_mm)", lambda: fp8_linear(x, w8, scale), 1),
+                     ("fp8_weight_only", lambda: fp8_weight_linear_triton(x, w8, scale), 1))
+            for impl, fn, weight_size in impls:
+                nbytes = n * k * weight_size + (m * k + m * n) * 2
+                ms = timed(fn, smoke)
+                record("fp8 weights", case, impl, ms, nbytes, max_err(fn(), ref), N=n_calls)
+                total = totals.setdefault((part, n_calls, impl), [0.0, 0.0])
+                total[0] += ms * count
+                total[1] += nbytes * count
+            if sweep:
+                for tiles in ((max(16, min(64, m)), 64, 128, 4, 4), (max(16, min(64, m)), 128, 128, 4, 4),
+                              (max(16, min(64, m)), 64, 256, 4, 3), (64, 64, 128, 4, 4), (128, 128, 64, 8, 3),
+                              (64, 128, 64, 4, 4)):
+                    for split_k in (None, 1, 2, 4):
+                        try:
+                            def run():
+                                return fp8_weight_linear_triton(x, w8, scale, tiles=tiles, split_k=split_k)
+                            record("fp8 weights sweep", case, f"tiles {tiles} split {split_k}", timed(run, smoke),
+                                   n * k + (m * k + m * n) * 2, max_err(run(), ref), N=n_calls)
+                        except Exception as exc:
+                            print(f"  sweep {tiles} {split_k} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            del x, w, w8, ref
+    for (part, n_calls, impl), (ms, nbytes) in totals.items():
+        record("fp8 weights per step", f"{part} N={n_calls}", impl, ms, nbytes, None)
+
+
 # ---------------------------------------------------------------------------------------- main
 
 def write_table(out_dir: Path, meta: dict) -> None:
@@ -502,7 +564,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--quick", action="store_true", help="N=128 only")
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel parameters")
-    parser.add_argument("--only", default="attention,linear,codec,other,gemm,skinny")
+    parser.add_argument("--only", default="attention,linear,codec,other,gemm,skinny,fp8_weights")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     global LIVE_LOG
@@ -513,7 +575,7 @@ def main() -> None:
                 torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
     sections = {"attention": bench_decode_attention, "linear": bench_fp32_linear, "codec": bench_codec,
                 "other": bench_other_ops, "gemm": bench_gemms,
-                "skinny": functools.partial(bench_gemms, skinny=True)}
+                "skinny": functools.partial(bench_gemms, skinny=True), "fp8_weights": bench_fp8_weights}
     for name in args.only.split(","):
         try:
             sections[name](device, args.smoke, args.quick, args.sweep)

@@ -28,6 +28,8 @@ from ops.codebook_sum import _codebook_sum_kernel  # noqa: E402
 from ops.decode_attention import _decode_attention_group_kernel, _decode_attention_vector_kernel  # noqa: E402
 from ops.dwconv_layernorm import _dwconv_layer_norm_kernel  # noqa: E402
 from ops.fp8_linear import _quantize_rows_kernel  # noqa: E402
+from ops.fp8_weight_linear import SKINNY_TILES, WIDE_TILES, _fp8_weight_linear_kernel  # noqa: E402
+from ops.fp8_weight_linear import _sum_splits_kernel as _fp8_weight_sum_kernel  # noqa: E402
 from ops.fp16x3_linear import _fp16x3_kernel, _split_rows_kernel  # noqa: E402
 from ops.fp16x3_linear import _split_k_sum_kernel as _fp16x3_split_k_sum_kernel  # noqa: E402
 from ops.fp32_linear import _fp32_linear_kernel, _split_k_sum_kernel  # noqa: E402
@@ -127,6 +129,16 @@ for store, paged, pool in ((False, False, bf16), (True, False, bf16), (True, Tru
               "PAGE_LEN": 64 if paged else 1, "FP8": pool == fp8}, num_warps=4)
 # the FP8 projections' row quantiser (`model.dtype.llm_weights: fp8`)
 compile_(_quantize_rows_kernel, {"x_ptr": bf16, "q_ptr": fp8, "scale_ptr": f32}, {"BLOCK_K": 1024}, num_warps=4)
+# the weight-only FP8 projections (`model.dtype.llm_weights: fp8_weight_only`): 32 rows with split-K (the
+# LLM's out_proj), 128 rows in one pass; then the split sums
+fp8w_ptrs = {"x_ptr": bf16, "w_ptr": fp8, "scale_ptr": f32, "y_ptr": bf16, "part_ptr": f32}
+for (block_m, block_n, block_k, warps, stages), k, split_k in (((32, *SKINNY_TILES), 10240, 4), (WIDE_TILES, 4480, 1)):
+    compile_(_fp8_weight_linear_kernel, fp8w_ptrs,
+             {"K": k, "K_PER_SPLIT": k // split_k, "SPLIT_K": split_k, "UPCAST": False, "BF16": True,
+              "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
+             num_warps=warps, num_stages=stages)
+compile_(_fp8_weight_sum_kernel, {"part_ptr": f32, "scale_ptr": f32, "y_ptr": bf16},
+         {"SPLIT_K": 4, "BF16": True, "BLOCK_M": 16, "BLOCK_N": 128}, num_warps=4)
 compile_(_rnnt_commit_kernel, {"logits_ptr": bf16, "active_ptr": "*i1", "hn_ptr": bf16, "h_ptr": bf16, "cn_ptr": bf16,
                                "c_ptr": bf16, "last_ptr": "*i64", "tokens_ptr": "*i64"},
          {"LAYERS": 2, "BLOCK_V": 2048, "BLOCK_H": 1024}, num_warps=4)

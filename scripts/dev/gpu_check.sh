@@ -11,7 +11,7 @@
 #                                             # graphs and eager (its command: 99 s)
 #   bash scripts/dev/gpu_check.sh profile         # the captured greedy step's kernels at N=32/128 (what `step` times), then every compiled
 #                                             # Triton kernel's loads by width (scripts/dev/ptx_loads.py)
-#   [GATE_DTYPE=fp32] bash scripts/dev/gpu_check.sh gate [seconds] [rows]   # the gate's model rows at full size (random
+#   [GATE_DTYPE=fp32] bash scripts/dev/gpu_check.sh gate [seconds] [rows] [overrides...]   # the gate's model rows at full size (random
 #                                             # weights, bf16 deployment vs the fp32 yardstick) on clips made
 #                                             # here (the device has no espeak-ng): python eval/clips/make_clips.py
 #                                             # --out outputs/gate_clips, then carry [".whl", "outputs/gate_clips"];
@@ -26,6 +26,11 @@
 #                                             # (each run's table row: that back end's step and host time)
 #   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end (compiled, captured by hand), then
 #                                             # reduce-overhead with engine.compile_dynamic_batch (3 buckets, one build)
+#   bash scripts/dev/gpu_check.sh fp8-weights     # the float8 projections' GPU tests, their GEMMs against bf16 cuBLAS at
+#                                             # N=1/32/128 and the weight-only kernel's tile sweep at N=32 (~6 min);
+#                                             # the step with them: `step model.dtype.llm_weights=fp8_weight_only
+#                                             # model.dtype.talker_weights=fp8_weight_only`; their fidelity: `gate 500
+#                                             # [margins] ++eval.models.bf16_dtype.llm_weights=fp8_weight_only ...`
 set -o pipefail
 source scripts/dev/gpu_env.sh
 export OUT=${OUT:-outputs/gpu_check}
@@ -56,7 +61,7 @@ elif [ "$PART" = gate ]; then
     D=${GATE_DTYPE:-bf16}   # the configured (deployment) dtype; the margins row always compares bf16 with fp32
     timeout "${2:-500}" python3 eval/gate.py $M model/dtype=$D \
         "eval.rows=${3:-[encoder_parity,margins,consistency]}" eval.clips.dir=outputs/gate_clips \
-        eval.out_dir="$OUT/gate" wandb.mode=offline hydra.run.dir=/tmp/gpu_check_gate > "$OUT/gate.log" 2>&1
+        eval.out_dir="$OUT/gate" wandb.mode=offline hydra.run.dir=/tmp/gpu_check_gate "${@:4}" > "$OUT/gate.log" 2>&1
     echo "gate exit $?"; tr '\r' '\n' < "$OUT/gate.log" | grep -a -E "\[(PASS|FAIL|N/A)\]|^verdict|Error" | tail -n 20
 elif [ "$PART" = load ]; then
     LOAD_S=${2:-420}
@@ -99,7 +104,14 @@ elif [ "$PART" = compiled ]; then
         engine.greedy_graphs=false engine.compile_cache_dir=/tmp/gpu_check_cc_dynamic hydra.run.dir=/tmp/gpu_check_dynamic \
         > "$OUT/dynamic.log" 2>&1
     grep -E "compile cache|captured bucket|^capture|^ +(8|32) " "$OUT/dynamic.log" || tail -n 20 "$OUT/dynamic.log"
+elif [ "$PART" = fp8-weights ]; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_fp8_weight_linear.py \
+        tests/ops/test_fp8_linear.py > "$OUT/fp8_pytest.log" 2>&1; tail -n 3 "$OUT/fp8_pytest.log"
+    timeout 150 python3 scripts/dev/bench_ops.py --only fp8_weights --out "$OUT/fp8_gemms" > "$OUT/fp8_gemms.log" 2>&1
+    grep "per step" "$OUT/fp8_gemms/bench_ops.md" || tail -n 20 "$OUT/fp8_gemms.log"
+    timeout 250 python3 scripts/dev/bench_ops.py --only fp8_weights --quick --sweep --out "$OUT/fp8_sweep" \
+        > "$OUT/fp8_sweep.log" 2>&1; tail -n 2 "$OUT/fp8_sweep.log"
 else
-    echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] | load [seconds]" \
-        "[server overrides...] | admission [overrides...] | compile-cache | compiled" >&2; exit 2
+    echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] [overrides...] |" \
+        "load [seconds] [server overrides...] | admission [overrides...] | compile-cache | compiled | fp8-weights" >&2; exit 2
 fi
