@@ -126,3 +126,22 @@ def test_kernels_gathering_rows_count_the_rows_the_references_gather():
     assert kernels["mog_head.proj_mus.weight"] == model.num_passes * b * block < mog.proj_mus.weight.numel() * 4
     q, latent = model.cfg.num_quantizers, model.cfg.latent_size
     assert kernels["rvq_table"] == model.num_passes * b * q * latent * 4
+
+
+def test_the_floor_counts_fp8_weights_at_one_byte(tiny):
+    """With the LLM's and the talker's projections in e4m3 (`fp8_weight_only`), a step reads each at one byte
+    an element plus its fp32 row scales, stacks included: the bf16 model's reads less, per such weight, its
+    elements (2 bytes -> 1) and plus 4 bytes per row."""
+    from eval.models import with_dtypes
+    from nemo_duplex.models.config import DtypeConfig
+    from nemo_duplex.models.fp8_weights import Fp8Linear
+
+    model = tiny[0]
+    slots = torch.arange(2, dtype=torch.int64)
+    bf16 = with_dtypes(model, DtypeConfig(llm="bf16", talker="bf16"))
+    fp8 = with_dtypes(model, DtypeConfig(llm="bf16", talker="bf16", llm_weights="fp8_weight_only",
+                                         talker_weights="fp8_weight_only"))
+    totals = [step_weight_reads(m, _state(m), special_ids(m, "cpu"), slots).total for m in (bf16, fp8)]
+    projections = [m for m in fp8.modules() if isinstance(m, Fp8Linear)]
+    assert len(projections) > 7 * len(fp8.talker.backbone.layers)
+    assert totals[0] - totals[1] == sum(m.weight.numel() - 4 * m.weight_scale.numel() for m in projections) > 0
