@@ -485,14 +485,15 @@ def bench_fp8_weights(device, smoke, quick, sweep):
     ones, the talker's stacked q/k/v, o, stacked gate/up, down) at N = 1, 32, 128 calls: bf16 cuBLAS against
     the FP8 GEMM (`fp8`: x quantised, torch._scaled_mm) and the weight-only kernel (`fp8_weight_only`), errors
     against the fp32 product of the bf16 weights, and each product's sum per step; --sweep: the weight-only
-    kernel's tiles and splits."""
+    kernel's tiles and splits on the LLM's shapes (--quick: N = 32 and 128 only)."""
+    import triton
+
     from nemo_duplex.checkpoint.load import parameters_on_meta
     from nemo_duplex.models.config import ModelConfig, tiny_config
     from nemo_duplex.models.fp8_weights import LLM_PROJECTIONS
     from nemo_duplex.models.model import VoiceChat
     from ops.fp8_linear import fp8_linear, quantize_weight
     from ops.fp8_weight_linear import fp8_weight_linear_triton
-
     cfg = tiny_config() if smoke else ModelConfig()
     with parameters_on_meta():
         model = VoiceChat(cfg)
@@ -507,7 +508,7 @@ def bench_fp8_weights(device, smoke, quick, sweep):
                  (t.intermediate_size, t.hidden_size)):
         shapes[("talker", k, n, 2)] = shapes.get(("talker", k, n, 2), 0) + t.num_hidden_layers
     totals: dict[tuple[str, int, str], list[float]] = {}
-    for n_calls in (2,) if smoke else (32,) if quick else (1, 32, 128):
+    for n_calls in (2,) if smoke else (32, 128) if quick else (1, 32, 128):
         for (part, k, n, rows), count in shapes.items():
             m = n_calls * rows
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -525,10 +526,13 @@ def bench_fp8_weights(device, smoke, quick, sweep):
                 total = totals.setdefault((part, n_calls, impl), [0.0, 0.0])
                 total[0] += ms * count
                 total[1] += nbytes * count
-            if sweep:
-                for tiles in ((max(16, min(64, m)), 64, 128, 4, 4), (max(16, min(64, m)), 128, 128, 4, 4),
-                              (max(16, min(64, m)), 64, 256, 4, 3), (64, 64, 128, 4, 4), (128, 128, 64, 8, 3),
-                              (64, 128, 64, 4, 4)):
+            if sweep and (part == "llm" or smoke):
+                rows_tile = max(16, min(64, triton.next_power_of_2(m)))
+                skinny = ((rows_tile, 64, 128, 4, 4), (rows_tile, 128, 128, 4, 4), (rows_tile, 64, 256, 4, 3),
+                          (rows_tile, 32, 128, 4, 4), (rows_tile, 64, 128, 4, 6))
+                wide = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                        (64, 64, 128, 4, 4))
+                for tiles in skinny if m <= 64 else wide:
                     for split_k in (None, 1, 2, 4):
                         try:
                             def run():

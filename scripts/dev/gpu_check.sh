@@ -27,7 +27,7 @@
 #   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end (compiled, captured by hand), then
 #                                             # reduce-overhead with engine.compile_dynamic_batch (3 buckets, one build)
 #   bash scripts/dev/gpu_check.sh fp8-weights     # the float8 projections' GPU tests, their GEMMs against bf16 cuBLAS at
-#                                             # N=1/32/128 and the weight-only kernel's tile sweep at N=32 (~6 min);
+#                                             # N=1/32/128 and the weight-only kernel's sweep at N=32/128 (~9 min);
 #                                             # the step with them: `step model.dtype.llm_weights=fp8_weight_only
 #                                             # model.dtype.talker_weights=fp8_weight_only`; their fidelity: `gate 500
 #                                             # [margins] ++eval.models.bf16_dtype.llm_weights=fp8_weight_only ...`
@@ -109,8 +109,8 @@ elif [ "$PART" = fp8-weights ]; then
         tests/ops/test_fp8_linear.py > "$OUT/fp8_pytest.log" 2>&1; tail -n 3 "$OUT/fp8_pytest.log"
     timeout 150 python3 scripts/dev/bench_ops.py --only fp8_weights --out "$OUT/fp8_gemms" > "$OUT/fp8_gemms.log" 2>&1
     grep "per step" "$OUT/fp8_gemms/bench_ops.md" || tail -n 20 "$OUT/fp8_gemms.log"
-    timeout 250 python3 scripts/dev/bench_ops.py --only fp8_weights --quick --sweep --out "$OUT/fp8_sweep" \
-        > "$OUT/fp8_sweep.log" 2>&1; tail -n 2 "$OUT/fp8_sweep.log"
+    timeout 270 python3 scripts/dev/bench_ops.py --only fp8_weights --quick --sweep --out "$OUT/fp8_sweep" \
+        > "$OUT/fp8_sweep.log" 2>&1; tail -n 2 "$OUT/fp8_sweep.log"   # rows as they come: bench_ops_rows.jsonl
 else
     echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] [overrides...] |" \
         "load [seconds] [server overrides...] | admission [overrides...] | compile-cache | compiled | fp8-weights" >&2; exit 2
