@@ -4,8 +4,8 @@ cores.
 
 Why: a frame step streams every weight once, so its time at small batches is the weights' bytes; e4m3 halves
 them. The other FP8 product (ops/fp8_linear.py, Hopper's FP8 GEMMs) also rounds every row of x to e4m3 and
-costs a quantising kernel per projection: measured on the H200 (docs/performance.md) its step was no faster
-than bf16's and its text moved past the gate's margins. Here x keeps its 8 mantissa bits (the only rounding is
+costs a quantising kernel per projection: measured on the H200 (docs/performance.md) its step was slower than
+bf16's at 1 and 32 calls (3% faster at 128) and its text moved past the gate's margins. Here x keeps its 8 mantissa bits (the only rounding is
 the weight's, once, at load) and a projection is one kernel.
 
     w_scale[n] = max_k |w[n, k]| * (1/448)   w8 = e4m3(w / w_scale)          (once, at load: quantize_weight)
