@@ -6,7 +6,7 @@ moved (the minimum a kernel must read + write), GB/s, and the max error against 
     TRITON_INTERPRET=1 python scripts/dev/bench_ops.py --smoke             # CPU: tiny shapes, checks the script runs
 
 Writes DIR/bench_ops.md (tables) and DIR/bench_ops.json. `--sweep` also tries block sizes / warps /
-loop forms of the decode-attention and fp32-linear kernels (what picked their defaults).
+loop forms of the decode-attention, fp32-linear and weight-only FP8 kernels (what picked their defaults).
 
 One file past 500 lines on purpose: a developer probe with one section per kernel, each a few lines of
 shapes, reference and launch; split, they would only be harder to run and compare.
@@ -494,6 +494,7 @@ def bench_fp8_weights(device, smoke, quick, sweep):
     from nemo_duplex.models.model import VoiceChat
     from ops.fp8_linear import fp8_linear, quantize_weight
     from ops.fp8_weight_linear import fp8_weight_linear_triton
+
     cfg = tiny_config() if smoke else ModelConfig()
     with parameters_on_meta():
         model = VoiceChat(cfg)
