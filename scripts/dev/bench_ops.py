@@ -6,7 +6,8 @@ moved (the minimum a kernel must read + write), GB/s, and the max error against 
     TRITON_INTERPRET=1 python scripts/dev/bench_ops.py --smoke             # CPU: tiny shapes, checks the script runs
 
 Writes DIR/bench_ops.md (tables) and DIR/bench_ops.json. `--sweep` also tries block sizes / warps /
-loop forms of the decode-attention, fp32-linear and weight-only FP8 kernels (what picked their defaults).
+loop forms of the decode-attention and fp32-linear kernels (what picked their defaults) and of the weight-only
+FP8 kernel (whose tiles are not swept yet).
 
 One file past 500 lines on purpose: a developer probe with one section per kernel, each a few lines of
 shapes, reference and launch; split, they would only be harder to run and compare.
