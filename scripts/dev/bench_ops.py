@@ -510,11 +510,12 @@ def bench_fp8_weights(device, smoke, quick, sweep):
                  (t.intermediate_size, t.hidden_size)):
         shapes[("talker", k, n, 2)] = shapes.get(("talker", k, n, 2), 0) + t.num_hidden_layers
     totals: dict[tuple[str, int, str], list[float]] = {}
+    gen = torch.Generator().manual_seed(4)
     for n_calls in (2,) if smoke else (32, 128) if quick else (1, 32, 128):
         for (part, k, n, rows), count in shapes.items():
             m = n_calls * rows
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            w = (torch.randn(n, k, device=device) * k ** -0.5).to(torch.bfloat16)
+            x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+            w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(device, torch.bfloat16)
             w8, scale = quantize_weight(w)
             ref = F.linear(x.float(), w.float())
             case = f"{part} {m}x{k}->{n} (x{count} per step)"
