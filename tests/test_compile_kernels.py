@@ -18,3 +18,6 @@ def test_kernels_build_for_sm90():
     assert len(built) == 37, r.stdout
     # the talker's attention over float8 pages reads its 72-byte rows 8 bytes at a time, not byte by byte
     assert int(r.stdout.split("8-byte loads: ")[1].split()[0]) >= 8, r.stdout
+    # the weight-only FP8 GEMM's two tile shapes stream their tiles 16 bytes at a time (the script checks none
+    # is narrower)
+    assert r.stdout.count("16-byte async copies: ") == 2, r.stdout

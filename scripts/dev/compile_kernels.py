@@ -3,13 +3,15 @@ kernel's whole GPU build (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs here. CPU 
 through the interpreter, which accepts some code the GPU build rejects (and the reverse); this catches the
 build errors before a device is lent. Covered: the kernels imported below with the variants the served
 paths use, among them the split-K GEMMs and their sums, the talker's decode attention (whose PTX must have
-16-byte loads where its rows are aligned), the fp16x3 GEMM, the activations'
-split and the split output of the codec's conv + norm, at the full model's shapes. Run without TRITON_INTERPRET
-(tests/test_compile_kernels.py runs it in a subprocess).
+16-byte loads where its rows are aligned), the weight-only FP8 GEMM (whose tiles must stream in 16-byte
+asynchronous copies), the fp16x3 GEMM, the activations' split and the split output of the codec's conv +
+norm, at the full model's shapes. Run without TRITON_INTERPRET (tests/test_compile_kernels.py runs it in a
+subprocess).
 
     python scripts/dev/compile_kernels.py
 """
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -44,11 +46,13 @@ from scripts.dev.ptx_loads import load_widths  # noqa: E402
 target = GPUTarget("cuda", 90, 32)
 
 
-def compile_(kernel, sig, constexprs, **options):
+def compile_(kernel, sig, constexprs, divisible=(), **options):
     names = kernel.arg_names
     full = {n: sig.get(n, "i32") if n not in constexprs else "constexpr" for n in names}
-    # every pointer 16-byte aligned, as Triton specialises a launch on torch's (aligned) allocations
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in full.items() if t.startswith("*")}
+    # every pointer 16-byte aligned, as Triton specialises a launch on torch's (aligned) allocations, and the
+    # integers in `divisible` multiples of 16, as it specialises a launch on such values
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in full.items()
+               if t.startswith("*") or n in divisible}
     src = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=aligned)
     k = triton.compile(src, target=target, options=options)
     print(f"{kernel.__name__:34s} ok ({len(k.asm['ptx'])} ptx chars)", flush=True)
@@ -133,10 +137,17 @@ compile_(_quantize_rows_kernel, {"x_ptr": bf16, "q_ptr": fp8, "scale_ptr": f32},
 # LLM's out_proj), 128 rows in one pass; then the split sums
 fp8w_ptrs = {"x_ptr": bf16, "w_ptr": fp8, "scale_ptr": f32, "y_ptr": bf16, "part_ptr": f32}
 for (block_m, block_n, block_k, warps, stages), k, split_k in (((32, *SKINNY_TILES), 10240, 4), (WIDE_TILES, 4480, 1)):
-    compile_(_fp8_weight_linear_kernel, fp8w_ptrs,
-             {"K": k, "K_PER_SPLIT": k // split_k, "SPLIT_K": split_k, "UPCAST": False, "BF16": True,
-              "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
-             num_warps=warps, num_stages=stages)
+    # the row strides are K (multiples of 16 in every projection): the x and weight tiles must then stream in
+    # 16-byte asynchronous copies, never a byte or two at a time
+    ptx = compile_(_fp8_weight_linear_kernel, fp8w_ptrs,
+                   {"K": k, "K_PER_SPLIT": k // split_k, "SPLIT_K": split_k, "UPCAST": False, "BF16": True,
+                    "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
+                   divisible=("stride_xm", "stride_wn", "stride_ym"), num_warps=warps, num_stages=stages)
+    copies = re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx)
+    narrow = sum(n for width, n in load_widths(ptx).items() if width <= 2)
+    if not copies or set(copies) != {"0x10"} or narrow:
+        raise SystemExit(f"fp8 weight-only tiles: copies {sorted(set(copies))}, {narrow} narrow loads; want 16 bytes")
+    print(f"  16-byte async copies: {len(copies)}", flush=True)
 compile_(_fp8_weight_sum_kernel, {"part_ptr": f32, "scale_ptr": f32, "y_ptr": bf16},
          {"SPLIT_K": 4, "BF16": True, "BLOCK_M": 16, "BLOCK_N": 128}, num_warps=4)
 compile_(_rnnt_commit_kernel, {"logits_ptr": bf16, "active_ptr": "*i1", "hn_ptr": bf16, "h_ptr": bf16, "cn_ptr": bf16,
