@@ -189,7 +189,8 @@ def test_the_engine_serves_with_fp8_projections(tiny, example_clip, monkeypatch,
     stacks = [m for m in narrow.modules() if isinstance(m, StackedProjections) and m.stack_scale is not None]
     in_stacks = {id(getattr(m, name)) for m in stacks for name in m.stacked}
     alone = [m for m in narrow.modules() if isinstance(m, Fp8Linear) and id(m) not in in_stacks]
-    weights = [(m.stack_product, m.stack.data_ptr()) for m in stacks] + [(m.product, m.weight.data_ptr()) for m in alone]
+    weights = [(m.stack_product, m.stack.data_ptr()) for m in stacks]
+    weights += [(m.product, m.weight.data_ptr()) for m in alone]
     assert len(stacks) == (2 * len(narrow.talker.backbone.layers) if "talker_weights" in dtype else 0)
     rows = {}
 
