@@ -102,7 +102,8 @@ def _sum_splits_kernel(part_ptr, scale_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.
 # program streams its BLOCK_N weight rows once: ops/skinny_gemm.py's design and its swept choice (64 x 128,
 # 4 warps, 4 stages: 3.1-3.6 TB/s on the LLM's bf16 weights, docs/decisions.md), with BLOCK_M the rows
 # rounded up to a power of two (16 at least, what tl.dot takes). Above 64 rows (the 128-call bucket, a
-# prompt's prefill), 128 x 128 tiles: not yet swept on the H200 (scripts/dev/bench_ops.py --only fp8_weight).
+# prompt's prefill), 128 x 128 tiles: not yet swept on the H200 (scripts/dev/bench_ops.py --only fp8_weights
+# --sweep).
 SKINNY_ROWS = 64
 SKINNY_TILES = (64, 128, 4, 4)   # BLOCK_N, BLOCK_K, num_warps, num_stages
 WIDE_TILES = (128, 128, 64, 8, 3)
