@@ -151,19 +151,25 @@ def test_the_talker_with_fp8_projections_follows_the_bf16_one(tiny):
 def test_a_model_built_empty_is_quantised_after_its_weights_come():
     """The random-weights and checkpoint paths build the model empty (on meta, then materialised) and fill it:
     its projections stay nn.Linear until the cast after the fill, which quantises the filled values (the same
-    e4m3 weights the bf16 model's projection gives)."""
+    e4m3 weights the bf16 model's projection gives; for the talker's stacks, the bf16 stack's rows)."""
     from nemo_duplex.checkpoint.random_weights import random_model
     from ops.fp8_linear import quantize_weight
 
-    narrow, *_ = random_model(_cfg(llm="bf16", llm_weights="fp8"), "cpu", seed=3)
+    narrow, *_ = random_model(_cfg(llm="bf16", llm_weights="fp8", talker="bf16", talker_weights="fp8_weight_only"),
+                              "cpu", seed=3)
     assert type(narrow.llm.layers[0].mixer.in_proj) is nn.Linear
+    assert type(narrow.talker.backbone.layers[0].self_attn.q_proj) is nn.Linear
     narrow.cast_for_inference()
-    wide, *_ = random_model(_cfg(llm="bf16"), "cpu", seed=3)
+    wide, *_ = random_model(_cfg(llm="bf16", talker="bf16"), "cpu", seed=3)
     wide.cast_for_inference()
     got = narrow.llm.layers[0].mixer.in_proj
     w8, scale = quantize_weight(wide.llm.layers[0].mixer.in_proj.weight)
     assert isinstance(got, Fp8Linear) and torch.equal(got.weight.view(torch.uint8), w8.view(torch.uint8))
     assert torch.equal(got.weight_scale, scale)
+    stacked, bf16 = narrow.talker.backbone.layers[-1].mlp, wide.talker.backbone.layers[-1].mlp
+    w8, scale = quantize_weight(bf16.stack)
+    assert torch.equal(stacked.stack.view(torch.uint8), w8.view(torch.uint8))
+    assert torch.equal(stacked.stack_scale, scale)
 
 
 @pytest.mark.parametrize("dtype", [dict(llm="bf16", llm_weights="fp8"), dict(talker="bf16", talker_weights="fp8"),
