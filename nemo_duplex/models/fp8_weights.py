@@ -1,7 +1,7 @@
 """Projections with float8 weights: `model.dtype.llm_weights` and `model.dtype.talker_weights`.
 
 At load (VoiceChat.cast_for_inference) the chosen projections become `Fp8Linear`: the weight in e4m3 with a
-scale per output row. Two products (FP8_PRODUCTS):
+scale per output row. Two products (WEIGHT_PRODUCTS, nemo_duplex/models/config.py):
 - `fp8`: each call's rows of x quantised to e4m3 as they come, then Hopper's FP8 GEMM (ops/fp8_linear.py);
 - `fp8_weight_only`: x stays in the part's bf16, each weight tile widened to bf16 in registers
   (ops/fp8_weight_linear.py): the weight's rounding only, one kernel per projection.
@@ -16,30 +16,30 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from nemo_duplex.models.config import WEIGHT_PRODUCTS
 from ops import check_fp8_device
 from ops.fp8_linear import fp8_linear, quantize_weight
 from ops.fp8_weight_linear import fp8_weight_linear
 
-FP8_PRODUCTS = ("fp8", "fp8_weight_only")
 LLM_PROJECTIONS = ("in_proj", "out_proj", "up_proj", "down_proj")
 TALKER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def fp8_product(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, product: str) -> torch.Tensor:
-    """x [..., K] times e4m3 weight rows w8 [N, K] with their scales [N] -> [..., N], by FP8_PRODUCTS' `product`."""
+    """x [..., K] times e4m3 weight rows w8 [N, K] with their scales [N] -> [..., N], by WEIGHT_PRODUCTS' `product`."""
     if product == "fp8":
         return fp8_linear(x, w8, w_scale)
     return fp8_weight_linear(x, w8, w_scale)
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T with W = weight (e4m3) x weight_scale (fp32, per output row), by `product` (FP8_PRODUCTS); no
+    """y = x W^T with W = weight (e4m3) x weight_scale (fp32, per output row), by `product` (WEIGHT_PRODUCTS); no
     bias (none of the projections has one)."""
 
     def __init__(self, linear: nn.Linear, product: str):
         super().__init__()
         assert linear.bias is None, "the quantised projections have no bias"
-        assert product in FP8_PRODUCTS, product
+        assert product in WEIGHT_PRODUCTS, product
         w8, scale = quantize_weight(linear.weight.detach())
         self.in_features, self.out_features, self.product = linear.in_features, linear.out_features, product
         self.register_buffer("weight", w8)
