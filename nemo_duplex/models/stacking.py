@@ -14,6 +14,18 @@ from torch import nn
 from nemo_duplex.models.fp8_weights import Fp8Linear, fp8_product
 
 
+def stack_blocks(modules, name: str, wrap=lambda block, old: block) -> torch.Tensor:
+    """The modules' tensors `name` as row blocks of ONE tensor, each module's re-pointed at its block
+    (`wrap(block, old tensor)` makes what is assigned: a Parameter for a weight, the block for a buffer)."""
+    stack = torch.cat([getattr(m, name) for m in modules])
+    row = 0
+    for m in modules:
+        old = getattr(m, name)
+        setattr(m, name, wrap(stack[row: row + old.shape[0]], old))
+        row += old.shape[0]
+    return stack
+
+
 @torch.no_grad()
 def stack_linears(*linears: nn.Linear) -> torch.Tensor:
     """The linears' weights as row blocks of ONE tensor [sum of outs, in], each Linear's weight re-pointed
@@ -21,13 +33,7 @@ def stack_linears(*linears: nn.Linear) -> torch.Tensor:
     small kernels a frame), with no second copy of the weights; loading a state_dict writes into the
     blocks. A cast or move (Module._apply) would give each weight a tensor of its own, so the modules
     that stack re-stack after one (`StackedProjections`)."""
-    stack = torch.cat([linear.weight for linear in linears])
-    row = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(stack[row: row + rows], requires_grad=linear.weight.requires_grad)
-        row += rows
-    return stack
+    return stack_blocks(linears, "weight", lambda block, old: nn.Parameter(block, requires_grad=old.requires_grad))
 
 
 @torch.no_grad()
@@ -35,13 +41,7 @@ def stack_fp8_linears(*linears: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """stack_linears for Fp8Linear: (e4m3 rows [sum of outs, in], their scales [sum of outs]), each module's
     weight and weight_scale re-pointed at its blocks (a row's scale belongs to the row, so stacking changes no
     value)."""
-    stack, scales = torch.cat([linear.weight for linear in linears]), torch.cat([lin.weight_scale for lin in linears])
-    row = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight, linear.weight_scale = stack[row: row + rows], scales[row: row + rows]
-        row += rows
-    return stack, scales
+    return stack_blocks(linears, "weight"), stack_blocks(linears, "weight_scale")
 
 
 class StackedProjections(nn.Module):
