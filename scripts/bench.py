@@ -155,7 +155,8 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
             upcm, _ = load_input(lt.clip, float(lt.upload_s))
             wav = encode_wav(from_pcm16(upcm), 16000)
             uploader = asyncio.create_task(upload_loop(http, url, wav, float(lt.upload_every_s), stop_uploads,
-                                                       int(lt.seed), upload_records))
+                                                       int(lt.seed), upload_records,
+                                                       float(lt.upload_s) + float(lt.run_timeout_s)))
         arriver = None
         if prompts is not None:   # (started with the schedule: the live calls are admitted by then)
             apcm, _ = load_input(lt.clip, float(lt.arrival_s))
@@ -163,7 +164,7 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
             async def arrive():
                 await asyncio.sleep(max(0.0, origin - time.monotonic()))
                 await arrival_loop(http, ws_url, apcm, float(lt.arrival_every_s), stop_uploads, prompts,
-                                   int(lt.seed), arrival_records)
+                                   int(lt.seed), arrival_records, float(lt.arrival_s) + float(lt.run_timeout_s))
             arriver = asyncio.create_task(arrive())
         plan = [[CallPlan(i, t0 + offsets[i], origin + offsets[i], lengths[i],
                           declared_max_call_s(lengths[i]) if mix else None) for i in group] for group in groups]
@@ -426,6 +427,9 @@ def main(cfg: DictConfig) -> None:
         meta["length_seed"] = int(lt.seed)
     rows: list[dict] = []
     run = None
+    # a SIGTERM (a job's time limit, `timeout`) ends the bench through `finally`: its server goes with it
+    # and what was measured is written, rather than the server living on beside the next run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         if server is not None:
             t = time.monotonic()

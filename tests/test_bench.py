@@ -242,3 +242,83 @@ def test_arrival_catch_up_is_audio_out_per_wall_second():
     rec = ArrivalRecord(started=0.0, first_packet=0.5, last_packet=1.1, packets=25)
     assert rec.catch_up() == pytest.approx(3.2)
     assert ArrivalRecord(started=0.0, first_packet=0.5, last_packet=0.5, packets=1).catch_up() is None
+
+
+def test_a_request_the_server_never_ends_is_cut_and_the_loop_returns():
+    """periodically: one request hangs, the other answers; the loop returns after the hanging one's
+    timeout with its error named, instead of waiting for it forever."""
+    import asyncio
+
+    from nemo_duplex.loadtest.callers import ArrivalRecord, periodically
+
+    async def run():
+        records, until = [], asyncio.Event()
+
+        async def request(rec):
+            if len(records) == 1:
+                await asyncio.Event().wait()   # a server that never ends this one
+            return True
+
+        async def stop_soon():
+            await asyncio.sleep(0.15)
+            until.set()
+
+        stopper = asyncio.create_task(stop_soon())
+        await asyncio.wait_for(periodically(0.1, until, records, ArrivalRecord, request, timeout_s=0.5), 5.0)
+        await stopper
+        return records
+
+    records = asyncio.run(run())
+    assert len(records) == 2
+    assert records[0].finished is None and "not done 0.5 s after it started" in records[0].error
+    assert records[1].finished is not None and records[1].error is None
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_bench_and_the_server_it_started(tmp_path):
+    """A bench ended by SIGTERM (a job's time limit) stops its server too, and writes what it has."""
+    import signal
+    import time
+
+    out, log = tmp_path / "load", tmp_path / "bench.out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, str(REPO / "scripts/bench.py"), "model.weights=random",
+                                 "loadtest.n_calls=[1]", "loadtest.duration_s=60", "loadtest.max_call_s=70",
+                                 "wandb.mode=disabled", f"loadtest.out={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+                                stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and proc.poll() is None and "server ready" not in log.read_text():
+            time.sleep(0.5)
+        servers = _children(proc.pid)
+        assert len(servers) == 1 and _running(servers[0])
+        time.sleep(2.0)   # the run under way
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert not _running(servers[0])   # stopped by the bench, not left running beside the next one
+    assert json.loads((out / "load.json").read_text())["runs"] == []

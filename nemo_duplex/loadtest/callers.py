@@ -207,16 +207,21 @@ class ArrivalRecord:
         return (self.packets - 1) * frame_s / (self.last_packet - self.first_packet)
 
 
-async def periodically(every_s: float, until: asyncio.Event, records: list, new_record, request) -> None:
+async def periodically(every_s: float, until: asyncio.Event, records: list, new_record, request,
+                       timeout_s: float) -> None:
     """One more request every `every_s` until `until` is set; returns once every started one is done. Each
     has its record, `new_record(start time)`, appended to `records`; `await request(record)` returns whether
-    the reply was read to its end (`finished` is then that time); an exception it raises is kept in `error`."""
+    the reply was read to its end (`finished` is then that time); an exception it raises is kept in `error`,
+    and a request not done within `timeout_s` is cut with that as its error (a server that never ends a
+    request must not hang the run)."""
     async def launch():
         rec = new_record(time.monotonic())
         records.append(rec)
         try:
-            if await request(rec):
+            if await asyncio.wait_for(request(rec), timeout_s):
                 rec.finished = time.monotonic()
+        except asyncio.TimeoutError:
+            rec.error = rec.error or f"not done {timeout_s:g} s after it started (loadtest.run_timeout_s)"
         except Exception as e:  # recorded, never fatal to the run
             rec.error = rec.error or f"{type(e).__name__}: {e}"
 
@@ -231,8 +236,9 @@ async def periodically(every_s: float, until: asyncio.Event, records: list, new_
 
 
 async def upload_loop(http, url: str, wav: bytes, every_s: float, until: asyncio.Event, seed: int,
-                      records: list[UploadRecord]) -> None:
-    """POST the WAV to /generate every `every_s` until `until` is set; each reply is read to its end."""
+                      records: list[UploadRecord], timeout_s: float) -> None:
+    """POST the WAV to /generate every `every_s` until `until` is set; each reply is read to its end, or cut
+    after `timeout_s`."""
     async def upload(rec: UploadRecord) -> bool:
         async with http.post(f"{url}/generate?seed={seed}", data=wav, headers={"Content-Type": "audio/wav"}) as resp:
             if resp.status != 200:
@@ -246,7 +252,7 @@ async def upload_loop(http, url: str, wav: bytes, every_s: float, until: asyncio
                     rec.error = f"{ev['code']}: {ev['message']}"
         return True
 
-    await periodically(every_s, until, records, UploadRecord, upload)
+    await periodically(every_s, until, records, UploadRecord, upload, timeout_s)
 
 
 WORDS = ("account", "address", "balance", "booking", "card", "city", "customer", "date", "delivery", "flight",
@@ -265,9 +271,9 @@ def fresh_prompts(tokenizer, n_tokens: int, seed: int):
 
 
 async def arrival_loop(http, ws_url: str, pcm: bytes, every_s: float, until: asyncio.Event, prompts, seed: int,
-                       records: list[ArrivalRecord]) -> None:
+                       records: list[ArrivalRecord], timeout_s: float) -> None:
     """A new call every `every_s` until `until` is set: its fresh prompt, its audio at once, end_input; read
-    to its end."""
+    to its end, or cut after `timeout_s`."""
     import aiohttp
 
     async def arrive(rec: ArrivalRecord) -> bool:
@@ -287,4 +293,4 @@ async def arrival_loop(http, ws_url: str, pcm: bytes, every_s: float, until: asy
                         rec.error = f"{ev['code']}: {ev['message']}"
         return True
 
-    await periodically(every_s, until, records, ArrivalRecord, arrive)
+    await periodically(every_s, until, records, ArrivalRecord, arrive, timeout_s)
