@@ -173,6 +173,7 @@ class StepRunner(HostStepper):
         self._built = None      # torch.compile's step itself (compiled back ends)
         self._cuda_graphs: dict[tuple, tuple] = {}  # (bucket, sampling) -> graph, its outputs (inputs: _inputs)
         self._graph_pool = None  # shared by every bucket's graph (_capture_cuda_graph)
+        self._capture_stream = None  # the buckets' own (a cuBLAS workspace per stream: graphs/shapes.py)
         # per captured or compiled (bucket, sampling): pinned host twins of in/outputs (_staged)
         self._staging: dict[tuple, tuple] = {}
         self._inputs: dict[int, tuple] = {}     # per bucket: static inputs, shared by its variants
@@ -352,7 +353,9 @@ class StepRunner(HostStepper):
         # One memory pool for every bucket: the graphs replay one at a time on one stream and each
         # replay's outputs are copied out before the next (__call__), so a bucket may reuse the memory of
         # another's intermediates. Private pools would cost one step's activations per bucket.
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream):
             out = self._compiled(*static, sampling)
             # the fields the engine takes to the host, packed into one buffer inside the graph: one copy out
             packed = torch.cat([getattr(out, k).reshape(b, -1).contiguous().view(torch.uint8).reshape(-1)

@@ -19,7 +19,14 @@ class ShapeGraphs:
     """fn(*inputs), recorded per key (`capture`) and replayed (`__call__`); a key never captured, or
     `graphs=False`, runs fn eagerly on the inputs as given. The graphs share one memory pool of their own:
     they replay one at a time (one caller thread) and keep no outputs, and the pool is not the step
-    graphs', which may replay at the same time on another stream."""
+    graphs', which may replay at the same time on another stream.
+
+    They are also recorded on a capture stream of their own, for the same reason: torch gives cuBLAS and
+    cuBLASLt a workspace per (thread's handle, current stream), and a graph keeps the address of the one
+    it was recorded with. Recorded on one stream (torch.cuda.graph's default capture stream serves every
+    capture that names none), an admission's GEMMs and a concurrent step's would share one workspace: cuBLASLt's split-K kernels keep
+    partial sums and arrival counters there, so two at once corrupt each other's sums or wait forever (on
+    the H200, a load run with captured admissions arriving beside 128 live calls never finished)."""
 
     def __init__(self, fn: Callable[..., None], device: torch.device, graphs: bool):
         if graphs and device.type != "cuda":
@@ -27,6 +34,7 @@ class ShapeGraphs:
         self.fn, self.device, self.graphs = fn, device, graphs
         self._captured: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._pool = None
+        self.capture_stream = torch.cuda.Stream(device) if graphs else None
 
     @property
     def keys(self) -> list[Hashable]:
@@ -46,7 +54,7 @@ class ShapeGraphs:
                 self.fn(*static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream):
             self.fn(*static)
         if self._pool is None:
             self._pool = graph.pool()

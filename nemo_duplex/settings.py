@@ -47,6 +47,10 @@ class EngineConfig:
     # at most admission_pieces_per_tick between two steps while calls are live (an engine driven tick by
     # tick, serving/drive.py, always does).
     admission_thread: bool = True
+    # With the admission thread: a call still not admitted this long after its admission was submitted
+    # ends with an error naming this setting, rather than waiting on a thread that never finishes it (its
+    # slot stays the thread's until the thread is done with it); /health reports the stalled admission.
+    max_admission_s: float = 30.0
     # A prompt is prefilled in pieces of this many tokens, the rest in falling powers of two (0: whole;
     # frame_step.prompt_pieces), eager or captured alike.
     prefill_chunk_tokens: int = 256

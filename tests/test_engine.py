@@ -764,7 +764,59 @@ def test_a_call_ended_while_the_thread_admits_it_keeps_its_slot_until_then(tiny,
         eng.stop()
 
 
-@pytest.mark.parametrize("bad", [{"admission_pieces_per_tick": 0}, {"prefill_chunk_tokens": -1}])
+def test_a_call_the_admission_thread_never_finishes_ends_with_the_limit_named(tiny, monkeypatch):
+    """engine.max_admission_s: an admission that never returns (a hung thread) ends its call, and the call
+    queued behind it, with an error naming the setting, instead of leaving their clients waiting; the
+    engine reports the stall (admission_stalled_s, what /health shows) and the slots stay the thread's until
+    it is done; then they come back and a new call is admitted."""
+    import threading
+
+    from nemo_duplex.serving import engine as engine_mod
+
+    admission, release = engine_mod.admission, threading.Event()
+
+    def hung_admission(*args, **kwargs):
+        release.wait(30)
+        yield from admission(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "admission", hung_admission)
+    eng = _engine(tiny, max_calls=2, prefix_cache_mib=0, admission_thread=True, max_admission_s=0.5)
+    eng.start()
+    try:
+        ended = [threading.Event(), threading.Event()]
+        reasons = [[], []]
+
+        def listener(i):
+            def on_event(ev):
+                if isinstance(ev, EndedEvent):
+                    reasons[i].append((ev.reason, ev.message))
+                    ended[i].set()
+            return on_event
+        calls = [eng.open_call(on_event=listener(i)) for i in (0, 1)]
+        calls[0].append(np.zeros(1280 * 3, dtype=np.float32))
+        t0 = time.monotonic()
+        assert all(e.wait(10) for e in ended)
+        assert 0.5 <= time.monotonic() - t0 < 5.0
+        for r in reasons:
+            assert r == [("error", "the call was not admitted within engine.max_admission_s = 0.5 s")]
+        assert eng.admission_stalled_s > 0.5
+        assert eng.slots.in_use == 2              # the thread still holds both slots
+        release.set()
+        deadline = time.monotonic() + 10
+        while (eng.slots.in_use or eng.admission_stalled_s) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.slots.in_use == 0 and eng.admission_stalled_s == 0.0
+        monkeypatch.setattr(engine_mod, "admission", admission)
+        done = threading.Event()
+        eng.open_call(on_event=lambda ev: isinstance(ev, EndedEvent) and done.set()).end_input()
+        assert done.wait(10)
+    finally:
+        release.set()
+        eng.stop()
+
+
+@pytest.mark.parametrize("bad", [{"admission_pieces_per_tick": 0}, {"prefill_chunk_tokens": -1},
+                                 {"max_admission_s": 0.0}])
 def test_admission_settings_that_could_never_admit_are_refused(tiny, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         _engine(tiny, **bad)

@@ -223,9 +223,15 @@ class Server:
             body, status = await self.cluster.health()
             return JSONResponse(body, status_code=status)
         ok = self.healthy()
-        body = {"status": "ready" if ok else ("starting" if not self.ready else "engine_down"),
+        # a stalled admission thread admits no new call: a balancer should send them elsewhere
+        stalled = self.engine.admission_stalled_s
+        body = {"status": ("admission_stalled" if stalled else "ready") if ok
+                else ("starting" if not self.ready else "engine_down"),
                 "active_calls": self.engine.active_calls, "sessions": len(self.sessions),
                 "max_calls": self.max_calls}
+        if stalled:
+            body["admission_stalled_s"] = round(stalled, 1)
+            ok = False
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(self, request: Request) -> Response:

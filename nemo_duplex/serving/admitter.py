@@ -53,6 +53,7 @@ class Admitter:
         # the lowest priority (0); the engine thread steps on the highest (Engine._step_stream)
         self.stream = torch.cuda.Stream(self.device, priority=0) if self.device.type == "cuda" else None
         self.thread: threading.Thread | None = None
+        self.busy_since: float | None = None   # when the thread took the call it is admitting (None: idle)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="admission", daemon=True)
@@ -76,6 +77,7 @@ class Admitter:
         while (job := self.jobs.get()) is not None:
             call, pieces, after = job
             error = None
+            self.busy_since = time.monotonic()
             if not call.closed:
                 try:
                     with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
@@ -88,5 +90,6 @@ class Admitter:
                         self.stream.synchronize()
                 except Exception as e:  # noqa: BLE001 - the call ends with it; the thread goes on
                     error = e
+            self.busy_since = None
             self.done.append((call, error))
             self.engine.wake()

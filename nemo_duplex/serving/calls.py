@@ -174,6 +174,7 @@ class Call:
         self.admitted = False
         self.cohort = None        # engine.admission_thread: the calls admitted with it (admitter.Cohort)
         self.in_admission = False  # ... and while the thread admits it (its slot is the thread's)
+        self.admission_submitted = 0.0   # when it was handed to the thread (engine.max_admission_s)
         self.opened_at = time.monotonic()   # its rhythm's phase until its first frame (opened_together)
 
     # client side

@@ -85,6 +85,9 @@ class Engine:
         if cfg.prefix_cache_mib < 0:
             raise ValueError(f"engine.prefix_cache_mib = {cfg.prefix_cache_mib}: MiB the prefix cache may hold, "
                              ">= 0 (0 turns it off)")
+        if cfg.max_admission_s <= 0:
+            raise ValueError(f"engine.max_admission_s = {cfg.max_admission_s}: seconds a call may wait for its "
+                             "admission, > 0")
         if cfg.admission_pieces_per_tick < 1 or cfg.prefill_chunk_tokens < 0:
             raise ValueError(f"engine.admission_pieces_per_tick = {cfg.admission_pieces_per_tick} (>= 1) and "
                              f"engine.prefill_chunk_tokens = {cfg.prefill_chunk_tokens} (>= 0, 0: whole): an "
@@ -155,6 +158,13 @@ class Engine:
     def alive(self) -> bool:
         """The loop's thread is running (false before start, after stop, or after a device error ended it)."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def admission_stalled_s(self) -> float:
+        """How long the admission thread has been on one call past engine.max_admission_s (0: it is not)."""
+        since = self.admitter.busy_since if self.admitter is not None else None
+        busy = time.monotonic() - since if since is not None else 0.0
+        return busy if busy > self.cfg.max_admission_s else 0.0
 
     def wake(self) -> None:
         with self._lock:
@@ -387,6 +397,7 @@ class Engine:
                            self.admission_graphs)
         if self.admitter is not None:
             call.cohort, call.in_admission = cohort, True
+            call.admission_submitted = time.monotonic()
             cohort.pending += 1
             self.admitter.submit(call, pieces)
         else:
@@ -405,6 +416,19 @@ class Engine:
                 self._end(call, "error", str(error))
             else:
                 call.admitted = True
+        self._end_overdue_admissions()
+
+    def _end_overdue_admissions(self) -> None:
+        """Calls the admission thread has held past engine.max_admission_s end with an error naming it (their
+        clients hear why rather than wait on a thread that never finishes them); each slot stays the
+        thread's until it is done with it (_take_admitted gives it back)."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [c for c in self._calls.values() if c.in_admission
+                       and now - c.admission_submitted > self.cfg.max_admission_s]
+        for call in overdue:
+            self._end(call, "error", f"the call was not admitted within engine.max_admission_s = "
+                                     f"{self.cfg.max_admission_s:g} s")
 
     def _advance_admissions(self) -> None:
         """Run the admissions under way, oldest first: at most engine.admission_pieces_per_tick pieces (a
