@@ -622,6 +622,15 @@ def test_health_and_metrics(server, tok):
     status, _ = asyncio.run(_status(f"{srv.url}/health"))
     assert status == 503
     srv.server.ready = True
+    # an admission thread on one call past engine.max_admission_s admits no one: 503, with how long
+    admitter = srv.server.engine.admitter
+    admitter.busy_since = time.monotonic() - srv.server.engine.cfg.max_admission_s - 5.0
+    try:
+        status, body = asyncio.run(_status(f"{srv.url}/health"))
+    finally:
+        admitter.busy_since = None
+    assert status == 503 and body["status"] == "admission_stalled" and body["admission_stalled_s"] >= 5.0
+    assert asyncio.run(_status(f"{srv.url}/health"))[0] == 200
 
 
 async def _status(url):
