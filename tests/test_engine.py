@@ -815,8 +815,46 @@ def test_a_call_the_admission_thread_never_finishes_ends_with_the_limit_named(ti
         eng.stop()
 
 
+def test_a_step_under_way_past_max_step_s_marks_the_engine_stalled(tiny, example_clip):
+    """engine.max_step_s: while a step has been under way longer (here a runner that takes 1 s once: a
+    stand-in for a kernel that never finishes), step_stalled_s says for how long (what /health and the
+    replicas' health check read); 0 before, and again once it is done."""
+    import threading
+
+    eng = _engine(tiny, max_step_s=0.3)
+    runner, slow, entered = eng.step_runner, [True], threading.Event()
+
+    class SlowOnce(HostStepper):
+        host_fields = runner.host_fields
+
+        def __call__(self, *args, **kwargs):
+            if slow.pop() if slow else False:
+                entered.set()
+                time.sleep(1.0)
+            return runner(*args, **kwargs)
+
+    eng.prepare()   # (captures with the real runner: a no-op on the CPU)
+    eng.step_runner = SlowOnce()
+    eng.start()
+    try:
+        assert eng.step_stalled_s == 0.0
+        call = eng.open_call()
+        call.append(example_clip[:1280].numpy())
+        assert entered.wait(10)
+        deadline = time.monotonic() + 5
+        while eng.step_stalled_s == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0.3 < eng.step_stalled_s < 1.5
+        while eng.step_stalled_s and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.step_stalled_s == 0.0 and call.frames_stepped == 1
+        call.abort()
+    finally:
+        eng.stop()
+
+
 @pytest.mark.parametrize("bad", [{"admission_pieces_per_tick": 0}, {"prefill_chunk_tokens": -1},
-                                 {"max_admission_s": 0.0}])
+                                 {"max_admission_s": 0.0}, {"max_step_s": -1.0}])
 def test_admission_settings_that_could_never_admit_are_refused(tiny, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         _engine(tiny, **bad)

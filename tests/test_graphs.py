@@ -756,3 +756,22 @@ def test_dynamic_batch_builds_once_for_the_buckets_above_one(slim, caplog):
     with caplog.at_level("WARNING"):
         build_runner(model, st, specials, [1], graphs=True, backend="cudagraph-eager", dynamic_batch=True)
     assert "engine.compile_dynamic_batch=true is unused" in caplog.text
+
+
+def test_every_served_cuda_graph_is_recorded_on_a_stream_it_names():
+    """torch gives cuBLAS a workspace per (thread, stream) and a graph keeps the one it was recorded with:
+    graphs recorded on torch.cuda.graph's default capture stream share it, and two of them replayed at once
+    (the admission's beside a step's) corrupt each other's split-K sums or never finish (graphs/shapes.py).
+    So every capture in the served code names the stream it records on."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    captures = []
+    for folder in ("graphs", "nemo_duplex", "ops"):
+        for path in (repo / folder).rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if "torch.cuda.graph(" in line:
+                    captures.append((f"{path.relative_to(repo)}:{number}", line))
+    assert len(captures) >= 2   # the step's buckets (graphs/capture.py) and ShapeGraphs (graphs/shapes.py)
+    unnamed = [where for where, line in captures if "stream=" not in line]
+    assert not unnamed, f"CUDA graphs recorded on the default capture stream: {unnamed}"

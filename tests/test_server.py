@@ -631,12 +631,29 @@ def test_health_and_metrics(server, tok):
         admitter.busy_since = None
     assert status == 503 and body["status"] == "admission_stalled" and body["admission_stalled_s"] >= 5.0
     assert asyncio.run(_status(f"{srv.url}/health"))[0] == 200
+    # ... and so is an engine whose step has been under way past engine.max_step_s (a wedged GPU)
+    srv.server.engine.step_started = time.monotonic() - srv.server.engine.cfg.max_step_s - 5.0
+    try:
+        status, body = asyncio.run(_status(f"{srv.url}/health"))
+        metrics = asyncio.run(_text(f"{srv.url}/metrics"))
+    finally:
+        srv.server.engine.step_started = None
+    assert status == 503 and body["status"] == "engine_stalled" and body["engine_stalled_s"] >= 5.0
+    stalled = [line for line in metrics.splitlines() if line.startswith('duplex_stalled_seconds{part="step"}')]
+    assert len(stalled) == 1 and float(stalled[0].split()[-1]) >= 5.0
+    assert asyncio.run(_status(f"{srv.url}/health"))[0] == 200
 
 
 async def _status(url):
     async with aiohttp.ClientSession() as http:
         async with http.get(url) as r:
             return r.status, await r.json()
+
+
+async def _text(url):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as r:
+            return await r.text()
 
 
 def test_not_ready_until_warm(monkeypatch, tok):

@@ -194,8 +194,15 @@ class Server:
                 await self.cluster.report(self)
             await asyncio.sleep(1.0)
 
+    def stalls(self) -> dict[str, float]:
+        """What the engine has had under way too long, by /health's name for it: seconds. A step or an
+        admission that never finishes (a wedged GPU, a hung thread) serves no one, so a balancer should send
+        calls elsewhere and an orchestrator restart the server (engine.max_step_s, engine.max_admission_s)."""
+        stalls = {"engine_stalled": self.engine.step_stalled_s, "admission_stalled": self.engine.admission_stalled_s}
+        return {name: seconds for name, seconds in stalls.items() if seconds}
+
     def healthy(self) -> bool:
-        return self.ready and getattr(self.engine, "ready", True) and self.engine.alive
+        return self.ready and getattr(self.engine, "ready", True) and self.engine.alive and not self.stalls()
 
     # -- routes
     def app(self) -> Starlette:
@@ -222,16 +229,10 @@ class Server:
         if self.cluster is not None:
             body, status = await self.cluster.health()
             return JSONResponse(body, status_code=status)
-        ok = self.healthy()
-        # a stalled admission thread admits no new call: a balancer should send them elsewhere
-        stalled = self.engine.admission_stalled_s
-        body = {"status": ("admission_stalled" if stalled else "ready") if ok
-                else ("starting" if not self.ready else "engine_down"),
-                "active_calls": self.engine.active_calls, "sessions": len(self.sessions),
-                "max_calls": self.max_calls}
-        if stalled:
-            body["admission_stalled_s"] = round(stalled, 1)
-            ok = False
+        ok, stalls = self.healthy(), self.stalls()
+        status = "ready" if ok else "starting" if not self.ready else next(iter(stalls), "engine_down")
+        body = {"status": status, "active_calls": self.engine.active_calls, "sessions": len(self.sessions),
+                "max_calls": self.max_calls, **{f"{name}_s": round(seconds, 1) for name, seconds in stalls.items()}}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(self, request: Request) -> Response:

@@ -256,10 +256,12 @@ def replica_class():
             return ReplicaHeader(self.server.app(), self.replica)
 
         def check_health(self) -> None:
-            """Serve's health check: a replica whose engine thread died is restarted (its calls have
-            ended with engine_error already)."""
+            """Serve's health check: a replica whose engine thread died (its calls have ended with
+            engine_error already) or whose step or admission never finishes (Server.stalls) is restarted."""
             if self.server.ready and not self.server.healthy():
-                raise RuntimeError("the engine thread is down")
+                stalls = self.server.stalls()
+                raise RuntimeError(", ".join(f"{name} for {seconds:.0f} s" for name, seconds in stalls.items())
+                                   if stalls else "the engine thread is down")
 
     return Replica
 

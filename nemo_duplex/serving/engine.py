@@ -85,6 +85,9 @@ class Engine:
         if cfg.prefix_cache_mib < 0:
             raise ValueError(f"engine.prefix_cache_mib = {cfg.prefix_cache_mib}: MiB the prefix cache may hold, "
                              ">= 0 (0 turns it off)")
+        if cfg.max_step_s <= 0:
+            raise ValueError(f"engine.max_step_s = {cfg.max_step_s}: seconds after which a step still under way "
+                             "marks the engine stalled, > 0")
         if cfg.max_admission_s <= 0:
             raise ValueError(f"engine.max_admission_s = {cfg.max_admission_s}: seconds a call may wait for its "
                              "admission, > 0")
@@ -120,6 +123,7 @@ class Engine:
         self.stats = EngineStats()
         self.prefix_cache = PrefixCache(self.cfg.prefix_cache_mib * 2**20)
         self._last_step: tuple[float, float] | None = None  # (monotonic start, seconds) of the last step
+        self.step_started: float | None = None   # while a step's device work is under way (step_stalled_s)
         self._step_seconds: dict[int, float] = {}   # rows -> seconds of the last step of that many rows
         self._last_open: float | None = None  # monotonic time of the last open_call (engine.open_quiet_ms)
         self.longest_token = max(len(t) for t in tokenizer.token_strings())   # characters (prompt_ids)
@@ -158,6 +162,14 @@ class Engine:
     def alive(self) -> bool:
         """The loop's thread is running (false before start, after stop, or after a device error ended it)."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def step_stalled_s(self) -> float:
+        """How long the step under way has been running past engine.max_step_s (0: none has): a kernel that
+        never finishes (a wedged GPU) holds the engine thread, which cannot say so itself; /health does."""
+        since = self.step_started
+        busy = time.monotonic() - since if since is not None else 0.0
+        return busy if busy > self.cfg.max_step_s else 0.0
 
     @property
     def admission_stalled_s(self) -> float:
@@ -476,7 +488,11 @@ class Engine:
             for call, *_ in batch:
                 self.pages.before_step(call)
         sampling = not all(call.options.sampling.greedy for call, *_ in batch)
-        host = self.step_runner.step_to_host(slots, audio, forced, sampling, speech, text)  # numpy in and out
+        self.step_started = time.monotonic()
+        try:
+            host = self.step_runner.step_to_host(slots, audio, forced, sampling, speech, text)  # numpy in and out
+        finally:
+            self.step_started = None
         waited = time.perf_counter()
         launched = host.launched
         out = host.outputs
