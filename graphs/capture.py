@@ -56,6 +56,7 @@ from graphs.compiled import (
 )
 from graphs.fallbacks import register_inductor_fallbacks
 from graphs.regions import install_regions
+from graphs.shapes import record_graph
 
 log = logging.getLogger(__name__)
 
@@ -343,23 +344,18 @@ class StepRunner(HostStepper):
 
     def _capture_cuda_graph(self, b: int, sampling: bool = True) -> None:
         static, staging = self._bucket_inputs(b)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self._compiled(*static, sampling)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
+
+        def step_and_pack():
+            out = self._compiled(*static, sampling)
+            # the fields the engine takes to the host, packed into one buffer inside the graph: one copy out
+            return out, torch.cat([getattr(out, k).reshape(b, -1).contiguous().view(torch.uint8).reshape(-1)
+                                   for k in self.host_fields])
         # One memory pool for every bucket: the graphs replay one at a time on one stream and each
         # replay's outputs are copied out before the next (__call__), so a bucket may reuse the memory of
         # another's intermediates. Private pools would cost one step's activations per bucket.
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream()
-        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream):
-            out = self._compiled(*static, sampling)
-            # the fields the engine takes to the host, packed into one buffer inside the graph: one copy out
-            packed = torch.cat([getattr(out, k).reshape(b, -1).contiguous().view(torch.uint8).reshape(-1)
-                                for k in self.host_fields])
+        graph, (out, packed) = record_graph(step_and_pack, 3, self._graph_pool, self._capture_stream)
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
         host_out, views, _ = self._host_outputs(out, packed=True)

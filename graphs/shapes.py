@@ -1,4 +1,5 @@
-"""A function captured as one CUDA graph per input shape: `ShapeGraphs`.
+"""Recording a CUDA graph (`record_graph`, which every capture here goes through) and a function captured
+as one CUDA graph per input shape (`ShapeGraphs`).
 
 For work that is not a batch step but runs often enough that its host time matters, and whose inputs
 come in a few known shapes: a new call's admission (serving/admission_graphs.py) runs ~1,500 small
@@ -13,6 +14,24 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import torch
+
+
+def record_graph(fn: Callable[[], object], warmups: int, pool, stream: torch.cuda.Stream):
+    """(graph, fn's result): fn run `warmups` times on a side stream (cuBLAS workspaces, lazy inits, autotuning:
+    work that must not happen inside a capture), then recorded on `stream` into memory pool `pool` (None: a new
+    one). `stream` is the recording owner's own (ShapeGraphs' docstring says why); the result's tensors live in
+    the pool, rewritten by every replay."""
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        result = fn()
+    return graph, result
 
 
 class ShapeGraphs:
@@ -47,15 +66,8 @@ class ShapeGraphs:
         if not self.graphs:
             return
         static = tuple(t.to(self.device).clone() for t in inputs)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):   # warm-up off the capture (cuBLAS workspaces, lazy inits)
-            for _ in range(2):
-                self.fn(*static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream):
-            self.fn(*static)
+        with torch.cuda.device(self.device):
+            graph, _ = record_graph(lambda: self.fn(*static), 2, self._pool, self.capture_stream)
         if self._pool is None:
             self._pool = graph.pool()
         graph.replay()   # its first launch (the upload) now, not in the first call's admission
