@@ -48,8 +48,9 @@ class EngineConfig:
     # tick, serving/drive.py, always does).
     admission_thread: bool = True
     # With the admission thread: a call still not admitted this long after its admission was submitted
-    # ends with an error naming this setting, rather than waiting on a thread that never finishes it (its
-    # slot stays the thread's until the thread is done with it); /health reports the stalled admission.
+    # (waiting behind others included: a live caller's audio meets max_pending_s by then) ends with an
+    # error naming this setting, rather than waiting on a thread that never finishes it (its slot stays the
+    # thread's until the thread is done with it); /health reports an admission under way that long.
     max_admission_s: float = 30.0
     # A step still under way this long (no bucket's step takes a second on the H200) marks the engine stalled:
     # /health answers 503 "engine_stalled" so that an orchestrator restarts the server; a kernel that never
