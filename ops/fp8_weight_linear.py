@@ -24,7 +24,7 @@ import triton.language as tl
 from ops import interpreting, sm_count, use_triton
 from ops.fp32_linear import grouped_tile, sum_splits
 from ops.rmsnorm import round_to
-from ops.skinny_gemm import pick_split_k
+from ops.skinny_gemm import k_slice_dot, pick_split_k
 
 # ----------------------------------------------------------------------------------------------------
 # Reference
@@ -45,31 +45,17 @@ def _fp8_weight_linear_kernel(
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Program (output tile, K slice): acc[BLOCK_M, BLOCK_N] over K_PER_SPLIT of K, then scaled per column and
-    rounded once, or with SPLIT_K > 1 stored unscaled to part_ptr [SPLIT_K, M, N] for `_sum_splits_kernel`.
-    K and the slice are compile-time constants (fixed per projection): a counted, software-pipelined loop,
-    which Triton's interpreter can also run. UPCAST: the dot in fp32 (IEEE) instead of bf16 tensor cores,
-    for the interpreter, which mis-computes bf16 dots (the products are the same: both operands are exact in
-    fp32)."""
+    """Program (output tile, K slice): acc[BLOCK_M, BLOCK_N] over K_PER_SPLIT of K (`k_slice_dot`: the e4m3
+    tiles widened to x's dtype in registers, exact), then scaled per column and rounded once, or with
+    SPLIT_K > 1 stored unscaled to part_ptr [SPLIT_K, M, N] for `_sum_splits_kernel`."""
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
-    k_start = split * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-        ks = k_start + k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],  # [BLOCK_K, BLOCK_N] of w^T, e4m3
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if UPCAST:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w.to(x.dtype), acc)   # e4m3 -> bf16 is exact
+    acc = k_slice_dot(x_ptr, w_ptr, rows, cols, row_mask, col_mask, stride_xm, stride_wn, split * K_PER_SPLIT,
+                      K, K_PER_SPLIT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     out_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         _scale_store(acc, rows, cols, col_mask, out_mask, scale_ptr, y_ptr, stride_ym, BF16)

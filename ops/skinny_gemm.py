@@ -45,23 +45,14 @@ def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 # ----------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N,
-    stride_xm, stride_wn, stride_ym,
-    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr, BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Program (column block, K slice): acc[BLOCK_M, BLOCK_N] over K_PER_SPLIT of K. K and the slice
-    length are compile-time constants (fixed per layer), so the loop is counted and software-pipelined
-    (and Triton 3.6's interpreter can run it). UPCAST: the dot in fp32 (IEEE) instead of bf16 tensor
-    cores, for the interpreter, which mis-computes bf16 dots (the values are the same: bf16 is exact in fp32)."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
-    k_start = split * K_PER_SPLIT
+def k_slice_dot(x_ptr, w_ptr, rows, cols, row_mask, col_mask, stride_xm, stride_wn, k_start,
+                K: tl.constexpr, K_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] (fp32) = x[rows, k_start:+K_PER_SPLIT] @ w[cols, same]^T, w's tiles widened to x's
+    dtype in registers (a no-op for bf16 weights; exact for e4m3: ops/fp8_weight_linear.py). K and the slice
+    length are compile-time constants (fixed per layer), so the loop is counted and software-pipelined (and
+    Triton 3.6's interpreter can run it). UPCAST: the dot in fp32 (IEEE) instead of bf16 tensor cores, for
+    the interpreter, which mis-computes bf16 dots (the values are the same: both operands are exact in fp32)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         ks = k_start + k0 + tl.arange(0, BLOCK_K)
@@ -73,7 +64,26 @@ def _skinny_gemm_kernel(
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w, acc)
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    return acc
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N,
+    stride_xm, stride_wn, stride_ym,
+    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (column block, K slice): acc[BLOCK_M, BLOCK_N] over K_PER_SPLIT of K (`k_slice_dot`)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    acc = k_slice_dot(x_ptr, w_ptr, rows, cols, row_mask, col_mask, stride_xm, stride_wn, split * K_PER_SPLIT,
+                      K, K_PER_SPLIT, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     out_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
