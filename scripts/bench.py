@@ -25,6 +25,7 @@ loadtest.arrival_every_s, each with a fresh system prompt of loadtest.arrival_pr
 seen before: no prefix cache hit) and loadtest.arrival_s of audio sent at once ("lockstep+arrivals"); the
 live calls' lag p99 is compared with the sweep's lockstep run of that N, and each arrival's time to its first
 packet (its admission) is recorded. The prompts are made with the server's tokenizer (model.weights=random).
+An upload or arrival the server never ends is cut after its audio + loadtest.run_timeout_s (its error kept).
 
 Per run (one start mode, one N):
   server lag      per frame, from the packet header: the frame's last input received -> its packet sent
@@ -36,6 +37,8 @@ Per run (one start mode, one N):
   step / batch    mean step time and mean batch size per metrics interval (GET /metrics)
   GPU memory      used by the server (nvidia-smi), and per call; the pools are allocated for
                   engine.max_calls at start, so the planned bytes per call (nemo_duplex/serving/memory.py) are beside it
+  stalled         the longest the server reported a step or an admission under way past engine.max_step_s /
+                  engine.max_admission_s (duplex_stalled_seconds); said in the summary when not 0
 The sustained count of a start mode is the largest N such that every N' <= N of the sweep was real time.
 Results: load.json (rewritten after every run), calls/<start>_<N>.json (every packet's arrival),
 summary.md, lag_vs_n.png, step_vs_n.png under loadtest.out (default $OUT or the Hydra run directory),
@@ -201,6 +204,8 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
     for key in ("padded_batch", "gather_ms", "prep_ms", "device_ms", "dispatch_ms"):  # where the step time went
         have = [x for x in busy if x.get(key) is not None]
         row[key] = _mean([x[key] * x["steps"] for x in have], [x["steps"] for x in have])
+    # the longest the server reported a step or an admission under way past its bound (0: never)
+    row["stalled_s"] = {part: max((x[f"stalled_{part}_s"] for x in tl), default=0.0) for part in ("step", "admission")}
     mem = [s["gpu_memory_bytes"] for s in samples if s.get("gpu_memory_bytes")]
     row["gpu_memory_bytes"] = max(mem) if mem else None
     row["gpu_memory_per_call_mib"] = round(max(mem) / n / 2 ** 20, 1) if mem else None
@@ -244,6 +249,9 @@ def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
                   f"{a['catch_up_x'].get('p0')}/{a['catch_up_x'].get('p50')}x real time")
     if row.get("lag_p99_vs_without_arrivals") is not None:
         extra += f", live lag p99 {row['lag_p99_vs_without_arrivals']}x the run without"
+    stalls = {part: seconds for part, seconds in row.get("stalled_s", {}).items() if seconds}
+    if stalls:
+        extra += ", SERVER STALLED: " + ", ".join(f"{part} under way {seconds:.0f} s" for part, seconds in stalls.items())
     print(f"{row['start']:>9} N={row['n_calls']:<4} real time {'yes' if row['real_time'] else 'NO '} failed "
           f"{row['failed_calls']} lag p50/p99 {s['p50']}/{s['p99']} ms, lateness p99 "
           f"{row['lateness_ms']['p99']} ms, step {row['step_ms']['mean']} ms, batch {row['batch']['mean']}{extra}",

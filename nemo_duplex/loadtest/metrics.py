@@ -11,13 +11,22 @@ import time
 METRIC = re.compile(r"^(duplex_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$")
 
 
+# labelled samples kept apart, as "<name>:<label value>" (the rest are summed by name)
+BY_LABEL = {"duplex_stalled_seconds": "part"}
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Unlabelled duplex_* samples of a Prometheus text page (labelled ones are summed by name)."""
+    """Unlabelled duplex_* samples of a Prometheus text page (labelled ones are summed by name, but those
+    of BY_LABEL's names, which are kept per label value)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = METRIC.match(line)
         if m and not (m.group(2) and "le=" in m.group(2)):
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+            name = m.group(1)
+            if name in BY_LABEL and m.group(2):
+                label = re.search(rf'{BY_LABEL[name]}="([^"]*)"', m.group(2))
+                name = f"{name}:{label.group(1)}" if label else name
+            out[name] = out.get(name, 0.0) + float(m.group(3))
     return out
 
 
@@ -78,5 +87,8 @@ def timeline(samples: list[dict], t0: float) -> list[dict]:
                      **{f"{p}_ms": 1000 * v / steps if steps else None for p, v in phase.items()},
                      "frames_per_s": frames / dt if dt > 0 else None,
                      "active_calls": b.get("duplex_active_calls"),
+                     # a step or an admission under way past the server's bound (engine.max_step_s, ...)
+                     "stalled_step_s": b.get("duplex_stalled_seconds:step", 0.0),
+                     "stalled_admission_s": b.get("duplex_stalled_seconds:admission", 0.0),
                      "gpu_memory_bytes": b.get("gpu_memory_bytes")})
     return rows

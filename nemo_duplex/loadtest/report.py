@@ -50,6 +50,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines += ["", "Sustained (largest N with every N' <= N real time): "
               + ", ".join(f"{k} {v}" for k, v in sustained([r for r in rows if not r.get("skipped")]).items())]
     for r in rows:
+        stalls = {part: seconds for part, seconds in r.get("stalled_s", {}).items() if seconds}
+        if stalls:
+            lines.append(f"The server stalled in the {r['start']} run at N={r['n_calls']}: "
+                         + ", ".join(f"{part} under way {seconds:.0f} s" for part, seconds in stalls.items())
+                         + " (its /health said so: engine.max_step_s, engine.max_admission_s)")
         if "uploads" in r:
             u = r["uploads"]
             ratio = r.get("lag_p99_vs_without_uploads")
@@ -147,5 +152,7 @@ def wandb_scalars(row: dict) -> dict:
         flat[f"server_lag_after_first_ms_{q}"] = v
     for q, v in row["lateness_ms"].items():
         flat[f"lateness_ms_{q}"] = v
+    for part, v in row.get("stalled_s", {}).items():
+        flat[f"stalled_{part}_s"] = v
     return {f"{row['start']}/{k}": v for k, v in flat.items()}
 
