@@ -644,6 +644,27 @@ def test_health_and_metrics(server, tok):
     assert asyncio.run(_status(f"{srv.url}/health"))[0] == 200
 
 
+def test_a_stall_is_logged_once_with_every_threads_stack(server, caplog):
+    """Server._report_stalls (each second with the metrics): a step under way past engine.max_step_s gets
+    one error naming it with every thread's stack (the engine thread's among them), not one a second."""
+    import logging
+
+    srv, _ = server()
+    engine = srv.server.engine
+    with caplog.at_level(logging.ERROR, logger="nemo_duplex.server"):
+        engine.step_started = time.monotonic() - engine.cfg.max_step_s - 5.0
+        try:
+            srv.server._report_stalls()
+            srv.server._report_stalls()
+        finally:
+            engine.step_started = None
+        srv.server._report_stalls()
+    stalls = [r.getMessage() for r in caplog.records if "engine_stalled" in r.getMessage()]
+    assert len(stalls) == 1, stalls
+    assert stalls[0].startswith("engine_stalled: under way") and "thread engine:" in stalls[0]
+    assert srv.server._stalls_reported == set()
+
+
 async def _status(url):
     async with aiohttp.ClientSession() as http:
         async with http.get(url) as r:

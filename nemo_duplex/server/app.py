@@ -23,6 +23,9 @@ import json
 import logging
 import re
 import signal
+import sys
+import threading
+import traceback
 import uuid
 from pathlib import Path
 
@@ -78,6 +81,7 @@ class Server:
         self._tasks: list[asyncio.Task] = []
         # set by a Ray Serve replica (server/replicas.py): /health and /metrics then speak for every replica
         self.cluster = None
+        self._stalls_reported: set[str] = set()   # (_report_stalls)
 
     @property
     def model_name(self) -> str:
@@ -190,9 +194,21 @@ class Server:
     async def _sample_metrics(self) -> None:
         while True:
             self.metrics.sample_engine(self.engine, len(self.sessions))
+            self._report_stalls()
             if self.cluster is not None:   # a Ray Serve replica: what the deployment's /health and /metrics show
                 await self.cluster.report(self)
             await asyncio.sleep(1.0)
+
+    def _report_stalls(self) -> None:
+        """Once per stall (Server.stalls): an error in the log with every thread's Python stack, so that a
+        wedged step or admission shows where its thread waits without attaching a debugger."""
+        stalls = self.stalls()
+        for name in stalls.keys() - self._stalls_reported:
+            frames = sys._current_frames()
+            stacks = "".join(f"\nthread {t.name}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+                             for t in threading.enumerate() if t.ident in frames)
+            log.error("%s: under way %.0f s; the threads' stacks:%s", name, stalls[name], stacks)
+        self._stalls_reported = set(stalls)
 
     def stalls(self) -> dict[str, float]:
         """What the engine has had under way too long, by /health's name for it: seconds. A step or an
