@@ -853,6 +853,17 @@ def test_a_step_under_way_past_max_step_s_marks_the_engine_stalled(tiny, example
         eng.stop()
 
 
+def test_max_admission_s_without_the_admission_thread_is_named_unused(tiny, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="nemo_duplex.serving.engine"):
+        _engine(tiny, admission_thread=False, max_admission_s=5.0)
+        _engine(tiny, admission_thread=True, max_admission_s=5.0)
+    unused = [r.getMessage() for r in caplog.records if "is unused" in r.getMessage()]
+    assert unused == ["engine.max_admission_s=5 is unused: engine.admission_thread=false admits on the engine "
+                      "thread, between steps"]
+
+
 @pytest.mark.parametrize("bad", [{"admission_pieces_per_tick": 0}, {"prefill_chunk_tokens": -1},
                                  {"max_admission_s": 0.0}, {"max_step_s": -1.0}])
 def test_admission_settings_that_could_never_admit_are_refused(tiny, bad):

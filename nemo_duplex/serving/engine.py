@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import threading
 import time
@@ -57,6 +58,8 @@ from nemo_duplex.serving.state import PrefixCache, SlotAllocator, allocate_call_
 from nemo_duplex.serving.stats import EngineStats
 from nemo_duplex.settings import EngineConfig
 
+log = logging.getLogger(__name__)
+
 
 def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torch.device | None = None) -> "Engine":
     """An engine for `model` with settings `cfg`: its state pools (one slot per call, plus the sink) and
@@ -91,6 +94,9 @@ class Engine:
         if cfg.max_admission_s <= 0:
             raise ValueError(f"engine.max_admission_s = {cfg.max_admission_s}: seconds a call may wait for its "
                              "admission, > 0")
+        if not cfg.admission_thread and cfg.max_admission_s != EngineConfig.max_admission_s:
+            log.warning("engine.max_admission_s=%g is unused: engine.admission_thread=false admits on the engine "
+                        "thread, between steps", cfg.max_admission_s)
         if cfg.admission_pieces_per_tick < 1 or cfg.prefill_chunk_tokens < 0:
             raise ValueError(f"engine.admission_pieces_per_tick = {cfg.admission_pieces_per_tick} (>= 1) and "
                              f"engine.prefill_chunk_tokens = {cfg.prefill_chunk_tokens} (>= 0, 0: whole): an "
