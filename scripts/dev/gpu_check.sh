@@ -79,7 +79,7 @@ elif [ "$PART" = load ]; then
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
 elif [ "$PART" = admission ]; then
     # live lag at 128 lockstep calls without and with calls arriving (2 a second, fresh 500-token prompts)
-    timeout 560 python3 scripts/bench.py $M model/dtype=bf16 'loadtest.n_calls=[128]' 'loadtest.starts=[lockstep]' \
+    timeout 540 python3 scripts/bench.py $M model/dtype=bf16 'loadtest.n_calls=[128]' 'loadtest.starts=[lockstep]' \
         loadtest.duration_s=12 'loadtest.arrival_runs=[128]' loadtest.time_budget_s=200 "${@:2}" \
         loadtest.out=/tmp/gpu_check_admission hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/admission.log" 2>&1
     cp /tmp/gpu_check_admission/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
