@@ -43,9 +43,10 @@ class ShapeGraphs:
     They are also recorded on a capture stream of their own, for the same reason: torch gives cuBLAS and
     cuBLASLt a workspace per (thread's handle, current stream), and a graph keeps the address of the one
     it was recorded with. Recorded on one stream (torch.cuda.graph's default capture stream serves every
-    capture that names none), an admission's GEMMs and a concurrent step's would share one workspace: cuBLASLt's split-K kernels keep
-    partial sums and arrival counters there, so two at once corrupt each other's sums or wait forever (on
-    the H200, a load run with captured admissions arriving beside 128 live calls never finished)."""
+    capture that names none), an admission's GEMMs and a concurrent step's would share one workspace:
+    cuBLASLt's split-K kernels keep partial sums and arrival counters there, so two at once can corrupt
+    each other's sums or wait forever (on the H200, a load run with captured admissions arriving beside
+    128 live calls never finished)."""
 
     def __init__(self, fn: Callable[..., None], device: torch.device, graphs: bool):
         if graphs and device.type != "cuda":

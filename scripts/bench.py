@@ -251,7 +251,8 @@ def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
         extra += f", live lag p99 {row['lag_p99_vs_without_arrivals']}x the run without"
     stalls = {part: seconds for part, seconds in row.get("stalled_s", {}).items() if seconds}
     if stalls:
-        extra += ", SERVER STALLED: " + ", ".join(f"{part} under way {seconds:.0f} s" for part, seconds in stalls.items())
+        extra += ", SERVER STALLED: " + ", ".join(f"{part} under way {seconds:.0f} s"
+                                                  for part, seconds in stalls.items())
     print(f"{row['start']:>9} N={row['n_calls']:<4} real time {'yes' if row['real_time'] else 'NO '} failed "
           f"{row['failed_calls']} lag p50/p99 {s['p50']}/{s['p99']} ms, lateness p99 "
           f"{row['lateness_ms']['p99']} ms, step {row['step_ms']['mean']} ms, batch {row['batch']['mean']}{extra}",
