@@ -52,9 +52,9 @@ class EngineConfig:
     # error naming this setting, rather than waiting on a thread that never finishes it (its slot stays the
     # thread's until the thread is done with it); /health reports an admission under way that long.
     max_admission_s: float = 30.0
-    # A step still under way this long (no bucket's step takes a second on the H200) marks the engine stalled:
-    # /health answers 503 "engine_stalled" so that an orchestrator restarts the server; a kernel that never
-    # finishes cannot be cut from Python.
+    # A step (or, without the admission thread, an admission piece) still under way this long (no bucket's
+    # step takes a second on the H200) marks the engine stalled: /health answers 503 "engine_stalled" so that
+    # an orchestrator restarts the server; a kernel that never finishes cannot be cut from Python.
     max_step_s: float = 10.0
     # A prompt is prefilled in pieces of this many tokens, the rest in falling powers of two (0: whole;
     # frame_step.prompt_pieces), eager or captured alike.

@@ -205,7 +205,7 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
         have = [x for x in busy if x.get(key) is not None]
         row[key] = _mean([x[key] * x["steps"] for x in have], [x["steps"] for x in have])
     # the longest the server reported a step or an admission under way past its bound (0: never)
-    row["stalled_s"] = {part: max((x[f"stalled_{part}_s"] for x in tl), default=0.0) for part in ("step", "admission")}
+    row["stalled_s"] = {part: max((x[f"stalled_{part}_s"] for x in tl), default=0.0) for part in ("engine", "admission")}
     mem = [s["gpu_memory_bytes"] for s in samples if s.get("gpu_memory_bytes")]
     row["gpu_memory_bytes"] = max(mem) if mem else None
     row["gpu_memory_per_call_mib"] = round(max(mem) / n / 2 ** 20, 1) if mem else None

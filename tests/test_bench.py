@@ -151,18 +151,18 @@ def test_parse_metrics_and_timeline():
             "duplex_step_seconds_sum 0.5\nduplex_step_seconds_bucket{le=\"0.1\"} 9.0\n"
             "duplex_refusals_total{reason=\"busy\"} 2.0\nduplex_refusals_total{reason=\"x\"} 1.0\n"
             "duplex_active_calls 3.0\n"
-            "duplex_stalled_seconds{part=\"step\"} 0.0\nduplex_stalled_seconds{part=\"admission\"} 31.5\n")
+            "duplex_stalled_seconds{part=\"engine\"} 0.0\nduplex_stalled_seconds{part=\"admission\"} 31.5\n")
     m = parse_metrics(page)
     # the stall gauge is kept per part (the other labelled ones are summed)
     assert m == {"duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5,
-                 "duplex_refusals_total": 3.0, "duplex_active_calls": 3.0, "duplex_stalled_seconds:step": 0.0,
+                 "duplex_refusals_total": 3.0, "duplex_active_calls": 3.0, "duplex_stalled_seconds:engine": 0.0,
                  "duplex_stalled_seconds:admission": 31.5}
     a = {"t": 1.0, "duplex_steps_total": 10.0, "duplex_frames_total": 25.0, "duplex_step_seconds_sum": 0.5,
          "duplex_step_device_seconds_total": 0.3, "duplex_padded_rows_total": 40.0}
     b = {"t": 2.0, "duplex_steps_total": 14.0, "duplex_frames_total": 37.0, "duplex_step_seconds_sum": 0.7,
          "duplex_step_device_seconds_total": 0.46, "duplex_padded_rows_total": 56.0, "duplex_active_calls": 3.0}
     (row,) = timeline([a, b | {"duplex_stalled_seconds:admission": 31.5}], 0.0)
-    assert row["stalled_admission_s"] == 31.5 and row["stalled_step_s"] == 0.0
+    assert row["stalled_admission_s"] == 31.5 and row["stalled_engine_s"] == 0.0
     assert row["step_ms"] == pytest.approx(50.0) and row["batch"] == pytest.approx(3.0)
     assert row["device_ms"] == pytest.approx(40.0) and row["padded_batch"] == pytest.approx(4.0)
     assert row["prep_ms"] == 0.0   # not on the page: counted as nothing
@@ -234,7 +234,7 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
 
     assert result["sustained"] == sustained(result["runs"])
     # the server never stalled; had it, the summary says so
-    assert all(run["stalled_s"] == {"step": 0.0, "admission": 0.0} for run in result["runs"])
+    assert all(run["stalled_s"] == {"engine": 0.0, "admission": 0.0} for run in result["runs"])
     from nemo_duplex.loadtest.report import markdown
     assert "stalled" not in markdown(result["runs"], result)
     result["runs"][0]["stalled_s"]["admission"] = 31.5

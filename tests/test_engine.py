@@ -817,7 +817,7 @@ def test_a_call_the_admission_thread_never_finishes_ends_with_the_limit_named(ti
 
 def test_a_step_under_way_past_max_step_s_marks_the_engine_stalled(tiny, example_clip):
     """engine.max_step_s: while a step has been under way longer (here a runner that takes 2 s once: a
-    stand-in for a kernel that never finishes), step_stalled_s says for how long (what /health and the
+    stand-in for a kernel that never finishes), engine_stalled_s says for how long (what /health and the
     replicas' health check read); 0 before, and again once it is done."""
     import threading
 
@@ -837,17 +837,49 @@ def test_a_step_under_way_past_max_step_s_marks_the_engine_stalled(tiny, example
     eng.step_runner = SlowOnce()
     eng.start()
     try:
-        assert eng.step_stalled_s == 0.0
+        assert eng.engine_stalled_s == 0.0
         call = eng.open_call()
         call.append(example_clip[:1280].numpy())
         assert entered.wait(10)
         deadline = time.monotonic() + 5
-        while eng.step_stalled_s == 0.0 and time.monotonic() < deadline:
+        while eng.engine_stalled_s == 0.0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert 0.3 < eng.step_stalled_s < 2.5
-        while eng.step_stalled_s and time.monotonic() < deadline:
+        assert 0.3 < eng.engine_stalled_s < 2.5
+        while eng.engine_stalled_s and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert eng.step_stalled_s == 0.0 and call.frames_stepped == 1
+        assert eng.engine_stalled_s == 0.0 and call.frames_stepped == 1
+        call.abort()
+    finally:
+        eng.stop()
+
+
+def test_an_inline_admission_piece_past_max_step_s_marks_the_engine_stalled(tiny, monkeypatch):
+    """engine.admission_thread=false: an admission piece runs on the engine thread between steps, so one that
+    takes too long (here 2 s) holds the engine thread like a step that does, and says so the same way."""
+    import threading
+
+    from nemo_duplex.serving import engine as engine_mod
+
+    admission, entered = engine_mod.admission, threading.Event()
+
+    def slow_admission(*args, **kwargs):
+        entered.set()
+        time.sleep(2.0)
+        yield from admission(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "admission", slow_admission)
+    eng = _engine(tiny, prefix_cache_mib=0, admission_thread=False, max_step_s=0.3)
+    eng.start()
+    try:
+        call = eng.open_call()
+        assert entered.wait(10)
+        deadline = time.monotonic() + 5
+        while eng.engine_stalled_s == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0.3 < eng.engine_stalled_s < 2.5
+        while not call.admitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert call.admitted and eng.engine_stalled_s == 0.0
         call.abort()
     finally:
         eng.stop()

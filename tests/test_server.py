@@ -632,14 +632,14 @@ def test_health_and_metrics(server, tok):
     assert status == 503 and body["status"] == "admission_stalled" and body["admission_stalled_s"] >= 5.0
     assert asyncio.run(_status(f"{srv.url}/health"))[0] == 200
     # ... and so is an engine whose step has been under way past engine.max_step_s (a wedged GPU)
-    srv.server.engine.step_started = time.monotonic() - srv.server.engine.cfg.max_step_s - 5.0
+    srv.server.engine.busy_since = time.monotonic() - srv.server.engine.cfg.max_step_s - 5.0
     try:
         status, body = asyncio.run(_status(f"{srv.url}/health"))
         metrics = asyncio.run(_text(f"{srv.url}/metrics"))
     finally:
-        srv.server.engine.step_started = None
+        srv.server.engine.busy_since = None
     assert status == 503 and body["status"] == "engine_stalled" and body["engine_stalled_s"] >= 5.0
-    stalled = [line for line in metrics.splitlines() if line.startswith('duplex_stalled_seconds{part="step"}')]
+    stalled = [line for line in metrics.splitlines() if line.startswith('duplex_stalled_seconds{part="engine"}')]
     assert len(stalled) == 1 and float(stalled[0].split()[-1]) >= 5.0
     assert asyncio.run(_status(f"{srv.url}/health"))[0] == 200
 
@@ -652,12 +652,12 @@ def test_a_stall_is_logged_once_with_every_threads_stack(server, caplog):
     srv, _ = server()
     engine = srv.server.engine
     with caplog.at_level(logging.ERROR, logger="nemo_duplex.server"):
-        engine.step_started = time.monotonic() - engine.cfg.max_step_s - 5.0
+        engine.busy_since = time.monotonic() - engine.cfg.max_step_s - 5.0
         try:
             srv.server._report_stalls()
             srv.server._report_stalls()
         finally:
-            engine.step_started = None
+            engine.busy_since = None
         srv.server._report_stalls()
     stalls = [r.getMessage() for r in caplog.records if "engine_stalled" in r.getMessage()]
     assert len(stalls) == 1, stalls

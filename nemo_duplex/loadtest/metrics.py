@@ -88,7 +88,7 @@ def timeline(samples: list[dict], t0: float) -> list[dict]:
                      "frames_per_s": frames / dt if dt > 0 else None,
                      "active_calls": b.get("duplex_active_calls"),
                      # a step or an admission under way past the server's bound (engine.max_step_s, ...)
-                     "stalled_step_s": b.get("duplex_stalled_seconds:step", 0.0),
+                     "stalled_engine_s": b.get("duplex_stalled_seconds:engine", 0.0),
                      "stalled_admission_s": b.get("duplex_stalled_seconds:admission", 0.0),
                      "gpu_memory_bytes": b.get("gpu_memory_bytes")})
     return rows

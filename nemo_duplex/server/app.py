@@ -214,7 +214,7 @@ class Server:
         """What the engine has had under way too long, by /health's name for it: seconds. A step or an
         admission that never finishes (a wedged GPU, a hung thread) serves no one, so a balancer should send
         calls elsewhere and an orchestrator restart the server (engine.max_step_s, engine.max_admission_s)."""
-        stalls = {"engine_stalled": self.engine.step_stalled_s, "admission_stalled": self.engine.admission_stalled_s}
+        stalls = {"engine_stalled": self.engine.engine_stalled_s, "admission_stalled": self.engine.admission_stalled_s}
         return {name: seconds for name, seconds in stalls.items() if seconds}
 
     def healthy(self) -> bool:

@@ -51,9 +51,9 @@ class ServerMetrics:
         self.kv_pages = Gauge("duplex_kv_pages", "KV pages of each pool (llm, talker): all of them, those free, and "
                               "those neither taken nor committed to a live call (new calls are admitted by these)",
                               ["pool", "state"], registry=r)
-        self.stalled = Gauge("duplex_stalled_seconds", "how long a step (part step) or an admission (part admission) "
-                             "has been under way past engine.max_step_s / engine.max_admission_s; 0: none",
-                             ["part"], registry=r)
+        self.stalled = Gauge("duplex_stalled_seconds", "how long the engine thread's step or admission piece (part "
+                             "engine) or the admission thread's call (part admission) has been under way past "
+                             "engine.max_step_s / engine.max_admission_s; 0: none", ["part"], registry=r)
         self._seen_steps = 0
         self._seen_frames = 0
         self._fps = deque()        # (monotonic time, engine frames so far)
@@ -75,7 +75,7 @@ class ServerMetrics:
         stats = engine.stats
         self.active_calls.set(engine.active_calls)
         self.sessions.set(sessions)
-        self.stalled.labels(part="step").set(engine.step_stalled_s)
+        self.stalled.labels(part="engine").set(engine.engine_stalled_s)
         self.stalled.labels(part="admission").set(engine.admission_stalled_s)
         if engine.pages is not None:
             for key, value in engine.pages.usage().items():   # e.g. talker_pages_uncommitted

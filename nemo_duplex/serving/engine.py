@@ -129,7 +129,8 @@ class Engine:
         self.stats = EngineStats()
         self.prefix_cache = PrefixCache(self.cfg.prefix_cache_mib * 2**20)
         self._last_step: tuple[float, float] | None = None  # (monotonic start, seconds) of the last step
-        self.step_started: float | None = None   # while a step's device work is under way (step_stalled_s)
+        # while the engine thread waits on the device: a step, or an inline admission piece (engine_stalled_s)
+        self.busy_since: float | None = None
         self._step_seconds: dict[int, float] = {}   # rows -> seconds of the last step of that many rows
         self._last_open: float | None = None  # monotonic time of the last open_call (engine.open_quiet_ms)
         self.longest_token = max(len(t) for t in tokenizer.token_strings())   # characters (prompt_ids)
@@ -170,10 +171,11 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     @property
-    def step_stalled_s(self) -> float:
-        """How long the step under way has been running past engine.max_step_s (0: none has): a kernel that
-        never finishes (a wedged GPU) holds the engine thread, which cannot say so itself; /health does."""
-        since = self.step_started
+    def engine_stalled_s(self) -> float:
+        """How long the engine thread's step (or inline admission piece) under way has been running past
+        engine.max_step_s (0: none has): a kernel that never finishes (a wedged GPU) holds the engine thread,
+        which cannot say so itself; /health does."""
+        since = self.busy_since
         busy = time.monotonic() - since if since is not None else 0.0
         return busy if busy > self.cfg.max_step_s else 0.0
 
@@ -460,6 +462,7 @@ class Engine:
                 self._admitting.popleft()
                 continue
             budget -= 1
+            self.busy_since = time.monotonic()
             try:
                 next(pieces)
             except StopIteration:
@@ -468,6 +471,8 @@ class Engine:
             except Exception as e:
                 self._admitting.popleft()
                 self._end(call, "error", str(e))
+            finally:
+                self.busy_since = None
 
     def _step(self, batch, gathered: float) -> None:
         started = time.monotonic()
@@ -494,11 +499,11 @@ class Engine:
             for call, *_ in batch:
                 self.pages.before_step(call)
         sampling = not all(call.options.sampling.greedy for call, *_ in batch)
-        self.step_started = time.monotonic()
+        self.busy_since = time.monotonic()
         try:
             host = self.step_runner.step_to_host(slots, audio, forced, sampling, speech, text)  # numpy in and out
         finally:
-            self.step_started = None
+            self.busy_since = None
         waited = time.perf_counter()
         launched = host.launched
         out = host.outputs
