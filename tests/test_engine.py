@@ -799,6 +799,9 @@ def test_a_call_the_admission_thread_never_finishes_ends_with_the_limit_named(ti
         assert 0.5 <= time.monotonic() - t0 < 5.0
         for r in reasons:
             assert r == [("error", "the call was not admitted within engine.max_admission_s = 0.5 s")]
+        deadline = time.monotonic() + 5   # (the thread took the first call a moment after it was submitted)
+        while eng.admission_stalled_s == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert eng.admission_stalled_s > 0.5
         assert eng.slots.in_use == 2              # the thread still holds both slots
         release.set()
