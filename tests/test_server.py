@@ -623,6 +623,7 @@ def test_health_and_metrics(server, tok):
     assert status == 503
     srv.server.ready = True
     # an admission thread on one call past engine.max_admission_s admits no one: 503, with how long
+    srv.wait_idle()   # (no step or admission of the call above may reset the marks set here)
     admitter = srv.server.engine.admitter
     admitter.busy_since = time.monotonic() - srv.server.engine.cfg.max_admission_s - 5.0
     try:
