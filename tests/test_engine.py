@@ -1,6 +1,7 @@
 """The batched engine: live == upload == offline, batch invariance, slot hygiene, prefix cache,
 tool-result injection, limits. Tiny model, CPU, fp32. One file past 500 lines on purpose: the engine's
 contract in one place (its pages are tests/test_pages.py, its pipeline tests/test_pipeline.py)."""
+import threading
 import time
 
 import numpy as np
@@ -27,6 +28,22 @@ from nemo_duplex.settings import EngineConfig
 def _engine(tiny, **kw):
     model, tok, *_ = tiny
     return build_engine(model, tok, EngineConfig(**{"max_calls": 4, "max_call_s": 20.0, **kw}))
+
+
+def _hold_admissions(monkeypatch, hold) -> threading.Event:
+    """From now on every admission (serving/engine.py's `admission`) sets the returned event, runs `hold()`
+    (a sleep: a slow admission; a wait: a hung one), then admits as usual."""
+    from nemo_duplex.serving import engine as engine_mod
+
+    admission, entered = engine_mod.admission, threading.Event()
+
+    def held(*args, **kwargs):
+        entered.set()
+        hold()
+        yield from admission(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "admission", held)
+    return entered
 
 
 def _clips(example_clip, n, frames, seed=0):
@@ -552,8 +569,6 @@ def test_duty_hold_waits_for_idle_calls_within_its_bounds(tiny, example_clip):
     next may start 200 ms after it; call a has a frame, call b has none. The wait lasts ~200 ms; it ends
     as soon as b's frame arrives (every live call has one: nothing more to wait for); the cap bounds it
     by a's frame's age; with max_duty 0 there is no wait."""
-    import threading
-
     frame = example_clip[:1280].numpy()
 
     def held_for(duty, cap_ms, b_after=None):
@@ -596,8 +611,6 @@ def test_backlog_hold_in_the_engine(tiny, example_clip):
     has a backlog. With a backlog step estimated at 0.5 s (the engine's last step of that many rows) the
     step waits for a's next frame: until it is due (~80 ms), or less when it arrives sooner (30 ms here);
     estimated at 1 ms, or with coalescing off (engine.coalesce_ms = 0), b is stepped at once."""
-    import threading
-
     frame = example_clip[:1280].numpy()
 
     def held_for(estimate, a_after=None, coalesce_ms=15.0):
@@ -683,21 +696,11 @@ def test_admission_thread_keeps_live_calls_stepping(tiny, example_clip, monkeypa
     """engine.admission_thread=true (an engine on its own thread): a new call whose admission takes
     0.6 s (slowed here) does not hold the live call, which is stepped all the while; the admitted call then
     gives the tokens of the same call admitted inline (serving/drive.py)."""
-    import threading
-
-    from nemo_duplex.serving import engine as engine_mod
-
     model, tok, *_ = tiny
     clip = example_clip[: 1280 * 10]
     inline = drive(_engine(tiny, prefix_cache_mib=0), clip_plans([clip], prompt="Be brief.", seed=3))[0]
 
-    admission = engine_mod.admission
-
-    def slow_admission(*args, **kwargs):
-        time.sleep(0.6)
-        yield from admission(*args, **kwargs)
-
-    monkeypatch.setattr(engine_mod, "admission", slow_admission)
+    _hold_admissions(monkeypatch, lambda: time.sleep(0.6))
     eng = _engine(tiny, prefix_cache_mib=0, admission_thread=True)
     eng.start()
     try:
@@ -732,18 +735,7 @@ def test_a_call_ended_while_the_thread_admits_it_keeps_its_slot_until_then(tiny,
     """engine.admission_thread: a call aborted while the thread writes its slot's rows gives the slot back
     only once the thread is done with it; given back at once, the next call could be admitted into the same
     rows by the thread while the first admission still wrote them."""
-    import threading
-
-    from nemo_duplex.serving import engine as engine_mod
-
-    admission, writing = engine_mod.admission, threading.Event()
-
-    def slow_admission(*args, **kwargs):
-        writing.set()
-        time.sleep(0.5)
-        yield from admission(*args, **kwargs)
-
-    monkeypatch.setattr(engine_mod, "admission", slow_admission)
+    writing = _hold_admissions(monkeypatch, lambda: time.sleep(0.5))
     eng = _engine(tiny, max_calls=1, prefix_cache_mib=0, admission_thread=True)
     eng.start()
     try:
@@ -769,17 +761,8 @@ def test_a_call_the_admission_thread_never_finishes_ends_with_the_limit_named(ti
     queued behind it, with an error naming the setting, instead of leaving their clients waiting; the
     engine reports the stall (admission_stalled_s, what /health shows) and the slots stay the thread's until
     it is done; then they come back and a new call is admitted."""
-    import threading
-
-    from nemo_duplex.serving import engine as engine_mod
-
-    admission, release = engine_mod.admission, threading.Event()
-
-    def hung_admission(*args, **kwargs):
-        release.wait(30)
-        yield from admission(*args, **kwargs)
-
-    monkeypatch.setattr(engine_mod, "admission", hung_admission)
+    release = threading.Event()
+    _hold_admissions(monkeypatch, lambda: release.wait(30))
     eng = _engine(tiny, max_calls=2, prefix_cache_mib=0, admission_thread=True, max_admission_s=0.5)
     eng.start()
     try:
@@ -809,7 +792,7 @@ def test_a_call_the_admission_thread_never_finishes_ends_with_the_limit_named(ti
         while (eng.slots.in_use or eng.admission_stalled_s) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert eng.slots.in_use == 0 and eng.admission_stalled_s == 0.0
-        monkeypatch.setattr(engine_mod, "admission", admission)
+        # (released: a new call's admission holds no longer)
         done = threading.Event()
         eng.open_call(on_event=lambda ev: isinstance(ev, EndedEvent) and done.set()).end_input()
         assert done.wait(10)
@@ -822,7 +805,6 @@ def test_a_step_under_way_past_max_step_s_marks_the_engine_stalled(tiny, example
     """engine.max_step_s: while a step has been under way longer (here a runner that takes 2 s once: a
     stand-in for a kernel that never finishes), engine_stalled_s says for how long (what /health and the
     replicas' health check read); 0 before, and again once it is done."""
-    import threading
 
     eng = _engine(tiny, max_step_s=0.3)
     runner, slow, entered = eng.step_runner, [True], threading.Event()
@@ -859,18 +841,7 @@ def test_a_step_under_way_past_max_step_s_marks_the_engine_stalled(tiny, example
 def test_an_inline_admission_piece_past_max_step_s_marks_the_engine_stalled(tiny, monkeypatch):
     """engine.admission_thread=false: an admission piece runs on the engine thread between steps, so one that
     takes too long (here 2 s) holds the engine thread like a step that does, and says so the same way."""
-    import threading
-
-    from nemo_duplex.serving import engine as engine_mod
-
-    admission, entered = engine_mod.admission, threading.Event()
-
-    def slow_admission(*args, **kwargs):
-        entered.set()
-        time.sleep(2.0)
-        yield from admission(*args, **kwargs)
-
-    monkeypatch.setattr(engine_mod, "admission", slow_admission)
+    entered = _hold_admissions(monkeypatch, lambda: time.sleep(2.0))
     eng = _engine(tiny, prefix_cache_mib=0, admission_thread=False, max_step_s=0.3)
     eng.start()
     try:
@@ -915,7 +886,6 @@ def test_admission_thread_on_cuda_equals_inline_admission(tiny, example_clip):
     4 calls with prompts of their own opened while they are stepped; one capture bucket (8 rows) on both
     sides, so every row runs the same kernels whatever shares its step; fp32 tiny model, bit for bit."""
     import copy
-    import threading
 
     model = copy.deepcopy(tiny[0]).to("cuda")
     tok = tiny[1]
