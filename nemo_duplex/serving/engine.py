@@ -61,6 +61,12 @@ from nemo_duplex.settings import EngineConfig
 log = logging.getLogger(__name__)
 
 
+def _busy_past(since: float | None, bound_s: float) -> float:
+    """Seconds since `since` (None: not busy) where they exceed bound_s, else 0."""
+    busy = time.monotonic() - since if since is not None else 0.0
+    return busy if busy > bound_s else 0.0
+
+
 def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torch.device | None = None) -> "Engine":
     """An engine for `model` with settings `cfg`: its state pools (one slot per call, plus the sink) and
     the step runner over them (serving/runner.py: the capture buckets, the pipeline depth, the graphs)."""
@@ -175,16 +181,12 @@ class Engine:
         """How long the engine thread's step (or inline admission piece) under way has been running past
         engine.max_step_s (0: none has): a kernel that never finishes (a wedged GPU) holds the engine thread,
         which cannot say so itself; /health does."""
-        since = self.busy_since
-        busy = time.monotonic() - since if since is not None else 0.0
-        return busy if busy > self.cfg.max_step_s else 0.0
+        return _busy_past(self.busy_since, self.cfg.max_step_s)
 
     @property
     def admission_stalled_s(self) -> float:
         """How long the admission thread has been on one call past engine.max_admission_s (0: it is not)."""
-        since = self.admitter.busy_since if self.admitter is not None else None
-        busy = time.monotonic() - since if since is not None else 0.0
-        return busy if busy > self.cfg.max_admission_s else 0.0
+        return _busy_past(self.admitter.busy_since if self.admitter is not None else None, self.cfg.max_admission_s)
 
     def wake(self) -> None:
         with self._lock:
@@ -442,6 +444,8 @@ class Engine:
         """Calls the admission thread has held past engine.max_admission_s end with an error naming it (their
         clients hear why rather than wait on a thread that never finishes them); each slot stays the
         thread's until it is done with it (_take_admitted gives it back)."""
+        if self.admitter.busy_since is None and self.admitter.jobs.empty():
+            return   # no call is with the thread (those it finished were taken just before): no scan this tick
         now = time.monotonic()
         with self._lock:
             overdue = [c for c in self._calls.values() if c.in_admission
