@@ -6,13 +6,22 @@ import contextlib
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 if TYPE_CHECKING:
     from nemo_duplex.serving.calls import Call
     from nemo_duplex.serving.engine import Engine
+
+
+@dataclass
+class Job:
+    call: Call
+    pieces: Iterator                      # the admission, a piece per next() (frame_step.admission)
+    key: tuple                            # what the prefix cache knows its result by (frame_step.admission_key)
+    after: torch.cuda.Event | None        # the engine stream's work queued when it was submitted
 
 
 class Cohort:
@@ -41,7 +50,9 @@ class Admitter:
     with it (Engine._end), so the two threads never touch the same rows. The admission's kernels
     start after the engine stream's work queued when it was submitted, and the call is handed back only once
     they are done. Host time of a 500-token admission on the H200 is ~0.2-0.3 s (docs/performance.md):
-    on the engine thread it stalled every live call that long."""
+    on the engine thread it stalled every live call that long. Each time it takes work it takes every call
+    queued by then: those the prefix cache admits go first, together (Engine.restore_together), then the
+    others one by one."""
 
     def __init__(self, engine: Engine):
         import queue
@@ -64,32 +75,61 @@ class Admitter:
             self.jobs.put(None)
             self.thread.join(timeout=30)
 
-    def submit(self, call: Call, pieces: Iterator) -> None:
+    def submit(self, call: Call, pieces: Iterator, key: tuple) -> None:
+        """Admit `call`: run `pieces` (frame_step.admission), or, where the prefix cache holds `key`
+        (frame_step.admission_key), copy its entry in together with the other such calls queued by then."""
         after = None
         if self.stream is not None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
-        self.jobs.put((call, pieces, after))
+        self.jobs.put(Job(call, pieces, key, after))
 
     def _run(self) -> None:
         if self.stream is not None:
             torch.cuda.set_device(self.device)
-        while (job := self.jobs.get()) is not None:
-            call, pieces, after = job
-            error = None
+        running = True
+        while running:
+            jobs = [self.jobs.get()]
+            while not self.jobs.empty():   # the calls submitted meanwhile: a burst of callers is admitted together
+                jobs.append(self.jobs.get())
+            if None in jobs:   # stop(): the jobs queued before it are still admitted
+                running = False
+                jobs = jobs[:jobs.index(None)]
+            cache = self.engine.prefix_cache
+            restorable: dict[tuple, list[Job]] = {}
+            for job in jobs:
+                if not job.call.closed and job.key in cache:
+                    restorable.setdefault(job.key, []).append(job)
+            for key, group in restorable.items():   # first: a copy each, done in moments
+                self._admit(group, self.engine.restore_together, key, [job.call for job in group])
+            restored = {id(job) for group in restorable.values() for job in group}
+            for job in jobs:
+                if id(job) not in restored:
+                    self._admit([job], _run_pieces, job.pieces)
+
+    def _admit(self, jobs: list[Job], run: Callable, *args) -> None:
+        """run(*args), the admission of `jobs`, on the admission's stream after the engine's work queued when
+        each was submitted (not at all when every one of them has ended meanwhile); hand them back once its
+        kernels are done, or with the error it raised."""
+        error = None
+        if not all(job.call.closed for job in jobs):
             self.busy_since = time.monotonic()
-            if not call.closed:
-                try:
-                    with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
-                                           else contextlib.nullcontext()):
-                        if after is not None:
-                            self.stream.wait_event(after)
-                        for _ in pieces:
-                            pass
-                    if self.stream is not None:
-                        self.stream.synchronize()
-                except Exception as e:  # noqa: BLE001 - the call ends with it; the thread goes on
-                    error = e
+            try:
+                with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
+                                       else contextlib.nullcontext()):
+                    for job in jobs:
+                        if job.after is not None:
+                            self.stream.wait_event(job.after)
+                    run(*args)
+                if self.stream is not None:
+                    self.stream.synchronize()
+            except Exception as e:  # noqa: BLE001 - the calls end with it; the thread goes on
+                error = e
             self.busy_since = None
-            self.done.append((call, error))
-            self.engine.wake()
+        self.done.extend((job.call, error) for job in jobs)
+        self.engine.wake()
+
+
+def _run_pieces(pieces: Iterator) -> None:
+    for _ in pieces:
+        pass

@@ -42,7 +42,7 @@ from nemo_duplex.serving.calls import (
     limit_message,
     system_prompt_ids,
 )
-from nemo_duplex.serving.frame_step import admission, special_ids
+from nemo_duplex.serving.frame_step import admission, admission_key, restore_admissions, special_ids
 from nemo_duplex.serving.memory import frames_per_call, kv_page_counts
 from nemo_duplex.serving.pacing import (
     backlog_hold,
@@ -359,12 +359,15 @@ class Engine:
         for call, (reason, message) in ending:
             self._end(call, reason, message)
         cohort = Cohort() if self.admitter is not None and admitting else None   # the calls submitted now
+        restorable: dict[tuple, list[Call]] = {}   # inline: calls the prefix cache admits, by its key
         for call in admitting:
             if not call.closed:
-                self._admit(call, cohort)
+                self._admit(call, cohort, restorable)
         if self.admitter is not None:
             self._take_admitted()
         else:
+            for key, calls in restorable.items():
+                self._restore_inline(key, calls)
             self._advance_admissions()
 
         gathered = time.perf_counter()
@@ -405,7 +408,11 @@ class Engine:
         client sets the prompt (so the client hears it then, not as the call's end once its audio starts)."""
         return system_prompt_ids(self.model, self.tokenizer, prompt, self.cfg.max_prompt_tokens, self.longest_token)
 
-    def _admit(self, call: Call, cohort: "Cohort | None" = None) -> None:
+    def _admit(self, call: Call, cohort: "Cohort | None" = None,
+               restorable: dict[tuple, list[Call]] | None = None) -> None:
+        """Start the call's admission: on the admission thread (with `cohort`, the calls submitted in this
+        tick), else inline: a call whose prompt and speaker the prefix cache holds joins `restorable` (restored
+        with the others this tick), any other call's admission runs in pieces between steps."""
         try:
             prompt_ids = self.prompt_ids(call.options.prompt)
         except Exception as e:
@@ -414,6 +421,7 @@ class Engine:
         call.prompt_tokens = 0 if prompt_ids is None else prompt_ids.numel()
         if self.pages is not None:
             self.pages.admitted(call)
+        key = admission_key(self.model, prompt_ids, call.options.speaker)
         pieces = admission(self.model, self.state, call.slot, prompt_ids, call.options.seed, call.options.sampling,
                            call.options.speaker, self.prefix_cache, self.cfg.prefill_chunk_tokens,
                            self.admission_graphs)
@@ -421,9 +429,30 @@ class Engine:
             call.cohort, call.in_admission = cohort, True
             call.admission_submitted = time.monotonic()
             cohort.pending += 1
-            self.admitter.submit(call, pieces)
+            self.admitter.submit(call, pieces, key)
+        elif restorable is not None and key in self.prefix_cache:
+            restorable.setdefault(key, []).append(call)
         else:
             self._admitting.append((call, pieces))
+
+    def restore_together(self, key: tuple, calls: list[Call]) -> None:
+        """Admit `calls`, whose prompt and speaker are `key`, from the prefix cache's entry, all at once
+        (frame_step.restore_admissions: a fixed number of device ops whatever their number)."""
+        restore_admissions(self.model, self.state, [c.slot for c in calls], self.prefix_cache.get(key, len(calls)),
+                           [c.options.seed for c in calls], [c.options.sampling for c in calls])
+
+    def _restore_inline(self, key: tuple, calls: list[Call]) -> None:
+        self.busy_since = time.monotonic()
+        try:
+            self.restore_together(key, calls)
+        except Exception as e:  # noqa: BLE001 - the calls end with it; the engine goes on
+            for call in calls:
+                self._end(call, "error", str(e))
+        else:
+            for call in calls:
+                call.admitted = True
+        finally:
+            self.busy_since = None
 
     def _take_admitted(self) -> None:
         """The admissions the admission thread finished: their calls step from this tick on."""

@@ -247,6 +247,13 @@ def prompt_pieces(tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return pieces
 
 
+def admission_key(model, prompt_ids: torch.Tensor | None, speaker: str | None) -> tuple:
+    """What a call's admitted state depends on, besides its seed and sampling: its system prompt's ids and
+    its speaker (the prefix cache's key)."""
+    has_prompt = prompt_ids is not None and prompt_ids.numel() > 0
+    return tuple(prompt_ids.tolist()) if has_prompt else (), speaker or model.cfg.talker.speaker
+
+
 @torch.no_grad()
 def admission(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, seed: int,
               sampling: SamplingParams, speaker: str | None = None, prefix_cache: PrefixCache | None = None,
@@ -268,10 +275,10 @@ def admission(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, 
     model.codec.reset_slots(st.codec, s)
     has_prompt = prompt_ids is not None and prompt_ids.numel() > 0
     P = prompt_ids.shape[0] if has_prompt else 0
-    key = (tuple(prompt_ids.tolist()) if has_prompt else (), speaker or cfg.talker.speaker)
+    key = admission_key(model, prompt_ids, speaker)
     snap = prefix_cache.get(key) if prefix_cache is not None else None
     if snap is not None:
-        PrefixCache.restore(st, slot, snap)
+        PrefixCache.restore(st, s, snap)
     else:
         if has_prompt:
             x = model.prompt_embeddings(prompt_ids.to(dev))[None]
@@ -288,21 +295,53 @@ def admission(model, st: CallState, slot: int, prompt_ids: torch.Tensor | None, 
             model.talker.prefill_warmup(st.talker, s, model.speaker_latent(speaker), model.silence_codes)
         if prefix_cache is not None and prefix_cache.wants(key):
             prefix_cache.put(key, PrefixCache.snapshot(st, slot, P, cfg.prompt_frames))
-    pad = cfg.tokens.pad_id
-    st.llm_len[slot] = P
-    st.talker_pos[slot] = cfg.prompt_frames
-    st.frame[slot] = 0
-    st.speech_frame[slot] = 0
-    st.pending_text[slot] = pad
-    st.prev_text[slot] = pad
-    st.prev_func[slot] = pad
-    st.prev_codes[slot] = cfg.talker.speech_pad_code
-    st.seed[slot] = seed
-    st.temperature[slot] = sampling.temperature
-    st.top_p[slot] = sampling.top_p
-    st.rep_penalty[slot] = sampling.repetition_penalty
-    st.greedy[slot] = sampling.greedy
-    st.seen[slot] = False
+    start_slots(model, st, s, [P], [seed], [sampling])
+
+
+def start_slots(model, st: CallState, slots: torch.Tensor, prompt_lens: list[int], seeds: list[int],
+                samplings: list[SamplingParams]) -> None:
+    """The per-call scalars of calls about to hear their first frame, rows `slots` [K]: their prompt's length
+    in the LLM's KV, the talker after its warm-up, frame counters at 0, PAD as the previous tokens and
+    codes, the seed and sampling settings, nothing seen. Three host-to-device copies and a write per field,
+    whatever K."""
+    cfg = model.cfg
+    pad, dev = cfg.tokens.pad_id, st.llm_len.device
+    ints = torch.tensor([[p, cfg.prompt_frames, seed] for p, seed in zip(prompt_lens, seeds)],
+                        dtype=torch.int64).to(dev)
+    floats = torch.tensor([[s.temperature, s.top_p, s.repetition_penalty] for s in samplings],
+                          dtype=torch.float32).to(dev)
+    greedy = torch.tensor([s.greedy for s in samplings], dtype=torch.bool).to(dev)
+    st.llm_len[slots] = ints[:, 0]
+    st.talker_pos[slots] = ints[:, 1]
+    st.seed[slots] = ints[:, 2]
+    for counter in (st.frame, st.speech_frame):
+        counter.index_fill_(0, slots, 0)
+    for token in (st.pending_text, st.prev_text, st.prev_func):
+        token.index_fill_(0, slots, pad)
+    st.prev_codes.index_fill_(0, slots, cfg.talker.speech_pad_code)
+    st.temperature[slots] = floats[:, 0]
+    st.top_p[slots] = floats[:, 1]
+    st.rep_penalty[slots] = floats[:, 2]
+    st.greedy[slots] = greedy
+    st.seen.index_fill_(0, slots, False)
+
+
+@torch.no_grad()
+def restore_admissions(model, st: CallState, slots: list[int], snap: dict, seeds: list[int],
+                       samplings: list[SamplingParams]) -> None:
+    """Admit calls whose prompt and speaker the prefix cache holds (`snap`, one entry for all) all at once:
+    the state `admission` leaves in each slot, bit for bit (tests/test_engine.py), in a fixed number of
+    device ops whatever the number of calls. Why: calls that open together (a burst of callers) were
+    admitted one by one, ~50 small launches and a wait each, so the last of 256 waited for all the others."""
+    dev = st.llm_len.device
+    s = torch.tensor(slots, dtype=torch.int64, device=dev)
+    model.perception.reset_slots(st.encoder, s)
+    if st.rnnt is not None:
+        model.stt_model.rnnt_decoder.reset_slots(st.rnnt, s)
+    # (the LLM's reset is left out: the restore below writes its whole recurrent state)
+    model.codec.reset_slots(st.codec, s)
+    PrefixCache.restore(st, s, snap)
+    start_slots(model, st, s, [snap["k"].shape[-2]] * len(slots), seeds, samplings)
 
 
 def special_ids(model, device) -> torch.Tensor:

@@ -174,13 +174,17 @@ class PrefixCache:
     def entry_bytes(snap: dict) -> int:
         return sum(t.numel() * t.element_size() for t in snap.values())
 
-    def get(self, key: tuple) -> dict | None:
+    def __contains__(self, key: tuple) -> bool:   # (counts nothing, moves nothing)
+        return key in self._entries
+
+    def get(self, key: tuple, calls: int = 1) -> dict | None:
+        """The entry for `key`, for `calls` admissions (a hit or a miss each), or None."""
         snap = self._entries.get(key)
         if snap is None:
-            self.misses += 1
+            self.misses += calls
             return None
         self._entries.move_to_end(key)
-        self.hits += 1
+        self.hits += calls
         return snap
 
     def wants(self, key: tuple) -> bool:
@@ -207,35 +211,41 @@ class PrefixCache:
         self.bytes += size
 
     @staticmethod
-    def _places(st: CallState, slot: int, prompt_len: int, warmup_len: int):
-        """Where the slot's first prompt_len LLM positions and warmup_len talker positions (both streams) live:
-        (row, offset) index pairs into every layer's pool at once (ops/kv_pages.py), so a snapshot or a
-        restore is one gather or scatter per pool, not one per layer."""
+    def _places(st: CallState, slots: torch.Tensor, prompt_len: int, warmup_len: int):
+        """Where the first prompt_len LLM positions and warmup_len talker positions (both streams) of each slot
+        in `slots` [K] live: (row, offset) index pairs into every layer's pool at once (ops/kv_pages.py), [K,
+        prompt_len] and [2 streams, K, warmup_len], so a snapshot or a restore is one gather or scatter per
+        pool, not one per layer or per call."""
         llm, tk = st.llm, st.talker
         dev = llm.conv.device
-        llm_at = kv_places(llm.pages, llm.k.shape[3], torch.tensor(slot, device=dev), torch.arange(prompt_len, device=dev))
-        rows = torch.tensor([slot, slot + tk.num_slots], device=dev)[:, None]   # the talker's two streams
+        llm_at = kv_places(llm.pages, llm.k.shape[3], slots[:, None], torch.arange(prompt_len, device=dev))
+        rows = torch.stack([slots, slots + tk.num_slots])[:, :, None]   # the talker's two streams
         talker_at = kv_places(tk.pages, tk.k.shape[4], rows, torch.arange(warmup_len, device=dev))
-        return llm_at, talker_at
+        return torch.broadcast_tensors(*llm_at), torch.broadcast_tensors(*talker_at)
 
     @staticmethod
     def snapshot(st: CallState, slot: int, prompt_len: int, warmup_len: int) -> dict:
         """The slot's admission state: k, v [n_attn, kv, prompt_len, D]; talker_k, talker_v
         [layers, 2 streams, kv, warmup_len, D] (the same shapes whether the pools are paged or not)."""
         llm, tk = st.llm, st.talker
-        (lr, lo), (tr, to) = PrefixCache._places(st, slot, prompt_len, warmup_len)
-        talker = [pool.flatten(1, 2)[:, tr, :, to].permute(2, 0, 3, 1, 4) for pool in (tk.k, tk.v)]  # [L, 2, kv, w, D]
+        (lr, lo), (tr, to) = PrefixCache._places(st, torch.tensor([slot], device=llm.conv.device), prompt_len,
+                                                 warmup_len)
+        talker = [pool.flatten(1, 2)[:, tr[:, 0], :, to[:, 0]].permute(2, 0, 3, 1, 4)   # [L, 2, kv, w, D]
+                  for pool in (tk.k, tk.v)]
         return {"conv": llm.conv[:, slot].clone(), "ssm": llm.ssm[:, slot].clone(),
-                "k": llm.k[:, lr, :, lo].permute(1, 2, 0, 3), "v": llm.v[:, lr, :, lo].permute(1, 2, 0, 3),
+                "k": llm.k[:, lr[0], :, lo[0]].permute(1, 2, 0, 3), "v": llm.v[:, lr[0], :, lo[0]].permute(1, 2, 0, 3),
                 "talker_k": talker[0], "talker_v": talker[1]}
 
     @staticmethod
-    def restore(st: CallState, slot: int, snap: dict) -> None:
+    def restore(st: CallState, slots: torch.Tensor, snap: dict) -> None:
+        """Copy one snapshot into every slot of `slots` [K] (int64, on the pools' device): a fixed number of
+        scatters whatever K, so calls that open together are admitted together (serving/admitter.py)."""
         llm, tk = st.llm, st.talker
-        (lr, lo), (tr, to) = PrefixCache._places(st, slot, snap["k"].shape[-2], snap["talker_k"].shape[-2])
-        llm.conv[:, slot] = snap["conv"]
-        llm.ssm[:, slot] = snap["ssm"]
-        llm.k[:, lr, :, lo] = snap["k"].permute(2, 0, 1, 3)     # [n_attn, kv, p, D] -> [p, n_attn, kv, D]
+        (lr, lo), (tr, to) = PrefixCache._places(st, slots, snap["k"].shape[-2], snap["talker_k"].shape[-2])
+        llm.conv[:, slots] = snap["conv"][:, None]
+        llm.ssm[:, slots] = snap["ssm"][:, None]
+        llm.k[:, lr, :, lo] = snap["k"].permute(2, 0, 1, 3)     # [n_attn, kv, p, D] -> [p, n_attn, kv, D], per slot
         llm.v[:, lr, :, lo] = snap["v"].permute(2, 0, 1, 3)
-        tk.k.flatten(1, 2)[:, tr, :, to] = snap["talker_k"].permute(1, 3, 0, 2, 4)   # -> [2, w, L, kv, D]
-        tk.v.flatten(1, 2)[:, tr, :, to] = snap["talker_v"].permute(1, 3, 0, 2, 4)
+        # [L, 2, kv, w, D] -> [2, 1, w, L, kv, D]: the same for each slot
+        tk.k.flatten(1, 2)[:, tr, :, to] = snap["talker_k"].permute(1, 3, 0, 2, 4)[:, None]
+        tk.v.flatten(1, 2)[:, tr, :, to] = snap["talker_v"].permute(1, 3, 0, 2, 4)[:, None]

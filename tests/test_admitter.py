@@ -1,0 +1,205 @@
+"""Admissions from the prefix cache, several calls at once (frame_step.restore_admissions, the admission
+thread's bursts: serving/admitter.py). Tiny model, CPU, fp32."""
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nemo_duplex.models.config import SamplingParams
+from nemo_duplex.serving import engine as engine_mod
+from nemo_duplex.serving.calls import CallOptions, EndedEvent, FrameEvent
+from nemo_duplex.serving.drive import clip_plans, drive
+from nemo_duplex.serving.engine import build_engine
+from nemo_duplex.serving.frame_step import admission, admission_key, restore_admissions
+from nemo_duplex.serving.pages import KVPages
+from nemo_duplex.serving.state import KVPageCounts, PrefixCache, allocate_call_state, state_tensors
+from nemo_duplex.settings import EngineConfig
+
+PROMPT = "Answer in one short sentence."
+SLOTS = [4, 0, 2]    # not in order, and slot 1, slot 3 and the sink are left alone
+SAMPLINGS = [SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1),
+             SamplingParams(), SamplingParams(temperature=1.0)]
+
+
+def _state(model, paged: bool, prompt_tokens: int):
+    """A state of 5 calls whose every pool holds seeded noise (so a row left unreset shows), paged or not;
+    paged, SLOTS hold the pages their admission writes (as serving/pages.py gives them)."""
+    kv_pages = KVPageCounts(4, 40, 40) if paged else None
+    st = allocate_call_state(model, 5, 12, torch.device("cpu"), 16, kv_pages)
+    if paged:
+        pages = KVPages(st, model.cfg.prompt_frames, 16)
+        for slot in SLOTS:
+            assert pages.commit(slot, prompt_tokens, model.cfg.prompt_frames)
+            pages.grow(slot, prompt_tokens, model.cfg.prompt_frames)
+    g = torch.Generator().manual_seed(5)
+    for name, t in state_tensors(st):
+        if name.endswith("pages"):
+            continue
+        if t.dtype == torch.bool:
+            t.copy_(torch.rand(t.shape, generator=g) < 0.5)
+        elif t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=g))
+        else:
+            t.copy_(torch.randint(0, 7, t.shape, generator=g))
+    return st
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_calls_restored_together_equal_calls_admitted_fresh_one_by_one(tiny, paged):
+    """Three calls with one cached prompt restored at once leave every pool as the full admission (prompt
+    prefill and talker warm-up, no cache) of each call one by one does, bit for bit: the rows of the three
+    slots, and every other row untouched."""
+    model, tok, *_ = tiny
+    ids = model.prompt_ids(tok, PROMPT)
+    seeds = [11, 2**40, 0]
+
+    fresh = _state(model, paged, ids.numel())
+    for slot, seed, sampling in zip(SLOTS, seeds, SAMPLINGS):
+        for _ in admission(model, fresh, slot, ids, seed, sampling):
+            pass
+
+    cache, scratch = PrefixCache(1 << 30), _state(model, paged, ids.numel())
+    for _ in range(2):   # the doorkeeper: cached on the second admission (snapshot from pools paged or not)
+        for _ in admission(model, scratch, SLOTS[0], ids, 0, SamplingParams(), None, cache):
+            pass
+    key = admission_key(model, ids, None)
+    assert key in cache
+
+    together = _state(model, paged, ids.numel())
+    restore_admissions(model, together, SLOTS, cache.get(key, calls=3), seeds, SAMPLINGS)
+    assert cache.hits == 3
+    differ = [name for (name, a), (_, b) in zip(state_tensors(fresh), state_tensors(together)) if not torch.equal(a, b)]
+    assert differ == []
+
+
+class _CountOps(TorchDispatchMode):
+    """The ops torch dispatches, views left out (they launch nothing; how a value of one row is broadcast
+    takes a view more or less)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_restore_runs_the_same_ops_for_one_call_as_for_five(tiny):
+    """What made a burst of callers slow to admit was a launch count per call: restoring five calls must run
+    the ops one call's does, no more (counted at torch's dispatcher)."""
+    model, tok, *_ = tiny
+    st = allocate_call_state(model, 6, 12, torch.device("cpu"), 16)
+    cache = PrefixCache(1 << 30)
+    ids = model.prompt_ids(tok, PROMPT)
+    for _ in range(2):
+        for _ in admission(model, st, 5, ids, 0, SamplingParams(), None, cache):
+            pass
+    snap = cache.get(admission_key(model, ids, None))
+    counts = []
+    for slots in ([1], [0, 1, 2, 3, 4]):
+        with _CountOps() as count:
+            restore_admissions(model, st, slots, snap, [7] * len(slots), [SamplingParams()] * len(slots))
+        counts.append(count.ops)
+    assert counts[0] == counts[1] and len(counts[0]) > 20
+
+
+def test_calls_queued_behind_an_admission_are_restored_in_one_go(tiny, example_clip, monkeypatch):
+    """The admission thread: while it prefills one call's fresh prompt (held here), five calls with a cached
+    prompt queue behind it; then one restore admits all five (one call of restore_admissions, five slots,
+    five hits), and each gives the tokens and codes of the same call admitted inline by itself."""
+    model, tok, *_ = tiny
+    clip = example_clip[: 1280 * 6]
+    inline = drive(build_engine(model, tok, EngineConfig(max_calls=2, max_call_s=20.0, prefix_cache_mib=0)),
+                   clip_plans([clip], prompt=PROMPT, seed=4))[0]
+
+    eng = build_engine(model, tok, EngineConfig(max_calls=6, max_call_s=20.0, admission_thread=True))
+    restores = []
+
+    def recording_restore(model_, st, slots, *args):
+        restores.append(list(slots))
+        restore_admissions(model_, st, slots, *args)
+
+    monkeypatch.setattr(engine_mod, "restore_admissions", recording_restore)
+    eng.start()
+    try:
+        def run_one(prompt):   # one call through, until it ends
+            done, reasons = threading.Event(), []
+            call = eng.open_call(CallOptions(prompt=prompt, seed=4),
+                                 on_event=lambda ev: isinstance(ev, EndedEvent) and (reasons.append(ev.reason),
+                                                                                     done.set()))
+            call.end_input()
+            assert done.wait(30) and reasons == ["completed"]
+        run_one(PROMPT)
+        run_one(PROMPT)   # cached now
+        assert restores == [] and admission_key(model, eng.prompt_ids(PROMPT), None) in eng.prefix_cache
+
+        release, entered = threading.Event(), threading.Event()
+        admission_fn = engine_mod.admission
+
+        def held(*args, **kwargs):
+            entered.set()
+            assert release.wait(30)
+            yield from admission_fn(*args, **kwargs)
+        monkeypatch.setattr(engine_mod, "admission", held)
+        blocker = eng.open_call(CallOptions(prompt="A prompt of its own, never seen.", seed=1))
+        assert entered.wait(10)
+        monkeypatch.setattr(engine_mod, "admission", admission_fn)
+
+        frames = [[] for _ in range(5)]
+        ended = [threading.Event() for _ in range(5)]
+
+        def listener(i):
+            def on_event(ev):
+                if isinstance(ev, FrameEvent):
+                    frames[i].append(ev)
+                elif isinstance(ev, EndedEvent):
+                    ended[i].set()
+            return on_event
+        calls = [eng.open_call(CallOptions(prompt=PROMPT, seed=4), on_event=listener(i)) for i in range(5)]
+        deadline = time.monotonic() + 10
+        while eng.admitter.jobs.qsize() < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.admitter.jobs.qsize() == 5
+        hits = eng.prefix_cache.hits
+        release.set()
+        for call in calls:
+            call.append(clip.numpy())
+            call.end_input()
+        assert all(e.wait(30) for e in ended)
+        assert restores == [[c.slot for c in calls]] and eng.prefix_cache.hits == hits + 5
+        for f in frames:
+            assert [e.text for e in f] == inline.text_tokens.tolist()
+            assert torch.equal(torch.stack([torch.as_tensor(e.codes) for e in f]), inline.codes)
+        blocker.abort()
+    finally:
+        eng.stop()
+
+
+def test_calls_opened_in_one_tick_are_restored_together_inline(tiny, example_clip, monkeypatch):
+    """engine.admission_thread=false (here an engine driven tick by tick): four calls with a cached prompt
+    opened in one tick are restored by one restore_admissions, before the step, and each gives the tokens
+    and codes of the same call admitted without a prefix cache."""
+    model, tok, *_ = tiny
+    clip = example_clip[: 1280 * 6]
+    plans = clip_plans([clip] * 4, prompt=PROMPT, seed=4)
+    reference = drive(build_engine(model, tok, EngineConfig(max_calls=4, max_call_s=20.0, prefix_cache_mib=0)), plans)
+
+    eng = build_engine(model, tok, EngineConfig(max_calls=4, max_call_s=20.0))
+    for _ in range(2):
+        drive(eng, clip_plans([clip[:1280]], prompt=PROMPT))
+    restores = []
+
+    def recording_restore(model_, st, slots, *args):
+        restores.append(len(slots))
+        restore_admissions(model_, st, slots, *args)
+
+    monkeypatch.setattr(engine_mod, "restore_admissions", recording_restore)
+    hits = eng.prefix_cache.hits
+    together = drive(eng, plans)
+    assert restores == [4] and eng.prefix_cache.hits == hits + 4
+    for r, ref in zip(together, reference):
+        assert torch.equal(r.text_tokens, ref.text_tokens) and torch.equal(r.codes, ref.codes)
