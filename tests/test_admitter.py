@@ -107,16 +107,17 @@ def test_a_restore_runs_the_same_ops_for_one_call_as_for_five(tiny):
     assert counts[0] == counts[1] and len(counts[0]) > 20
 
 
-def test_calls_queued_behind_an_admission_are_restored_in_one_go(tiny, example_clip, monkeypatch):
-    """The admission thread: while it prefills one call's fresh prompt (held here), five calls with a cached
-    prompt queue behind it; then one restore admits all five (one call of restore_admissions, five slots,
-    five hits), and each gives the tokens and codes of the same call admitted inline by itself."""
+def test_calls_queued_behind_admissions_are_restored_in_one_go_first(tiny, example_clip, monkeypatch):
+    """The admission thread: while it prefills one call's fresh prompt (held here), another fresh prompt and then
+    five calls with a cached prompt queue behind it; then one restore admits all five (one call of
+    restore_admissions, five slots, five hits) before the second fresh prompt's admission, and each gives
+    the tokens and codes of the same call admitted inline by itself."""
     model, tok, *_ = tiny
     clip = example_clip[: 1280 * 6]
     inline = drive(build_engine(model, tok, EngineConfig(max_calls=2, max_call_s=20.0, prefix_cache_mib=0)),
                    clip_plans([clip], prompt=PROMPT, seed=4))[0]
 
-    eng = build_engine(model, tok, EngineConfig(max_calls=6, max_call_s=20.0, admission_thread=True))
+    eng = build_engine(model, tok, EngineConfig(max_calls=8, max_call_s=20.0, admission_thread=True))
     restores = []
 
     def recording_restore(model_, st, slots, *args):
@@ -124,6 +125,7 @@ def test_calls_queued_behind_an_admission_are_restored_in_one_go(tiny, example_c
         restore_admissions(model_, st, slots, *args)
 
     monkeypatch.setattr(engine_mod, "restore_admissions", recording_restore)
+    gates, entered = [threading.Event(), threading.Event()], []   # one per fresh prompt's admission
     eng.start()
     try:
         def run_one(prompt):   # one call through, until it ends
@@ -137,17 +139,20 @@ def test_calls_queued_behind_an_admission_are_restored_in_one_go(tiny, example_c
         run_one(PROMPT)   # cached now
         assert restores == [] and admission_key(model, eng.prompt_ids(PROMPT), None) in eng.prefix_cache
 
-        release, entered = threading.Event(), threading.Event()
         admission_fn = engine_mod.admission
 
         def held(*args, **kwargs):
-            entered.set()
-            assert release.wait(30)
+            i = len(entered)
+            entered.append(i)
+            assert gates[i].wait(30)
             yield from admission_fn(*args, **kwargs)
         monkeypatch.setattr(engine_mod, "admission", held)
-        blocker = eng.open_call(CallOptions(prompt="A prompt of its own, never seen.", seed=1))
-        assert entered.wait(10)
-        monkeypatch.setattr(engine_mod, "admission", admission_fn)
+        blockers = [eng.open_call(CallOptions(prompt=f"A prompt of its own, never seen, number {i}.", seed=1))
+                    for i in range(2)]
+        deadline = time.monotonic() + 10
+        while not entered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert entered == [0]
 
         frames = [[] for _ in range(5)]
         ended = [threading.Event() for _ in range(5)]
@@ -160,22 +165,28 @@ def test_calls_queued_behind_an_admission_are_restored_in_one_go(tiny, example_c
                     ended[i].set()
             return on_event
         calls = [eng.open_call(CallOptions(prompt=PROMPT, seed=4), on_event=listener(i)) for i in range(5)]
+        submitted = [blockers[1]] + calls           # the second fresh prompt, then the five
         deadline = time.monotonic() + 10
-        while eng.admitter.jobs.qsize() < 5 and time.monotonic() < deadline:
+        while not all(c.in_admission for c in submitted) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert eng.admitter.jobs.qsize() == 5
+        assert all(c.in_admission for c in submitted) and entered == [0]
         hits = eng.prefix_cache.hits
-        release.set()
+        gates[0].set()
         for call in calls:
             call.append(clip.numpy())
             call.end_input()
-        assert all(e.wait(30) for e in ended)
+        assert all(e.wait(30) for e in ended)     # all five served while the second fresh prompt is held
+        assert entered == [0, 1] and not gates[1].is_set()
         assert restores == [[c.slot for c in calls]] and eng.prefix_cache.hits == hits + 5
         for f in frames:
             assert [e.text for e in f] == inline.text_tokens.tolist()
             assert torch.equal(torch.stack([torch.as_tensor(e.codes) for e in f]), inline.codes)
-        blocker.abort()
+        gates[1].set()
+        for blocker in blockers:
+            blocker.abort()
     finally:
+        for gate in gates:
+            gate.set()
         eng.stop()
 
 

@@ -51,8 +51,8 @@ class Admitter:
     start after the engine stream's work queued when it was submitted, and the call is handed back only once
     they are done. Host time of a 500-token admission on the H200 is ~0.2-0.3 s (docs/performance.md):
     on the engine thread it stalled every live call that long. Each time it takes work it takes every call
-    queued by then: those the prefix cache admits go first, together (Engine.restore_together), then the
-    others one by one."""
+    queued by then: those the prefix cache admits are admitted together at once (Engine.restore_together),
+    the others one by one, in order, each after the cached calls queued before it is done."""
 
     def __init__(self, engine: Engine):
         import queue
@@ -87,25 +87,27 @@ class Admitter:
     def _run(self) -> None:
         if self.stream is not None:
             torch.cuda.set_device(self.device)
-        running = True
-        while running:
-            jobs = [self.jobs.get()]
-            while not self.jobs.empty():   # the calls submitted meanwhile: a burst of callers is admitted together
+        waiting: deque[Job] = deque()   # calls to admit one by one, oldest first
+        stopping = False
+        while waiting or not stopping:
+            jobs = [] if waiting or stopping else [self.jobs.get()]
+            while not self.jobs.empty():   # the calls submitted meanwhile: a burst of callers comes in together
                 jobs.append(self.jobs.get())
-            if None in jobs:   # stop(): the jobs queued before it are still admitted
-                running = False
+            if None in jobs:   # stop(): the calls submitted before it are still admitted
+                stopping = True
                 jobs = jobs[:jobs.index(None)]
             cache = self.engine.prefix_cache
             restorable: dict[tuple, list[Job]] = {}
             for job in jobs:
                 if not job.call.closed and job.key in cache:
                     restorable.setdefault(job.key, []).append(job)
-            for key, group in restorable.items():   # first: a copy each, done in moments
+                else:
+                    waiting.append(job)
+            for key, group in restorable.items():   # a copy for all of them, done in moments
                 self._admit(group, self.engine.restore_together, key, [job.call for job in group])
-            restored = {id(job) for group in restorable.values() for job in group}
-            for job in jobs:
-                if id(job) not in restored:
-                    self._admit([job], _run_pieces, job.pieces)
+            if waiting:   # then one other call; calls the cache admits never wait behind more than one
+                job = waiting.popleft()
+                self._admit([job], _run_pieces, job.pieces)
 
     def _admit(self, jobs: list[Job], run: Callable, *args) -> None:
         """run(*args), the admission of `jobs`, on the admission's stream after the engine's work queued when
