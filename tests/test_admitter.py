@@ -214,3 +214,47 @@ def test_calls_opened_in_one_tick_are_restored_together_inline(tiny, example_cli
     assert restores == [4] and eng.prefix_cache.hits == hits + 4
     for r, ref in zip(together, reference):
         assert torch.equal(r.text_tokens, ref.text_tokens) and torch.equal(r.codes, ref.codes)
+
+
+@pytest.mark.parametrize("admission_thread", [True, False])
+def test_a_failed_restore_ends_its_calls_and_the_next_one_is_admitted(tiny, monkeypatch, admission_thread):
+    """A restore that raises (here a stand-in that fails once) ends every call of its group with the error;
+    their slots come back, and the next call with the same prompt is restored and completes."""
+    model, tok, *_ = tiny
+    eng = build_engine(model, tok, EngineConfig(max_calls=3, max_call_s=20.0, admission_thread=admission_thread))
+    failures = [RuntimeError("restore failed")]
+
+    def failing_once(*args):
+        if failures:
+            raise failures.pop()
+        restore_admissions(*args)
+
+    monkeypatch.setattr(engine_mod, "restore_admissions", failing_once)
+    eng.start()
+    try:
+        def open_calls(n):
+            ended = [threading.Event() for _ in range(n)]
+            reasons = [[] for _ in range(n)]
+
+            def listener(i):
+                def on_event(ev):
+                    if isinstance(ev, EndedEvent):
+                        reasons[i].append((ev.reason, ev.message))
+                        ended[i].set()
+                return on_event
+            calls = [eng.open_call(CallOptions(prompt=PROMPT), on_event=listener(i)) for i in range(n)]
+            for call in calls:
+                call.end_input()
+            assert all(e.wait(30) for e in ended)
+            return reasons
+        assert open_calls(1) == open_calls(1) == [[("completed", "")]]   # the second one cached the prompt
+        failed = open_calls(3)
+        assert ("error", "restore failed") in [r[0] for r in failed] and not failures
+        assert all(r[0] in (("error", "restore failed"), ("completed", "")) for r in failed)
+        deadline = time.monotonic() + 10
+        while eng.slots.in_use and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.slots.in_use == 0
+        assert open_calls(2) == [[("completed", "")]] * 2
+    finally:
+        eng.stop()
