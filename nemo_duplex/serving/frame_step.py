@@ -330,7 +330,7 @@ def start_slots(model, st: CallState, slots: torch.Tensor, prompt_lens: list[int
 def restore_admissions(model, st: CallState, slots: list[int], snap: dict, seeds: list[int],
                        samplings: list[SamplingParams]) -> None:
     """Admit calls whose prompt and speaker the prefix cache holds (`snap`, one entry for all) all at once:
-    the state `admission` leaves in each slot, bit for bit (tests/test_engine.py), in a fixed number of
+    the state `admission` leaves in each slot, bit for bit (tests/test_admitter.py), in a fixed number of
     device ops whatever the number of calls. Why: calls that open together (a burst of callers) were
     admitted one by one, ~50 small launches and a wait each, so the last of 256 waited for all the others."""
     dev = st.llm_len.device
