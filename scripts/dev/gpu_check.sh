@@ -23,8 +23,8 @@
 #   N_CALLS='[32,16]' UPLOAD_RUNS='[]' bash scripts/dev/gpu_check.sh load 100   # a short load run
 #   bash scripts/dev/gpu_check.sh admission       # 128 lockstep calls' lag without and with arrivals (~8 min)
 #   bash scripts/dev/gpu_check.sh burst           # 128 calls with a cached prompt admitted one by one and together
-#   bash scripts/dev/gpu_check.sh capacity [lockstep|staggered] [overrides...]   # 256 calls of 20-160 s, bf16 SSM
-#                                             # state and fp8 talker KV (docs/performance.md, "Memory and capacity")
+#   bash scripts/dev/gpu_check.sh capacity [lockstep|staggered] [N] [overrides...]   # N (256) calls of 20-160 s,
+#                                             # bf16 SSM state, fp8 talker KV (docs/performance.md, "Memory and capacity")
 #   bash scripts/dev/gpu_check.sh compile-cache   # a reduce-overhead bucket built cold, then from its compile cache
 #                                             # (each run's table row: that back end's step and host time)
 #   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end (compiled, captured by hand), then
@@ -92,8 +92,8 @@ elif [ "$PART" = burst ]; then
     grep -E "^(graphs|burst)" "$OUT/burst.log" || tail -n 20 "$OUT/burst.log"
 elif [ "$PART" = capacity ]; then
     timeout 560 python3 scripts/bench.py $M model/dtype=bf16 model.dtype.talker_kv=fp8 model.dtype.mamba_ssm_state=bf16 \
-        'loadtest.n_calls=[256]' "loadtest.starts=[${2:-lockstep}]" 'loadtest.length_mix=[20,160]' \
-        loadtest.max_call_s=162 engine.kv_pool_gib=73 engine.max_prompt_tokens=32 "${@:3}" \
+        "loadtest.n_calls=[${3:-256}]" "loadtest.starts=[${2:-lockstep}]" 'loadtest.length_mix=[20,160]' \
+        loadtest.max_call_s=162 engine.kv_pool_gib=73 engine.max_prompt_tokens=32 "${@:4}" \
         loadtest.out=/tmp/gpu_check_capacity hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/capacity.log" 2>&1
     cp /tmp/gpu_check_capacity/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/capacity.log"
@@ -126,6 +126,6 @@ elif [ "$PART" = fp8-weights ]; then
         > "$OUT/fp8_sweep.log" 2>&1; tail -n 2 "$OUT/fp8_sweep.log"   # rows as they come: bench_ops_rows.jsonl
 else
     echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] [overrides...] |" \
-        "load [seconds] [server overrides...] | admission [overrides...] | burst | capacity [start] [overrides...] |" \
+        "load [seconds] [server overrides...] | admission [overrides...] | burst | capacity [start] [N] [overrides...] |" \
         "compile-cache | compiled | fp8-weights" >&2; exit 2
 fi
