@@ -60,6 +60,20 @@ def test_lag_after_the_first_frame_leaves_out_only_frame_0():
     assert v["server_lag_after_first_ms"]["p50"] == pytest.approx(30.0)   # of 10, 20, 30, 40, 50
 
 
+def test_lag_after_2s_leaves_out_each_calls_first_25_frames():
+    """server_lag_after_2s_ms: the steady state, each call's frames from 2 s (frame 25) on, by frame index: a
+    burst of admissions at the start (high lag in the first frames) shows in server_lag_ms, not here."""
+    a = record([50 + k * FRAME_MS for k in range(30)])
+    a.server_lag_ms = [900.0] * 25 + [10.0, 20.0, 30.0, 40.0, 50.0]
+    order = list(range(30))[::-1]
+    b = record([60 + k * FRAME_MS for k in range(30)], frames=order, n_frames=30)
+    b.server_lag_ms = [60.0 if k >= 25 else 800.0 for k in order]
+    v = judge([a, b], 1e6)
+    assert v["server_lag_ms"]["max"] == pytest.approx(900.0)
+    assert v["server_lag_after_2s_ms"]["max"] == pytest.approx(60.0)
+    assert v["server_lag_after_2s_ms"]["p50"] == pytest.approx(55.0)   # of 10, 20, 30, 40, 50 and 60 x 5
+
+
 def test_a_packet_later_than_the_jitter_buffer_is_an_underrun():
     arrivals = [50 + k * FRAME_MS for k in range(20)]
     arrivals[10] += 170.0            # 10 ms past its playback slot
@@ -207,6 +221,7 @@ def test_two_calls_lockstep_and_staggered_through_a_server_it_starts(tmp_path):
         assert run["frames_expected"] == run["frames_received"] == 2 * n_frames
         for key in ("server_lag_ms", "server_lag_after_first_ms", "client_lag_ms", "lateness_ms"):
             assert all(run[key][q] is not None for q in ("p50", "p95", "p99", "max")), key
+        assert "server_lag_after_2s_ms" in run   # (None where calls are shorter than 2 s)
         assert run["drain_ms"]["p50"] is not None and run["first_packet_ms"]["p50"] is not None
         # an upload is one more row of the batch while it runs (at most loadtest.extra_calls at a time)
         assert run["step_ms"]["mean"] > 0 and 1.0 <= run["batch"]["mean"] <= 2.0 + 3 * ("uploads" in run)

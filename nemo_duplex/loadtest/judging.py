@@ -7,6 +7,8 @@ import numpy as np
 
 from nemo_duplex.loadtest.callers import FRAME_S, CallRecord
 
+SETTLED_FRAMES = round(2.0 / FRAME_S)   # a call's first 2 s (server_lag_after_2s_ms leaves them out)
+
 UPLOADS_START = "staggered+uploads"  # the start label of loadtest.upload_runs' runs
 ARRIVALS_START = "lockstep+arrivals"  # the start label of loadtest.arrival_runs' runs
 
@@ -68,6 +70,10 @@ def judge(records: list[CallRecord], jitter_buffer_ms: float) -> dict:
         # the same without each call's first frame: a call with no frame yet has no rhythm for the engine's
         # coalescing, so first frames wait a step more, and in short calls they reach the top percentile
         "server_lag_after_first_ms": pct([x for r in records for k, x in zip(r.frames, r.server_lag_ms) if k > 0]),
+        # and without each call's first 2 s: what is left is the steady state, not the calls' admissions (a
+        # burst of callers) and the backlogs they leave
+        "server_lag_after_2s_ms": pct([x for r in records for k, x in zip(r.frames, r.server_lag_ms)
+                                       if k >= SETTLED_FRAMES]),
         "client_lag_ms": pct(ms(client)),
         "lateness_ms": pct(late), "late_packets": late_packets,
         "calls_with_late_packets": sum(1 for r in records if any(x > 0 for x in lateness_ms(r, jitter_buffer_ms))),

@@ -28,7 +28,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"input sha256 {meta['input_sha256'][:16]}, {per_call}, jitter buffer "
              f"{meta['jitter_buffer_ms']:g} ms, uploads {_uploads_mode(meta)}; server: "
              f"{' '.join(meta['server_overrides']) or meta['url']}", "",
-             "| start | N | real time | failed | server lag p50 / p95 / p99 ms | p99 after frame 0 | lateness p99 ms "
+             "| start | N | real time | failed | server lag p50 / p95 / p99 ms | p99 after frame 0 / 2 s | lateness p99 ms "
              "| late pkts "
              "| first audio p50 ms | drain p50 ms | step ms (mean / max) | gather + prep / device / dispatch ms "
              "| batch / padded (mean) | GPU MiB/call |",
@@ -41,7 +41,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         s = r["server_lag_ms"]
         lines.append(
             f"| {r['start']} | {r['n_calls']} | {'yes' if r['real_time'] else 'NO'} | {r['failed_calls']} | "
-            f"{f(s['p50'])} / {f(s['p95'])} / {f(s['p99'])} | {f(r.get('server_lag_after_first_ms', {}).get('p99'))} | "
+            f"{f(s['p50'])} / {f(s['p95'])} / {f(s['p99'])} | {f(r.get('server_lag_after_first_ms', {}).get('p99'))} / "
+            f"{f(r.get('server_lag_after_2s_ms', {}).get('p99'))} | "
             f"{f(r['lateness_ms']['p99'])} | {r['late_packets']} | "
             f"{f(r['first_packet_ms']['p50'])} | {f(r['drain_ms']['p50'])} | "
             f"{f(r['step_ms']['mean'])} / {f(r['step_ms']['max_interval'])} | "
@@ -148,8 +149,9 @@ def wandb_scalars(row: dict) -> dict:
             "batch_mean": row["batch"]["mean"]}
     for q, v in row["server_lag_ms"].items():
         flat[f"server_lag_ms_{q}"] = v
-    for q, v in row["server_lag_after_first_ms"].items():
-        flat[f"server_lag_after_first_ms_{q}"] = v
+    for key in ("server_lag_after_first_ms", "server_lag_after_2s_ms"):
+        for q, v in row.get(key, {}).items():
+            flat[f"{key}_{q}"] = v
     for q, v in row["lateness_ms"].items():
         flat[f"lateness_ms_{q}"] = v
     for part, v in row.get("stalled_s", {}).items():
