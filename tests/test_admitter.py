@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving import engine as engine_mod
@@ -16,6 +15,7 @@ from nemo_duplex.serving.frame_step import admission, admission_key, restore_adm
 from nemo_duplex.serving.pages import KVPages
 from nemo_duplex.serving.state import KVPageCounts, PrefixCache, allocate_call_state, state_tensors
 from nemo_duplex.settings import EngineConfig
+from tests.dispatched_ops import DispatchedOps
 
 PROMPT = "Answer in one short sentence."
 SLOTS = [4, 0, 2]    # not in order, and slot 1, slot 3 and the sink are left alone
@@ -74,23 +74,10 @@ def test_calls_restored_together_equal_calls_admitted_fresh_one_by_one(tiny, pag
     assert differ == []
 
 
-class _CountOps(TorchDispatchMode):
-    """The ops torch dispatches, views left out (they launch nothing; how a value of one row is broadcast
-    takes a view more or less)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_restore_runs_the_same_ops_for_one_call_as_for_five(tiny):
     """What made a burst of callers slow to admit was a launch count per call: restoring five calls must run
-    the ops one call's does, no more (counted at torch's dispatcher)."""
+    the ops one call's does, no more (counted at torch's dispatcher, views left out: how a value of one row is
+    broadcast takes a view more or less)."""
     model, tok, *_ = tiny
     st = allocate_call_state(model, 6, 12, torch.device("cpu"), 16)
     cache = PrefixCache(1 << 30)
@@ -101,7 +88,7 @@ def test_a_restore_runs_the_same_ops_for_one_call_as_for_five(tiny):
     snap = cache.get(admission_key(model, ids, None))
     counts = []
     for slots in ([1], [0, 1, 2, 3, 4]):
-        with _CountOps() as count:
+        with DispatchedOps() as count:
             restore_admissions(model, st, slots, snap, [7] * len(slots), [SamplingParams()] * len(slots))
         counts.append(count.ops)
     assert counts[0] == counts[1] and len(counts[0]) > 20

@@ -1,6 +1,8 @@
 """KV pages (serving/pages.py): the admission rule on a tiny pool, pages taken as calls grow and returned when
 they end, a call's own limit, and the paged engine giving the unpaged engine's tokens and codes bit for bit.
 Tiny model, CPU, fp32."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from nemo_duplex.serving.pages import KVPages
 from nemo_duplex.serving.runner import engine_runner
 from nemo_duplex.serving.state import KVPageCounts, allocate_call_state
 from nemo_duplex.settings import EngineConfig
+from tests.dispatched_ops import DispatchedOps
 
 
 def _pool_gib(cfg, calls: float, max_call_s: float, prompt_tokens: int, page_len: int) -> float:
@@ -50,6 +53,28 @@ def test_the_rule_refuses_the_call_that_could_overflow(tiny):
     assert pages.usage()["llm_pages_uncommitted"] == 8 and pages.usage()["talker_pages_free"] == 6
     with pytest.raises(ValueError, match="page table"):
         pages.commit(0, 10_000, 5)
+
+
+def test_a_steps_new_pages_are_written_in_one_write_per_table(tiny):
+    """KVPages.writes_together (the engine's step): three calls each taking new pages of both pools write
+    each table once (one index_put each, counted at torch's dispatcher), and leave the tables exactly as the
+    same grows made one by one."""
+    model, *_ = tiny
+    tables, writes = [], []
+    for together in (False, True):
+        st = allocate_call_state(model, 3, 40, torch.device("cpu"), 16, KVPageCounts(4, 40, 40))
+        pages = KVPages(st, model.cfg.prompt_frames, 16)
+        for slot in range(3):
+            assert pages.commit(slot, 32, 32)
+            pages.grow(slot, 4, 4)
+        with DispatchedOps() as ops, pages.writes_together() if together else contextlib.nullcontext():
+            for slot in (2, 0, 1):
+                pages.grow(slot, 12 + 4 * slot, 30)      # 2-4 more LLM pages, 7 more talker pages each
+        tables.append((st.llm.pages.clone(), st.talker.pages.clone()))
+        writes.append(sum("index_put" in op for op in ops.ops))
+    assert torch.equal(tables[0][0], tables[1][0]) and torch.equal(tables[0][1], tables[1][1])
+    assert (tables[1][0][:3, 1:3] < 40).all() and (tables[1][1][:3, 1:8] < 40).all()   # pages were taken
+    assert writes == [6, 2]
 
 
 def _paged_engine(tiny, calls: float, **kw):

@@ -529,8 +529,9 @@ class Engine:
         else:
             forced = np.array([f for *_, f in batch], dtype=np.int64)
         if self.pages is not None:
-            for call, *_ in batch:
-                self.pages.before_step(call)
+            with self.pages.writes_together():
+                for call, *_ in batch:
+                    self.pages.before_step(call)
         sampling = not all(call.options.sampling.greedy for call, *_ in batch)
         self.busy_since = time.monotonic()
         try:
