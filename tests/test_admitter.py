@@ -23,11 +23,11 @@ SAMPLINGS = [SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1),
              SamplingParams(), SamplingParams(temperature=1.0)]
 
 
-def _state(model, paged: bool, prompt_tokens: int):
+def _state(model, paged: bool, prompt_tokens: int, device: str = "cpu"):
     """A state of 5 calls whose every pool holds seeded noise (so a row left unreset shows), paged or not;
     paged, SLOTS hold the pages their admission writes (as serving/pages.py gives them)."""
     kv_pages = KVPageCounts(4, 40, 40) if paged else None
-    st = allocate_call_state(model, 5, 12, torch.device("cpu"), 16, kv_pages)
+    st = allocate_call_state(model, 5, 12, torch.device(device), 16, kv_pages)
     if paged:
         pages = KVPages(st, model.cfg.prompt_frames, 16)
         for slot in SLOTS:
@@ -40,34 +40,38 @@ def _state(model, paged: bool, prompt_tokens: int):
         if t.dtype == torch.bool:
             t.copy_(torch.rand(t.shape, generator=g) < 0.5)
         elif t.is_floating_point():
-            t.copy_(torch.randn(t.shape, generator=g))
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
         else:
             t.copy_(torch.randint(0, 7, t.shape, generator=g))
     return st
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_calls_restored_together_equal_calls_admitted_fresh_one_by_one(tiny, paged):
+def test_calls_restored_together_equal_calls_admitted_fresh_one_by_one(tiny, paged, device):
     """Three calls with one cached prompt restored at once leave every pool as the full admission (prompt
     prefill and talker warm-up, no cache) of each call one by one does, bit for bit: the rows of the three
     slots, and every other row untouched."""
+    import copy
+
     model, tok, *_ = tiny
-    ids = model.prompt_ids(tok, PROMPT)
+    model = copy.deepcopy(model).to(device) if device != "cpu" else model
+    ids = model.prompt_ids(tok, PROMPT).to(device)
     seeds = [11, 2**40, 0]
 
-    fresh = _state(model, paged, ids.numel())
+    fresh = _state(model, paged, ids.numel(), device)
     for slot, seed, sampling in zip(SLOTS, seeds, SAMPLINGS):
         for _ in admission(model, fresh, slot, ids, seed, sampling):
             pass
 
-    cache, scratch = PrefixCache(1 << 30), _state(model, paged, ids.numel())
+    cache, scratch = PrefixCache(1 << 30), _state(model, paged, ids.numel(), device)
     for _ in range(2):   # the doorkeeper: cached on the second admission (snapshot from pools paged or not)
         for _ in admission(model, scratch, SLOTS[0], ids, 0, SamplingParams(), None, cache):
             pass
     key = admission_key(model, ids, None)
     assert key in cache
 
-    together = _state(model, paged, ids.numel())
+    together = _state(model, paged, ids.numel(), device)
     restore_admissions(model, together, SLOTS, cache.get(key, calls=3), seeds, SAMPLINGS)
     assert cache.hits == 3
     differ = [name for (name, a), (_, b) in zip(state_tensors(fresh), state_tensors(together)) if not torch.equal(a, b)]
