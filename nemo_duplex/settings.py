@@ -62,7 +62,8 @@ class EngineConfig:
     admission_pieces_per_tick: int = 2
     # The admission's prefill pieces and talker warm-up replayed from CUDA graphs, one per piece size
     # (serving/admission_graphs.py; prefill_chunk_tokens must then be a power of two): "auto" = where the
-    # steps are captured (engine.graphs), true, false.
+    # steps are captured (engine.graphs), true, false (eager, op by op). Either way the talker's warm-up is
+    # computed once per speaker and copied into each new call's slot.
     prefill_graphs: Any = "auto"
     capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
     graphs: Any = "auto"               # "auto" | true | false: "auto" = captured on CUDA, eager on the CPU (graphs/capture.py)

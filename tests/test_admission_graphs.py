@@ -46,7 +46,7 @@ def test_prefill_graphs_settings_fail_loudly(tiny):
     with pytest.raises(ValueError, match="engine.prefill_graphs must be auto, true or false"):
         build_engine(model, tok, EngineConfig(max_calls=2, max_call_s=10.0, prefill_graphs="sometimes"))
     eng = build_engine(model, tok, EngineConfig(max_calls=2, max_call_s=10.0))   # auto: eager on the CPU
-    assert eng.admission_graphs is None
+    assert not eng.admission_graphs.prefills.graphs
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         ShapeGraphs(lambda: None, torch.device("cpu"), graphs=True)
 
@@ -87,6 +87,26 @@ def test_prefill_in_pieces_equals_whole_prefill(tiny):
     assert _slot_tensors(pieces, 1)["llm.ssm"].abs().max() > 0
 
 
+def test_the_eager_admission_computes_a_speakers_warm_up_once(tiny, monkeypatch):
+    """engine.prefill_graphs off (here: the CPU): the talker's warm-up is computed once per speaker and copied
+    in. Three calls with prompts of their own (no prefix cache) run it once; an admission that copies it
+    leaves every pool as the plain admission (frame_step.admission, which computes it) does, bit for bit."""
+    from nemo_duplex.serving.drive import clip_plans, drive
+
+    model, tok, *_ = tiny
+    ids = torch.randint(3, model.cfg.llm.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    plain, copied = _admitted_state(model, ids, 0, None), _admitted_state(model, ids, 0, False)
+    assert [n for (n, a), (_, b) in zip(state_tensors(plain), state_tensors(copied)) if not torch.equal(a, b)] == []
+
+    computed = []
+    warmup_kv = model.talker.warmup_kv
+    monkeypatch.setattr(model.talker, "warmup_kv", lambda *a: computed.append(1) or warmup_kv(*a))
+    eng = build_engine(model, tok, EngineConfig(max_calls=3, max_call_s=10.0, prefix_cache_mib=0))
+    clip = torch.zeros(1280 * 2)
+    drive(eng, [plan for i in range(3) for plan in clip_plans([clip], prompt=f"Prompt number {i}.", seed=i)])
+    assert computed == [1]
+
+
 @pytest.mark.gpu
 def test_captured_admission_equals_eager_pieces_on_cuda(tiny):
     """On CUDA the graphs replay what the eager pieces compute, bit for bit (fp32 tiny model): every pool of
@@ -124,7 +144,7 @@ def test_engine_serves_the_same_with_captured_admission(tiny, example_clip):
     served = {}
     for captured in (False, True):
         eng = build_engine(model, tiny[1], EngineConfig(**kw, prefill_graphs=captured))
-        assert (eng.admission_graphs is not None) == captured
+        assert eng.admission_graphs.prefills.graphs == captured
         served[captured] = drive(eng, clip_plans([clip, clip], prompt="Answer in three short words, please.",
                                                  seed=2))
     for eager, graphed in zip(served[False], served[True]):

@@ -42,8 +42,9 @@ class AdmissionGraphs:
 
     def __init__(self, model, state: CallState, largest_piece: int, graphs: bool):
         self.model, self.state = model, state
-        # a piece never runs past the pool (admission trims a prompt to engine.max_prompt_tokens)
-        self.sizes = [n for n in piece_sizes(largest_piece) if n <= state.llm.max_len]
+        # a piece never runs past the pool (admission trims a prompt to engine.max_prompt_tokens); eager, any
+        # piece size runs as it comes
+        self.sizes = [n for n in piece_sizes(largest_piece) if n <= state.llm.max_len] if graphs else []
         device = state.llm_len.device
         self.prefills = ShapeGraphs(self._prefill, device, graphs)
         self.warmup_writes = ShapeGraphs(self._write_warmup, device, graphs)

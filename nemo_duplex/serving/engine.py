@@ -203,7 +203,7 @@ class Engine:
         """Capture every bucket (largest first) before serving; never while serving."""
         if not self.ready:
             self.step_runner.capture()
-            if self.admission_graphs is not None:
+            if self.admission_graphs is not None:   # (an engine built by hand may have none)
                 self.admission_graphs.capture()
             self.ready = True
 

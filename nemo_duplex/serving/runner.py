@@ -143,15 +143,14 @@ def engine_compile_cache(model, device: torch.device, cfg, buckets: list[int]) -
     return CompileCache(directory, cache_key(parts, [REPO / "nemo_duplex", REPO / "graphs", REPO / "ops"]))
 
 
-def admission_graphs(model, state, cfg) -> AdmissionGraphs | None:
-    """The captured admission an engine with settings `cfg` runs (engine.prefill_graphs), None when off."""
+def admission_graphs(model, state, cfg) -> AdmissionGraphs:
+    """The admission an engine with settings `cfg` runs: replayed from CUDA graphs (engine.prefill_graphs),
+    else eagerly, op by op; either way the talker's warm-up is computed once per speaker and copied in."""
     device = state.llm_len.device
     choice = cfg.prefill_graphs
     if choice not in ("auto", True, False):
         raise ValueError(f"engine.prefill_graphs must be auto, true or false, got {choice!r}")
     on = resolve_graphs(cfg.graphs, device) if choice == "auto" else choice
-    if not on:
-        return None
-    if device.type != "cuda":
+    if on and device.type != "cuda":
         raise ValueError(f"engine.prefill_graphs=true needs CUDA; the engine runs on {device}")
-    return AdmissionGraphs(model, state, cfg.prefill_chunk_tokens, graphs=True)
+    return AdmissionGraphs(model, state, cfg.prefill_chunk_tokens, graphs=bool(on))
