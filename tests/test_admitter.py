@@ -1,5 +1,6 @@
 """Admissions from the prefix cache, several calls at once (frame_step.restore_admissions, the admission
-thread's bursts: serving/admitter.py). Tiny model, CPU, fp32."""
+thread's bursts: serving/admitter.py). Tiny model, fp32, on the CPU (one check on CUDA too)."""
+import copy
 import threading
 import time
 
@@ -52,8 +53,6 @@ def test_calls_restored_together_equal_calls_admitted_fresh_one_by_one(tiny, pag
     """Three calls with one cached prompt restored at once leave every pool as the full admission (prompt
     prefill and talker warm-up, no cache) of each call one by one does, bit for bit: the rows of the three
     slots, and every other row untouched."""
-    import copy
-
     model, tok, *_ = tiny
     model = copy.deepcopy(model).to(device) if device != "cpu" else model
     ids = model.prompt_ids(tok, PROMPT).to(device)
