@@ -9,13 +9,14 @@ import torch
 
 from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving import engine as engine_mod
-from nemo_duplex.serving.calls import CallOptions, EndedEvent, FrameEvent
+from nemo_duplex.serving.calls import CallOptions
 from nemo_duplex.serving.drive import clip_plans, drive
 from nemo_duplex.serving.engine import build_engine
 from nemo_duplex.serving.frame_step import admission, admission_key, restore_admissions
 from nemo_duplex.serving.pages import KVPages
 from nemo_duplex.serving.state import KVPageCounts, PrefixCache, allocate_call_state, state_tensors
 from nemo_duplex.settings import EngineConfig
+from tests.call_events import CallEvents
 from tests.dispatched_ops import DispatchedOps
 
 PROMPT = "Answer in one short sentence."
@@ -119,12 +120,9 @@ def test_calls_queued_behind_admissions_are_restored_in_one_go_first(tiny, examp
     eng.start()
     try:
         def run_one(prompt):   # one call through, until it ends
-            done, reasons = threading.Event(), []
-            call = eng.open_call(CallOptions(prompt=prompt, seed=4),
-                                 on_event=lambda ev: isinstance(ev, EndedEvent) and (reasons.append(ev.reason),
-                                                                                     done.set()))
-            call.end_input()
-            assert done.wait(30) and reasons == ["completed"]
+            recorder = CallEvents()
+            eng.open_call(CallOptions(prompt=prompt, seed=4), on_event=recorder).end_input()
+            assert recorder.ended.wait(30) and recorder.endings == [("completed", "")]
         run_one(PROMPT)
         run_one(PROMPT)   # cached now
         assert restores == [] and admission_key(model, eng.prompt_ids(PROMPT), None) in eng.prefix_cache
@@ -144,17 +142,8 @@ def test_calls_queued_behind_admissions_are_restored_in_one_go_first(tiny, examp
             time.sleep(0.01)
         assert entered == [0]
 
-        frames = [[] for _ in range(5)]
-        ended = [threading.Event() for _ in range(5)]
-
-        def listener(i):
-            def on_event(ev):
-                if isinstance(ev, FrameEvent):
-                    frames[i].append(ev)
-                elif isinstance(ev, EndedEvent):
-                    ended[i].set()
-            return on_event
-        calls = [eng.open_call(CallOptions(prompt=PROMPT, seed=4), on_event=listener(i)) for i in range(5)]
+        recorders = [CallEvents() for _ in range(5)]
+        calls = [eng.open_call(CallOptions(prompt=PROMPT, seed=4), on_event=r) for r in recorders]
         submitted = [blockers[1]] + calls           # the second fresh prompt, then the five
         deadline = time.monotonic() + 10
         while not all(c.in_admission for c in submitted) and time.monotonic() < deadline:
@@ -165,12 +154,12 @@ def test_calls_queued_behind_admissions_are_restored_in_one_go_first(tiny, examp
         for call in calls:
             call.append(clip.numpy())
             call.end_input()
-        assert all(e.wait(30) for e in ended)     # all five served while the second fresh prompt is held
+        assert all(r.ended.wait(30) for r in recorders)   # all five served while the second fresh prompt is held
         assert entered == [0, 1] and not gates[1].is_set()
         assert restores == [[c.slot for c in calls]] and eng.prefix_cache.hits == hits + 5
-        for f in frames:
-            assert [e.text for e in f] == inline.text_tokens.tolist()
-            assert torch.equal(torch.stack([torch.as_tensor(e.codes) for e in f]), inline.codes)
+        for r in recorders:
+            assert [e.text for e in r.frames] == inline.text_tokens.tolist()
+            assert torch.equal(torch.stack([torch.as_tensor(e.codes) for e in r.frames]), inline.codes)
         gates[1].set()
         for blocker in blockers:
             blocker.abort()
@@ -223,20 +212,11 @@ def test_a_failed_restore_ends_its_calls_and_the_next_one_is_admitted(tiny, monk
     eng.start()
     try:
         def open_calls(n):
-            ended = [threading.Event() for _ in range(n)]
-            reasons = [[] for _ in range(n)]
-
-            def listener(i):
-                def on_event(ev):
-                    if isinstance(ev, EndedEvent):
-                        reasons[i].append((ev.reason, ev.message))
-                        ended[i].set()
-                return on_event
-            calls = [eng.open_call(CallOptions(prompt=PROMPT), on_event=listener(i)) for i in range(n)]
-            for call in calls:
-                call.end_input()
-            assert all(e.wait(30) for e in ended)
-            return reasons
+            recorders = [CallEvents() for _ in range(n)]
+            for r in recorders:
+                eng.open_call(CallOptions(prompt=PROMPT), on_event=r).end_input()
+            assert all(r.ended.wait(30) for r in recorders)
+            return [r.endings for r in recorders]
         assert open_calls(1) == open_calls(1) == [[("completed", "")]]   # the second one cached the prompt
         failed = open_calls(3)
         assert ("error", "restore failed") in [r[0] for r in failed] and not failures

@@ -23,6 +23,7 @@ from nemo_duplex.serving.drive import clip_plans, drive
 from nemo_duplex.serving.engine import build_engine
 from nemo_duplex.serving.frame_step import stream_inference
 from nemo_duplex.settings import EngineConfig
+from tests.call_events import CallEvents
 
 
 def _engine(tiny, **kw):
@@ -766,22 +767,14 @@ def test_a_call_the_admission_thread_never_finishes_ends_with_the_limit_named(ti
     eng = _engine(tiny, max_calls=2, prefix_cache_mib=0, admission_thread=True, max_admission_s=0.5)
     eng.start()
     try:
-        ended = [threading.Event(), threading.Event()]
-        reasons = [[], []]
-
-        def listener(i):
-            def on_event(ev):
-                if isinstance(ev, EndedEvent):
-                    reasons[i].append((ev.reason, ev.message))
-                    ended[i].set()
-            return on_event
-        calls = [eng.open_call(on_event=listener(i)) for i in (0, 1)]
+        recorders = [CallEvents(), CallEvents()]
+        calls = [eng.open_call(on_event=r) for r in recorders]
         calls[0].append(np.zeros(1280 * 3, dtype=np.float32))
         t0 = time.monotonic()
-        assert all(e.wait(10) for e in ended)
+        assert all(r.ended.wait(10) for r in recorders)
         assert 0.5 <= time.monotonic() - t0 < 5.0
-        for r in reasons:
-            assert r == [("error", "the call was not admitted within engine.max_admission_s = 0.5 s")]
+        for r in recorders:
+            assert r.endings == [("error", "the call was not admitted within engine.max_admission_s = 0.5 s")]
         deadline = time.monotonic() + 5   # (the thread took the first call a moment after it was submitted)
         while eng.admission_stalled_s == 0.0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -899,34 +892,25 @@ def test_admission_thread_on_cuda_equals_inline_admission(tiny, example_clip):
     eng = build_engine(model, tok, EngineConfig(**kw, admission_thread=True))
     eng.start()
     try:
-        events = [[] for _ in clips]
-        done = [threading.Event() for _ in clips]
-
-        def listener(i):
-            def on_event(ev):
-                events[i].append(ev)
-                if isinstance(ev, EndedEvent):
-                    done[i].set()
-            return on_event
-        calls = [eng.open_call(CallOptions(prompt=prompts[i], seed=10 + i), on_event=listener(i)) for i in (0, 1)]
+        recorders = [CallEvents() for _ in clips]
+        calls = [eng.open_call(CallOptions(prompt=prompts[i], seed=10 + i), on_event=recorders[i]) for i in (0, 1)]
         for k in range(16):
             for c, clip in zip(calls, clips[:2]):
                 c.append(clip[1280 * k: 1280 * (k + 1)].numpy())
             if k == 4:   # the live calls are being stepped: the others open now, their audio whole
                 for i in range(2, 6):
-                    c = eng.open_call(CallOptions(prompt=prompts[i], seed=10 + i), on_event=listener(i))
+                    c = eng.open_call(CallOptions(prompt=prompts[i], seed=10 + i), on_event=recorders[i])
                     c.append(clips[i].numpy())
                     c.end_input()
             time.sleep(0.02)
         for c in calls:
             c.end_input()
-        assert all(d.wait(60) for d in done)
+        assert all(r.ended.wait(60) for r in recorders)
     finally:
         eng.stop()
-    for i, evs in enumerate(events):
-        ended = [e for e in evs if isinstance(e, EndedEvent)]
-        assert [e.reason for e in ended] == ["completed"], (i, ended)
-        frames = [e for e in evs if isinstance(e, FrameEvent)]
+    for i, r in enumerate(recorders):
+        assert [reason for reason, _ in r.endings] == ["completed"], (i, r.endings)
+        frames = r.frames
         assert [f.text for f in frames] == want[i].text_tokens.tolist(), i
         assert torch.equal(torch.from_numpy(np.stack([f.codes for f in frames])), want[i].codes), i
 
