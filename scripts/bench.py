@@ -89,6 +89,7 @@ from nemo_duplex.loadtest.report import (  # noqa: E402
     markdown,
     plot,
     save_calls,
+    stalls_said,
     wandb_run,
     wandb_scalars,
     write_results,
@@ -249,10 +250,8 @@ def record_run(out: Path, rows: list[dict], row: dict, meta: dict, run) -> None:
                   f"{a['catch_up_x'].get('p0')}/{a['catch_up_x'].get('p50')}x real time")
     if row.get("lag_p99_vs_without_arrivals") is not None:
         extra += f", live lag p99 {row['lag_p99_vs_without_arrivals']}x the run without"
-    stalls = {part: seconds for part, seconds in row.get("stalled_s", {}).items() if seconds}
-    if stalls:
-        extra += ", SERVER STALLED: " + ", ".join(f"{part} under way {seconds:.0f} s"
-                                                  for part, seconds in stalls.items())
+    if stalls := stalls_said(row):
+        extra += f", SERVER STALLED: {stalls}"
     print(f"{row['start']:>9} N={row['n_calls']:<4} real time {'yes' if row['real_time'] else 'NO '} failed "
           f"{row['failed_calls']} lag p50/p99 {s['p50']}/{s['p99']} ms, lateness p99 "
           f"{row['lateness_ms']['p99']} ms, step {row['step_ms']['mean']} ms, batch {row['batch']['mean']}{extra}",

@@ -19,6 +19,13 @@ def _uploads_mode(meta: dict) -> str:
     return f"in one more staggered run at N = {', '.join(map(str, runs))}" if runs else "off"
 
 
+def stalls_said(row: dict) -> str:
+    """What the server reported under way past its bounds in a run (row["stalled_s"]), e.g. "admission under
+    way 31 s"; "" when nothing was."""
+    return ", ".join(f"{part} under way {seconds:.0f} s" for part, seconds in row.get("stalled_s", {}).items()
+                     if seconds)
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     if meta.get("length_mix"):   # the input is the longest call's; each call sends a prefix of it
         lo, hi = meta["length_mix"]
@@ -51,11 +58,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines += ["", "Sustained (largest N with every N' <= N real time): "
               + ", ".join(f"{k} {v}" for k, v in sustained([r for r in rows if not r.get("skipped")]).items())]
     for r in rows:
-        stalls = {part: seconds for part, seconds in r.get("stalled_s", {}).items() if seconds}
-        if stalls:
-            lines.append(f"The server stalled in the {r['start']} run at N={r['n_calls']}: "
-                         + ", ".join(f"{part} under way {seconds:.0f} s" for part, seconds in stalls.items())
-                         + " (its /health said so: engine.max_step_s, engine.max_admission_s)")
+        if stalls := stalls_said(r):
+            lines.append(f"The server stalled in the {r['start']} run at N={r['n_calls']}: {stalls} "
+                         "(its /health said so: engine.max_step_s, engine.max_admission_s)")
         if "uploads" in r:
             u = r["uploads"]
             ratio = r.get("lag_p99_vs_without_uploads")
