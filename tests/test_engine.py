@@ -786,9 +786,9 @@ def test_a_call_the_admission_thread_never_finishes_ends_with_the_limit_named(ti
             time.sleep(0.01)
         assert eng.slots.in_use == 0 and eng.admission_stalled_s == 0.0
         # (released: a new call's admission holds no longer)
-        done = threading.Event()
-        eng.open_call(on_event=lambda ev: isinstance(ev, EndedEvent) and done.set()).end_input()
-        assert done.wait(10)
+        last = CallEvents()
+        eng.open_call(on_event=last).end_input()
+        assert last.ended.wait(10)
     finally:
         release.set()
         eng.stop()
