@@ -150,6 +150,9 @@ class ServeConfig:
     slow_consumer_grace_s: float = 2.0  # then the socket is cut even if the error could not be delivered
     max_connections: Optional[int] = None   # open call connections (WebSockets, uploads); None: engine.max_calls + 16
     idle_timeout_s: float = 30.0        # a session that sends nothing this long (before end of input) ends
+    resume_grace_s: float = 10.0        # a WebSocket call whose connection is lost (no close frame) waits this long for
+                                        # its client to reconnect with its resume token; 0 = a lost connection hangs up
+    resume_buffer_kb: int = 512         # the newest messages a call sent, kept for a reconnect (~8 s of 24 kHz Realtime)
     deadline_ms: float = 80.0           # a frame later than this after its input arrived is a deadline miss
     warmup_frames: int = 2              # silent frames through a throwaway call before /health says ready
     max_tools: int = 5                  # tools per session (vLLM-Omni's limit, spec 3.9)

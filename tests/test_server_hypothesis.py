@@ -1,7 +1,7 @@
 """Property-based fuzzing (hypothesis) of both WebSocket protocols and of upload bodies, against one real server
 on the scripted frame step (tests/server_support.py). Hypothesis draws event sequences with every field of
 any JSON type (lone surrogates, huge and non-finite numbers, nested junk included), native openings and
-binary messages, upload bodies and content types. The invariant: every server message is a JSON event and
+binary messages, upload bodies and content types, and reconnects (`?resume=`) with any query. The invariant: every server message is a JSON event and
 the connection ends with a documented close code (or, for an upload, a documented HTTP status with a JSON
 body); nothing is logged at error level; and afterwards the server holds no call and serves the next one."""
 from __future__ import annotations
@@ -136,11 +136,28 @@ def test_hypothesis_fuzzes_both_protocols_and_uploads(monkeypatch, tok, caplog):
     def uploads(body, content_type, query):
         assert asyncio.run(run_upload(body, content_type, query)) in HTTP_STATUSES
 
+    async def run_resume(path, query):
+        async with aiohttp.ClientSession() as http:
+            try:
+                async with http.ws_connect(f"{srv.ws_url}{path}", params=query):
+                    return 101
+            except aiohttp.WSServerHandshakeError as e:
+                return e.status
+
+    @settings(max_examples=30, **common)
+    @given(path=st.sampled_from(["/v1/realtime", "/generate/ws"]),
+           query=st.fixed_dictionaries({"resume": st.text(max_size=40)}, optional={
+               "received": st.text(max_size=16) | st.sampled_from(["\u00b2", "\u0663", "1e3", " 1"])
+               | st.integers(-2 ** 70, 2 ** 70).map(str), "call_id": st.text(max_size=8)}))
+    def resumes(path, query):   # no such call: refused before the upgrade, whatever the query holds
+        assert asyncio.run(run_resume(path, query)) in (400, 404)
+
     try:
         with caplog.at_level(logging.ERROR):
             realtime_calls()
             native_calls()
             uploads()
+            resumes()
             assert_recovers(srv)
         assert _logged_errors(caplog) == []
     finally:

@@ -48,6 +48,7 @@ from nemo_duplex.server.metrics import ServerMetrics
 from nemo_duplex.server.native import NativeSession, native_opening, read_upload
 from nemo_duplex.server.realtime import RealtimeSession
 from nemo_duplex.server.realtime_protocol import ProtocolError, SessionSettings, error_event, parse_client_event
+from nemo_duplex.server.resume import CallConnections
 from nemo_duplex.server.ws import Socket
 from nemo_duplex.serving.calls import CallOptions, EndedEvent
 from nemo_duplex.settings import ServeConfig
@@ -72,6 +73,8 @@ class Server:
                                  voices or [mc.talker.speaker], default_voice or mc.talker.speaker,
                                  session_defaults or SessionSettings(), forget=self.forget)
         self.access = Access.from_config(self.cfg)
+        # each WebSocket call's connections: the first, losing it, and those resuming the call (server/resume.py)
+        self.call_connections = CallConnections(self)
         self.connections = 0   # open call connections, with or without a place (serve.max_connections)
         self.max_connections = (self.cfg.max_connections if self.cfg.max_connections is not None
                                 else engine.cfg.max_calls + 16)
@@ -142,6 +145,7 @@ class Server:
         closed; returns once every place is free (or 5 s after the cut)."""
         self.stopping, self.ready = True, False
         self.metrics.ready.set(0)
+        self.call_connections.parking.expire_all()   # no client may come back to a stopping server
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.shutdown_grace_s
         while self.sessions and loop.time() < deadline:
@@ -194,6 +198,7 @@ class Server:
     async def _sample_metrics(self) -> None:
         while True:
             self.metrics.sample_engine(self.engine, len(self.sessions))
+            self.metrics.parked_calls.set(self.call_connections.parking.parked)
             self._report_stalls()
             if self.cluster is not None:   # a Ray Serve replica: what the deployment's /health and /metrics show
                 await self.cluster.report(self)
@@ -300,6 +305,8 @@ class Server:
 
     # -- WS /v1/realtime
     async def realtime(self, websocket: WebSocket) -> None:
+        if "resume" in websocket.query_params:
+            return await self.call_connections.resume(websocket, RealtimeSession, other_route="/generate/ws")
         call_id = websocket.query_params.get("call_id")
         if not await self._open(websocket, call_id, {"error": {
                 "type": "invalid_request_error", "code": "call_id_in_use",
@@ -310,13 +317,13 @@ class Server:
             bridge = self.reserve(call_id)
         except Refusal as r:
             return await self._refuse_ws(socket, r, realtime=True)
-        try:
-            await RealtimeSession(self.ctx, socket, bridge).run()
-        finally:
-            bridge.hang_up()
+        session = self.call_connections.resumable(RealtimeSession(self.ctx, bridge))
+        await self.call_connections.serve(session, session.run(socket))
 
     # -- WS /generate/ws (native)
     async def generate_ws(self, websocket: WebSocket) -> None:
+        if "resume" in websocket.query_params:
+            return await self.call_connections.resume(websocket, NativeSession, other_route="/v1/realtime")
         call_id = websocket.query_params.get("call_id")
         if not await self._open(websocket, call_id, {"type": "error", "code": "call_id_in_use",
                                                      "message": f"call id {call_id!r} belongs to a live call"}):
@@ -345,10 +352,9 @@ class Server:
         except Refusal as r:
             bridge.hang_up()
             return await self._refuse_ws(socket, r, False)
-        try:
-            await NativeSession(self.ctx, bridge, settings, tokens=opening.get("tokens") is True).run_ws(socket)
-        finally:
-            bridge.hang_up()
+        session = self.call_connections.resumable(NativeSession(self.ctx, bridge, settings,
+                                                              tokens=opening.get("tokens") is True))
+        await self.call_connections.serve(session, session.run_ws(socket))
 
     # -- POST /generate
     async def generate_post(self, request: Request) -> Response:

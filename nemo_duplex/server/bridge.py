@@ -124,6 +124,21 @@ class CallBridge:
                 self._cut.cancel()
             self._cut = self.loop.call_later(self.ctx.cfg.slow_consumer_grace_s, self._cut_if_stuck)
 
+    def attach(self, cut) -> None:
+        """A connection serves the call from now on (the first, or one resuming it: server/resume.py); `cut` drops
+        it. A call that ended or failed while it had none gets its cut deadline now, as on_event would have."""
+        self.cut = cut
+        if (self.engine_ended or self.failed is not None) and self._cut is None:
+            grace = self.ctx.cfg.slow_consumer_grace_s
+            self._cut = self.loop.call_later(grace + self.frames_waiting * self.ctx.frame_s, self._cut_if_stuck)
+
+    def detach(self) -> None:
+        """The connection is gone; the call is parked until a new one attaches or its grace runs out."""
+        self.cut = None
+        if self._cut is not None:
+            self._cut.cancel()
+            self._cut = None
+
     def _cut_if_stuck(self) -> None:
         """The connection outlived its grace after the error or the call's end: drop it. Whether the writer
         is still behind queued output or has taken the error, a client that does not read keeps it waiting
@@ -132,7 +147,7 @@ class CallBridge:
         if not self.socket_done and self.cut is not None:
             self.cut()
 
-    def hang_up(self) -> None:
+    def hang_up(self, message: str = "the client disconnected") -> None:
         """The connection is gone: end the call (if any) and release the place once the engine agrees."""
         self.socket_done = True
         for timer in self._timeouts.values():
@@ -141,7 +156,7 @@ class CallBridge:
         if self._cut is not None:
             self._cut.cancel()
         if self.call is not None and not self.engine_ended:
-            self.call.abort("hangup", "the client disconnected")
+            self.call.abort("hangup", message)
         if self.call is None or self.engine_ended:
             self.ctx.forget(self)
 

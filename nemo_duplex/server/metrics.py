@@ -47,6 +47,9 @@ class ServerMetrics:
         self.connection_resets = Counter("duplex_connection_resets", "connections reset before their request "
                                          "(stage request) or WebSocket upgrade (stage upgrade) completed",
                                          ["stage"], registry=r)
+        self.resumes = Counter("duplex_resumes", "WebSocket calls whose lost connection was taken over by a new one "
+                               "(outcome resumed) or not within serve.resume_grace_s (expired)", ["outcome"], registry=r)
+        self.parked_calls = Gauge("duplex_parked_calls", "calls waiting for their client to reconnect", registry=r)
         self.ready = Gauge("duplex_ready", "1 once warm-up (and graph capture) is done", registry=r)
         self.kv_pages = Gauge("duplex_kv_pages", "KV pages of each pool (llm, talker): all of them, those free, and "
                               "those neither taken nor committed to a live call (new calls are admitted by these)",

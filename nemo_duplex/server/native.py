@@ -27,7 +27,7 @@ from nemo_duplex.server.realtime_protocol import (
     parse_session,
 )
 from nemo_duplex.server.tools import on_hold_message
-from nemo_duplex.server.ws import DuplexSocket, Socket
+from nemo_duplex.server.ws import CallConnection, Socket
 from nemo_duplex.serving.calls import DrainedEvent, EndedEvent, FrameEvent
 
 HEADER = struct.Struct("<If")   # frame index, server lag in ms; then the PCM16 samples
@@ -163,9 +163,12 @@ async def _multipart(headers: Headers, body: bytes, limit: int, fields: dict) ->
 
 
 # ---- a call ------------------------------------------------------------------------------------------------
-class NativeSession:
+class NativeSession(CallConnection):
+    """A native call: over a WebSocket (a new one may resume it: server/resume.py), or an upload's reply."""
+
     def __init__(self, ctx: ServerContext, bridge: CallBridge, settings: SessionSettings, tokens: bool = False):
-        self.ctx, self.bridge = ctx, bridge
+        super().__init__(bridge)
+        self.ctx = ctx
         self.tokens = tokens   # opening {"tokens": true}: also send each frame's raw token ids
         self.settings = settings
         self.decoder = FrameDecoder(ctx.tokenizer, ctx.rnnt_vocab, ctx.tokens, bridge.ids, ctx.cfg.max_tool_call_tokens)
@@ -174,7 +177,8 @@ class NativeSession:
 
     def started(self) -> dict:
         c, fin, fout = self.ctx, self.settings.input_format, self.settings.output_format
-        return {"type": "started", "call_id": self.bridge.id,
+        resume = {"resume": {"token": self.token, "grace_s": c.cfg.resume_grace_s}} if self.token else {}
+        return {"type": "started", "call_id": self.bridge.id, **resume,
                 "input": {"format": fin.encoding, "sample_rate": fin.rate, "channels": fin.channels,
                           "model_sample_rate": c.in_rate, "frame_samples": c.frame_in},
                 "output": {"format": fout.encoding, "sample_rate": fout.rate, "channels": 1,
@@ -230,13 +234,12 @@ class NativeSession:
         raise TypeError(item)
 
     # -- /generate/ws
-    async def run_ws(self, socket: Socket) -> None:
+    async def run_ws(self, socket: Socket) -> bool:
+        """The first connection; -> whether its transport was lost (CallConnection.serve)."""
         self.bridge.push(self.started())
-        self.duplex = DuplexSocket(socket)
-        self.bridge.cut = self.duplex.cut
-        await self.duplex.run(lambda: self._read_ws(socket), lambda: self._write_ws(socket))
+        return await self.serve(socket)
 
-    async def _read_ws(self, socket: Socket) -> None:
+    async def _read(self, socket: Socket) -> None:
         c, b = self.ctx, self.bridge
         while True:
             try:
@@ -274,21 +277,18 @@ class NativeSession:
                     c.metrics.refusal(r.code)
                     b.push({"type": "error", "code": r.code, "message": r.message})
 
-    async def _write_ws(self, socket: Socket) -> None:
+    async def _write(self, socket: Socket) -> None:
         while True:
             item = await self.bridge.next()
             out, evs, fatal, over = self.events(item)
-            if out is not None:
-                await socket.send_bytes(HEADER.pack(out.frame, out.lag_s * 1000.0) + out.pcm16)
-            for e in evs:
-                await socket.send_text(json.dumps(e))
+            messages = [HEADER.pack(out.frame, out.lag_s * 1000.0) + out.pcm16] if out is not None else []
+            messages += [json.dumps(e) for e in evs]
             if fatal is not None:
-                await socket.send_text(json.dumps({"type": "error", "code": fatal.code, "message": fatal.message}))
-                await self.duplex.close(1008, fatal.code)
-                return
+                messages.append(json.dumps({"type": "error", "code": fatal.code, "message": fatal.message}))
+                return await self.finish(socket, 1008, fatal.code, *messages)
             if over:
-                await self.duplex.close(1000, "completed")
-                return
+                return await self.finish(socket, 1000, "completed", *messages)
+            await self.send(socket, *messages)
 
     # -- POST /generate
     async def upload_lines(self, pcm: np.ndarray) -> AsyncIterator[bytes]:

@@ -27,17 +27,16 @@ from nemo_duplex.server.realtime_protocol import (
     session_object,
 )
 from nemo_duplex.server.tools import on_hold_message
-from nemo_duplex.server.ws import DuplexSocket, Socket
+from nemo_duplex.server.ws import CallConnection, Socket
 from nemo_duplex.serving.calls import DrainedEvent, EndedEvent, FrameEvent
 
 
-class RealtimeSession:
-    """The OpenAI Realtime dialect over one WebSocket."""
+class RealtimeSession(CallConnection):
+    """The OpenAI Realtime dialect over a WebSocket (a new one may resume the call: server/resume.py)."""
 
-    def __init__(self, ctx: ServerContext, socket: Socket, bridge: CallBridge):
-        self.ctx, self.socket, self.bridge = ctx, socket, bridge
-        self.duplex = DuplexSocket(socket)
-        bridge.cut = self.duplex.cut
+    def __init__(self, ctx: ServerContext, bridge: CallBridge):
+        super().__init__(bridge)
+        self.ctx = ctx
         bridge.notify = lambda code, message: bridge.push(error_event(bridge.ids.next("event"), code, message))
         self.settings = copy.deepcopy(ctx.session_defaults)
         self.out = RealtimeOutput(bridge.ids, self.settings.output_modalities,
@@ -46,24 +45,29 @@ class RealtimeSession:
         self.decoder: FrameDecoder | None = None
         self.audio_out: OutputStream | None = None
 
-    def session_body(self) -> dict:
+    def session_body(self, created: bool = False) -> dict:
         s = self.ctx
-        return session_object(self.bridge.id, s.model_name, self.settings, self.settings.voice or s.default_voice,
+        body = session_object(self.bridge.id, s.model_name, self.settings, self.settings.voice or s.default_voice,
                               s.capabilities())
+        if created and self.token is not None:   # an extension: how to take the call back after a lost connection
+            body["resume"] = {"token": self.token, "grace_s": s.cfg.resume_grace_s}
+        return body
 
-    async def run(self) -> None:
-        self.bridge.push(self.out.ev("session.created", session=self.session_body()))
-        await self.duplex.run(self._read, self._write)
+    async def run(self, socket: Socket) -> bool:
+        """The first connection; -> whether its transport was lost (CallConnection.serve)."""
+        self.bridge.push(self.out.ev("session.created", session=self.session_body(created=True)))
+        return await self.serve(socket)
 
-    async def _read(self) -> None:
+    async def _read(self, socket: Socket) -> None:
         s, b = self.ctx, self.bridge
         while True:
             input_open = b.call is None or not b.call.input_ended
             try:
-                msg = await self.socket.receive(timeout=s.cfg.idle_timeout_s if input_open else None)
+                msg = await socket.receive(timeout=s.cfg.idle_timeout_s if input_open else None)
             except asyncio.TimeoutError:
                 b.fail("idle_timeout", f"nothing received for serve.idle_timeout_s = {s.cfg.idle_timeout_s:g} s")
-                await self._wait_closed()
+                while (await socket.receive()).kind != "closed":   # until the writer closes it (or the client)
+                    pass
                 return
             if msg.kind == "closed":
                 return
@@ -86,11 +90,6 @@ class RealtimeSession:
                 else:
                     s.metrics.refusal(r.code)
                     b.push(error_event(b.ids.next("event"), r.code, r.message, None, client_event_id))
-
-    async def _wait_closed(self) -> None:
-        """After a fatal error: keep reading until the writer closes the socket (or the client does)."""
-        while (await self.socket.receive()).kind != "closed":
-            pass
 
     def _handle(self, ev: dict) -> None:
         s, b, kind = self.ctx, self.bridge, ev["type"]
@@ -181,43 +180,40 @@ class RealtimeSession:
             self.decoder = FrameDecoder(s.tokenizer, s.rnnt_vocab, s.tokens, b.ids, s.cfg.max_tool_call_tokens)
             self.audio_out = OutputStream(self.settings.output_format, s.out_rate)
 
-    async def _write(self) -> None:
-        s, b, ws = self.ctx, self.bridge, self.socket
+    async def _write(self, socket: Socket) -> None:
+        s, b = self.ctx, self.bridge
+
+        def text(*events) -> list[str]:
+            return [json.dumps(e) for e in events]
+
         while True:
             item = await b.next()
             if isinstance(item, Fatal):
-                if item.code:
-                    for e in self.out.close("failed", None):
-                        await ws.send_text(json.dumps(e))
-                    await ws.send_text(json.dumps(error_event(b.ids.next("event"), item.code, item.message)))
-                await self.duplex.close(1000 if not item.code else 1008, item.code or "closed")
-                return
+                if not item.code:
+                    return await self.finish(socket, 1000, "closed")
+                closing = self.out.close("failed", None)
+                return await self.finish(socket, 1008, item.code, *text(
+                    *closing, error_event(b.ids.next("event"), item.code, item.message)))
             if isinstance(item, dict):
-                await ws.send_text(json.dumps(item))
+                await self.send(socket, *text(item))
             elif isinstance(item, FrameEvent):
                 out = self.decoder(item, self.audio_out if self.out.audio else None)
                 for t in out.tool_calls:
                     b.tool_called(t, on_hold_message(self.settings, t.name))
-                for e in self.out.frame(out):
-                    await ws.send_text(json.dumps(e))
+                await self.send(socket, *text(*self.out.frame(out)))
                 s.metrics.frame_sent(time.monotonic() - item.ready_at)
             elif isinstance(item, DrainedEvent):
                 tail = self.out.audio_tail(self.audio_out.flush(), item.frames - 1) if self.audio_out else []
                 # the input ended: so did the user's speech, and its final commit takes effect
-                for e in tail + (self.out.speech_stopped() or self.out.commit()):
-                    await ws.send_text(json.dumps(e))
-                await ws.send_text(json.dumps(self.out.ev("input_audio_buffer.drained", frames=item.frames)))
+                events = tail + (self.out.speech_stopped() or self.out.commit())
+                await self.send(socket, *text(*events, self.out.ev("input_audio_buffer.drained", frames=item.frames)))
             elif isinstance(item, EndedEvent):
                 fatal = s.limit_message(item)
                 if fatal is not None:
                     s.metrics.refusal(fatal.code)
-                    for e in self.out.close("incomplete", None):
-                        await ws.send_text(json.dumps(e))
-                    await ws.send_text(json.dumps(error_event(b.ids.next("event"), fatal.code, fatal.message)))
-                    await self.duplex.close(1008, fatal.code)
-                    return
-                for e in self.out.close("completed"):
-                    await ws.send_text(json.dumps(e))
-                await ws.send_text(json.dumps(self.out.ev("session.closed", reason=item.reason)))
-                await self.duplex.close(1000, "completed")
-                return
+                    closing = self.out.close("incomplete", None)
+                    return await self.finish(socket, 1008, fatal.code, *text(
+                        *closing, error_event(b.ids.next("event"), fatal.code, fatal.message)))
+                closing = self.out.close("completed")
+                return await self.finish(socket, 1000, "completed", *text(
+                    *closing, self.out.ev("session.closed", reason=item.reason)))

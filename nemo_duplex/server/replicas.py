@@ -295,6 +295,11 @@ def run(cfg, overrides: list[str]) -> None:
         raise runtime.SettingsError(f"device={cfg.device} with serve.replicas={n}: each replica gets its own GPU "
                                     "(Ray picks it); give device=cuda")
     gpus = 1 if cfg.device == "cuda" else 0
+    if float(scfg.resume_grace_s) > 0:
+        # Serve's proxy sends a reconnecting client to any replica, not the one that holds its call
+        log.warning("serve.resume_grace_s = %g is not honoured with serve.replicas = %d: a call whose connection is "
+                    "lost ends at once (resuming a call needs one replica)", float(scfg.resume_grace_s), n)
+        cfg.serve.resume_grace_s = 0.0
     # refusals come here, in seconds, before Ray starts: no checkpoint, bad settings, not enough memory.
     # (An embedded checkpoint is generated here once, not by every replica.)
     check_replicas_fit(cfg, runtime.resolve_model(cfg, overrides), n)

@@ -51,14 +51,22 @@ def http_protocol(metrics):
 
 
 def websocket_protocol(metrics):
-    """uvicorn's sans-I/O websockets protocol, counting a connection reset after the upgrade request but
-    before the server accepted it (stage "upgrade")."""
+    """uvicorn's sans-I/O websockets protocol, which
+
+    - counts a connection reset after the upgrade request but before the server accepted it (stage "upgrade");
+    - marks a connection whose transport went without a close frame from the client (a reset, a network
+      change, a keepalive timeout) in its scope (ws.TRANSPORT_LOST): its call may be resumed (server/resume.py).
+      uvicorn reports such a loss as 1005, the code of a client's close frame without one."""
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    from nemo_duplex.server.ws import TRANSPORT_LOST
 
     class WebSocketProtocol(WebSocketsSansIOProtocol):
         def connection_lost(self, exc) -> None:
             if not self.handshake_complete:
                 reset(metrics, "upgrade", getattr(self, "client", None))
+            elif self.conn.close_rcvd is None and getattr(self, "scope", None) is not None:
+                self.scope[TRANSPORT_LOST] = True
             super().connection_lost(exc)
 
     return WebSocketProtocol

@@ -10,6 +10,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 log = logging.getLogger("nemo_duplex.server")
 GONE = (WebSocketDisconnect, ConnectionError, OSError, RuntimeError)   # what sending to a closed socket raises
+# set in a WebSocket's ASGI scope by server/transport.py when its transport was lost without a close frame from
+# the client (uvicorn reports that as 1005 or 1006, and a client's own close without a code as 1005 too)
+TRANSPORT_LOST = "nemo_duplex.transport_lost"
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Socket:
     def __init__(self, websocket: WebSocket, max_bytes: int | None = None):
         self.ws = websocket
         self.closed = False
+        self.lost = False   # the transport went without a close frame from the client (not a hang-up)
         self.max_bytes = max_bytes
 
     async def receive(self, timeout: float | None = None) -> Message:
@@ -40,13 +44,17 @@ class Socket:
         if self.closed:
             return Message("closed")
         try:
-            msg = await (asyncio.wait_for(self.ws.receive(), timeout) if timeout else self.ws.receive())
+            # asyncio.timeout, not wait_for: wait_for (Python 3.11) drops a cancel that comes as the message
+            # does, and a connection cut (DuplexSocket.cut) would then keep reading
+            async with asyncio.timeout(timeout):
+                msg = await self.ws.receive()
         except TimeoutError:   # (an OSError: before GONE)
             raise
         except GONE:
-            msg = {"type": "websocket.disconnect"}
+            msg = {"type": "websocket.disconnect", "code": 1006}
         if msg["type"] == "websocket.disconnect":
             self.closed = True
+            self.lost = msg.get("code") == 1006 or bool(self.ws.scope.get(TRANSPORT_LOST))
             return Message("closed")
         text = msg.get("text")
         data = (msg.get("bytes") or b"") if text is None else text
@@ -55,6 +63,12 @@ class Socket:
                                    f"{self.max_bytes // 1024}")
             return Message("closed")
         return Message("text" if text is not None else "bytes", data)
+
+    @property
+    def transport_lost(self) -> bool:
+        """Whether the connection went without a close frame from the client, as the reader saw it or the
+        transport marked it (server/transport.py) by now."""
+        return self.lost or bool(self.ws.scope.get(TRANSPORT_LOST))
 
     async def send_text(self, text: str) -> None:
         await self.ws.send_text(text)
@@ -101,7 +115,9 @@ class DuplexSocket:
             for t in tasks:
                 try:
                     await t
-                except (asyncio.CancelledError, *GONE):
+                except asyncio.CancelledError:
+                    pass
+                except GONE:   # a send found the socket closed (by the client, or its transport lost)
                     pass
                 except Exception:   # noqa: BLE001 - a bug in one connection's task
                     log.exception("a connection's %s failed", "reader" if t is self.reader else "writer")
@@ -117,3 +133,70 @@ class DuplexSocket:
         for t in (self.reader, self.writer):
             if t is not None and not t.done():
                 t.cancel()
+
+
+class CallConnection:
+    """A call's WebSocket side, whatever its dialect (server/realtime.py, server/native.py): it is served by one
+    connection at a time, and a new one may take it over after the transport was lost (server/resume.py).
+    Every message goes out through `send`, which numbers it in the call's SentLog before the socket sees it.
+    Subclasses give `_read(socket)` and `_write(socket)`; the writer sends each outbox item's messages with one
+    `send`, so a connection cut between two of them loses none."""
+
+    def __init__(self, bridge):
+        self.bridge = bridge
+        self.sent = None                 # its SentLog when calls are resumable (server/resume.py sets it)
+        self.token: str | None = None    # the resume token (server/app.py sets it when resumable)
+        self.generation = 0              # which connection may serve the call (claim)
+        self.duplex: DuplexSocket | None = None
+        self.closing: tuple[int, str] | None = None   # the close the writer began (code, reason)
+        self.idle = asyncio.Event()      # no connection is serving the call
+        self.idle.set()
+
+    def claim(self) -> int:
+        """A connection claims the call: the one serving it (if any) is cut and ends without hanging up."""
+        self.generation += 1
+        if self.duplex is not None:
+            self.duplex.cut()
+        return self.generation
+
+    async def serve(self, socket: Socket, replay: list | None = None) -> bool:
+        """Serve the call over `socket` until it ends, after sending `replay` (the messages a lost connection
+        did not deliver). -> whether the transport was lost (the messages sent may not have arrived, so the
+        call, or what it last sent, may wait for a new connection)."""
+        self.idle.clear()
+        self.duplex = duplex = DuplexSocket(socket)
+        self.bridge.attach(duplex.cut)
+        try:
+            await duplex.run(lambda: self._read(socket), lambda: self._write_after(socket, replay or []))
+            return socket.transport_lost
+        finally:
+            self.bridge.detach()
+            self.duplex = None
+            self.idle.set()
+
+    async def _write_after(self, socket: Socket, replay: list) -> None:
+        for data in replay:
+            await (socket.send_text(data) if isinstance(data, str) else socket.send_bytes(data))
+        if self.closing is not None:   # the call's last messages were among them
+            return await self.duplex.close(*self.closing)
+        await self._write(socket)
+
+    async def send(self, socket: Socket, *messages: str | bytes) -> None:
+        if self.sent is not None:
+            for data in messages:
+                self.sent.record(data)
+        for data in messages:
+            await (socket.send_text(data) if isinstance(data, str) else socket.send_bytes(data))
+
+    async def finish(self, socket: Socket, code: int, reason: str, *messages: str | bytes) -> None:
+        """The call's last messages, then the close. A connection lost on the way may still be resumed: the
+        new one gets what this one did not deliver, then the same close."""
+        self.closing = (code, reason)
+        await self.send(socket, *messages)
+        await self.duplex.close(code, reason)
+
+    async def _read(self, socket: Socket) -> None:
+        raise NotImplementedError
+
+    async def _write(self, socket: Socket) -> None:
+        raise NotImplementedError
