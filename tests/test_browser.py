@@ -74,10 +74,31 @@ class Chromium:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
-def test_browser_call_with_fake_microphone(monkeypatch, tmp_path):
-    from tests.server_support import tiny_tokenizer
+def browse(srv, browser: Chromium, url: str, during=None) -> dict | None:
+    """Open `url` of the page, poll `window.duplexState` until the call closed (60 s at most); `during(state)`
+    runs at each poll. -> the last state."""
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            ws = await browser.page(http)
+            await browser.send(ws, "Runtime.enable")
+            await browser.send(ws, "Page.navigate", url=url)
+            state, t0 = None, time.monotonic()
+            while time.monotonic() - t0 < 60:
+                raw = await browser.evaluate(ws, "JSON.stringify(window.duplexState || null)")
+                state = json.loads(raw) if raw else None
+                if state and state["closed"]:
+                    break
+                if state and during is not None:
+                    during(state)
+                await asyncio.sleep(0.2)
+            await ws.close()
+            return state
 
-    tok = tiny_tokenizer()
+    return asyncio.run(go())
+
+
+def speaking_model(monkeypatch, tok):
+    """The scripted server; its model says a sentence and records each frame's input peak."""
     srv, model = make(monkeypatch, tok)
     model.text[0] = [model.cfg.tokens.bos_id] + tok.encode("hello from the model") + [model.cfg.tokens.eos_id]
     peaks = []
@@ -88,26 +109,18 @@ def test_browser_call_with_fake_microphone(monkeypatch, tmp_path):
         return step(slots, audio, forced)
 
     model.step = recording_step
+    return srv, peaks
+
+
+def test_browser_call_with_fake_microphone(monkeypatch, tmp_path):
+    from tests.server_support import tiny_tokenizer
+
+    srv, peaks = speaking_model(monkeypatch, tiny_tokenizer())
     mic = tmp_path / "mic.wav"
     mic.write_bytes(wav_bytes(tone(3.0, amp=0.5)))
     browser = Chromium(mic)
     try:
-        async def go():
-            async with aiohttp.ClientSession() as http:
-                ws = await browser.page(http)
-                await browser.send(ws, "Runtime.enable")
-                await browser.send(ws, "Page.navigate", url=f"{srv.url}/?autostart=1&seconds=2")
-                state, t0 = None, time.monotonic()
-                while time.monotonic() - t0 < 60:
-                    raw = await browser.evaluate(ws, "JSON.stringify(window.duplexState || null)")
-                    state = json.loads(raw) if raw else None
-                    if state and state["closed"]:
-                        break
-                    await asyncio.sleep(0.2)
-                await ws.close()
-                return state
-
-        state = asyncio.run(go())
+        state = browse(srv, browser, f"{srv.url}/?autostart=1&seconds=2")
     finally:
         browser.close()
         srv.close()
@@ -120,3 +133,38 @@ def test_browser_call_with_fake_microphone(monkeypatch, tmp_path):
     assert state["samplesReceived"] == 1764 * state["packetsReceived"]
     assert state["agentText"].strip() == "hello from the model"
     assert len(peaks) == state["framesSent"] and max(peaks) > 0.1   # and reached the engine
+    assert state["resumes"] == 0
+
+
+def test_the_page_resumes_its_call_after_the_connection_drops(monkeypatch, tmp_path):
+    """The server resets the page's connection mid-sentence (a network dropout as the page sees it: close 1006):
+    the page reconnects with the call's token, and gets the rest of the call, every frame the engine stepped
+    once, the sentence whole, and a normal end."""
+    from tests.server_support import tiny_tokenizer
+
+    srv, peaks = speaking_model(monkeypatch, tiny_tokenizer())
+    mic = tmp_path / "mic.wav"
+    mic.write_bytes(wav_bytes(tone(4.0, amp=0.5)))
+    dropped = []
+
+    def drop_at_packet_3(state):
+        if state["packetsReceived"] >= 3 and not dropped:
+            (page,) = [c for c in srv.uvicorn.server_state.connections   # uvicorn's protocol of the page's call
+                       if (getattr(c, "scope", None) or {}).get("path") == "/v1/realtime"]
+            srv.loop.call_soon_threadsafe(page.transport.abort)
+            dropped.append(state["packetsReceived"])
+
+    browser = Chromium(mic)
+    try:
+        state = browse(srv, browser, f"{srv.url}/?autostart=1&seconds=3", during=drop_at_packet_3)
+    finally:
+        browser.close()
+        srv.close()
+    assert dropped and state is not None and state["closed"], state
+    assert not state["errors"], state["errors"]
+    assert state["resumes"] == 1 and state["closeCode"] == 1000
+    assert state["drained"] == state["packetsReceived"] == len(peaks)      # each frame stepped came back once
+    assert state["framesSent"] >= state["drained"] >= 20                    # (a dropout loses what it sends)
+    assert state["samplesReceived"] == 1764 * state["packetsReceived"]
+    assert state["agentText"].strip() == "hello from the model"            # the sentence spans the dropout
+    assert srv.server.metrics.resumes.labels("resumed")._value.get() == 1

@@ -2,6 +2,9 @@
 // (22.05 kHz PCM16, one 80 ms packet per frame) played back-to-back behind a small jitter buffer, live
 // agent text and user transcript. Everything the page knows is in `window.duplexState` (the browser
 // test reads it). URL options: ?autostart=1 starts a call on load; &seconds=N ends input after N s.
+// A connection lost mid-call (close 1006: no close frame) is resumed: the page reconnects with the call's
+// resume token and the number of messages it received, for as long as the server keeps the call
+// (docs/protocol.md, "Reconnecting a lost connection"); what the microphone hears meanwhile is dropped.
 "use strict";
 
 const IN_RATE = 16000, OUT_RATE = 22050, FRAME_IN = 1280;
@@ -10,12 +13,14 @@ const JITTER_S = 0.12;          // playback starts this far behind the first pac
 const state = window.duplexState = {
   status: "idle", callId: null, framesSent: 0, packetsReceived: 0, samplesReceived: 0, peakReceived: 0,
   agentText: "", userText: "", underruns: 0, errors: [], closed: false, closeCode: null, drained: null,
-  micPeak: 0,
+  micPeak: 0, messagesReceived: 0, resumes: 0,
 };
 
 const $ = (id) => document.getElementById(id);
 let ws = null, micCtx = null, playCtx = null, micStream = null, micNode = null, playAt = 0, stopTimer = null;
 let pending = new Float32Array(0);
+let resume = null;                // {token, grace_s} from session.created; null: the call cannot be resumed
+let reconnectUntil = 0;           // while reconnecting: when the server no longer holds the call
 
 function setStatus(s) { state.status = s; $("status").textContent = s; }
 function showError(code, message) {
@@ -66,6 +71,7 @@ function onMicSamples(chunk) {
   for (let i = 0; i < chunk.length; i++) peak = Math.max(peak, Math.abs(chunk[i]));
   state.micPeak = Math.max(state.micPeak, peak);
   $("level").style.width = `${Math.min(100, peak * 300)}%`;
+  if (!ws || ws.readyState !== WebSocket.OPEN) pending = pending.slice(-FRAME_IN);   // a dropout drops audio
   while (pending.length >= FRAME_IN && ws && ws.readyState === WebSocket.OPEN && !state.inputEnded) {
     const frame = pending.subarray(0, FRAME_IN);
     ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: toBase64PCM16(frame) }));
@@ -93,6 +99,7 @@ function onEvent(ev) {
   switch (ev.type) {
     case "session.created":
       state.callId = ev.session.id;
+      resume = ev.session.resume || null;
       fillVoices(ev.session.capabilities && ev.session.capabilities.voices, ev.session.audio.output.voice);
       break;
     case "response.output_audio.delta": {
@@ -127,7 +134,8 @@ function fillVoices(voices, current) {
 async function start() {
   $("start").disabled = true; $("stop").disabled = false;
   Object.assign(state, { framesSent: 0, packetsReceived: 0, samplesReceived: 0, agentText: "", userText: "",
-                         closed: false, inputEnded: false, drained: null });
+                         closed: false, inputEnded: false, endSent: false, drained: null, messagesReceived: 0,
+                         resumes: 0 });
   $("agent").textContent = ""; $("user").textContent = ""; $("errors").textContent = "";
   setStatus("connecting");
   playCtx = new AudioContext({ sampleRate: OUT_RATE });
@@ -142,12 +150,8 @@ async function start() {
   micCtx.createMediaStreamSource(micStream).connect(micNode);
   // (not connected to the destination: we do not want to hear ourselves)
 
-  // with serve.api_keys, open the page as /?api_key=<key>: a browser passes it as a subprotocol (it cannot set
-  // headers on a WebSocket), as OpenAI's browser client does
-  const key = new URLSearchParams(location.search).get("api_key");
-  const protocols = key ? ["realtime", `openai-insecure-api-key.${key}`] : [];
-  ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime`, protocols);
-  ws.onopen = () => {
+  resume = null;
+  connect("", () => {
     const session = { seed: parseInt($("seed").value || "0", 10), temperature: parseFloat($("temperature").value || "0") };
     const instructions = $("instructions").value.trim();
     if (instructions) session.instructions = instructions;
@@ -159,9 +163,29 @@ async function start() {
     setStatus("in call");
     const seconds = parseFloat(new URLSearchParams(location.search).get("seconds") || "0");
     if (seconds > 0) stopTimer = setTimeout(stop, seconds * 1000);
-  };
-  ws.onmessage = (m) => onEvent(JSON.parse(m.data));
-  ws.onclose = (e) => {
+  });
+}
+
+// One connection of the call: the first (query "") or one resuming it. `opened` runs when it opens.
+function connect(query, opened) {
+  // with serve.api_keys, open the page as /?api_key=<key>: a browser passes it as a subprotocol (it cannot set
+  // headers on a WebSocket), as OpenAI's browser client does
+  const key = new URLSearchParams(location.search).get("api_key");
+  const protocols = key ? ["realtime", `openai-insecure-api-key.${key}`] : [];
+  const scheme = location.protocol === "https:" ? "wss" : "ws";
+  const sock = ws = new WebSocket(`${scheme}://${location.host}/v1/realtime${query}`, protocols);
+  sock.onopen = () => { reconnectUntil = 0; opened(); };
+  sock.onmessage = (m) => { state.messagesReceived++; onEvent(JSON.parse(m.data)); };
+  sock.onclose = (e) => {
+    if (e.code === 1006 && resume && (reconnectUntil === 0 || performance.now() < reconnectUntil)) {
+      // lost, not closed: come back for the rest of the call while the server holds it
+      if (reconnectUntil === 0) reconnectUntil = performance.now() + resume.grace_s * 1000;
+      setStatus("reconnecting");
+      setTimeout(() => connect(`?resume=${encodeURIComponent(resume.token)}&received=${state.messagesReceived}`,
+                               () => { state.resumes++; setStatus("in call"); if (state.inputEnded) stop(); }),
+                 250);
+      return;
+    }
     state.closed = true; state.closeCode = e.code;
     setStatus(`call ended (${e.code}${e.reason ? " " + e.reason : ""})`);
     teardown();
@@ -169,9 +193,11 @@ async function start() {
 }
 
 function stop() {
-  // end of input: the server drains the frames it has, then closes the call
-  if (ws && ws.readyState === WebSocket.OPEN && !state.inputEnded) {
-    state.inputEnded = true;
+  // end of input: the server drains the frames it has, then closes the call (sent once a resumed
+  // connection is open, if the call was reconnecting)
+  state.inputEnded = true;
+  if (ws && ws.readyState === WebSocket.OPEN && !state.endSent) {
+    state.endSent = true;
     ws.send(JSON.stringify({ type: "input_audio_buffer.commit", final: true }));
     setStatus("finishing");
   }
