@@ -6,7 +6,8 @@
 
 Writes to --out (default outputs/call/<timestamp>/): agent.wav (22.05 kHz), agent.txt (the agent's text
 by turn), user.txt (the RNN-T transcript), lag.tsv (per frame: server lag, and client lag = packet
-arrival - sending of the frame's last input sample), events.jsonl (every JSON event).
+arrival - sending of the frame's last input sample), events.jsonl (every JSON event). A connection lost
+mid-call is resumed (docs/protocol.md, "Reconnecting a lost connection"); the audio sent meanwhile is lost.
 """
 from __future__ import annotations
 
@@ -52,28 +53,63 @@ async def call(args) -> Path:
     received = 0
 
     async with aiohttp.ClientSession() as http:
-        async with http.ws_connect(ws_url, max_msg_size=0) as ws:
-            await ws.send_json(opening)
-            started = json.loads((await ws.receive()).data)
-            if started.get("type") != "started":
-                raise SystemExit(f"refused: {started}")
-            budget = int(started["limits"]["max_pending_s"] / FRAME_S) // 2
+        ws = await http.ws_connect(ws_url, max_msg_size=0)
+        await ws.send_json(opening)
+        started = json.loads((await ws.receive()).data)
+        if started.get("type") != "started":
+            raise SystemExit(f"refused: {started}")
+        budget = int(started["limits"]["max_pending_s"] / FRAME_S) // 2
+        resume = started.get("resume")   # {token, grace_s}: the call can be taken back after a lost connection
+        line = {"ws": ws, "messages": 1, "resumes": 0, "input_done": False, "drained": False}
 
-            async def send():
-                t0 = time.monotonic()
-                for k in range(n_frames):
-                    if args.fast:
-                        while k - received > budget:     # stay inside the pending-input budget
-                            await asyncio.sleep(FRAME_S / 4)
-                    else:
-                        await asyncio.sleep(max(0.0, t0 + k * FRAME_S - time.monotonic()))
-                    await ws.send_bytes(pcm[k * frame_bytes:(k + 1) * frame_bytes])
-                    sent_at[k] = time.monotonic()
-                await ws.send_json({"type": "end_input"})
+        async def send_on_line(data) -> None:
+            try:
+                await (line["ws"].send_bytes(data) if isinstance(data, bytes) else line["ws"].send_json(data))
+            except (ConnectionError, RuntimeError, aiohttp.ClientError):
+                pass   # the connection is lost: this audio is too (the call hears what comes after the resume)
 
-            sender = asyncio.create_task(send())
-            with tqdm(total=n_frames, unit="frame", desc=Path(args.clip).name) as bar:
-                async for m in ws:
+        async def send():
+            t0 = time.monotonic()
+            for k in range(n_frames):
+                if args.fast:
+                    while k - received > budget:     # stay inside the pending-input budget
+                        await asyncio.sleep(FRAME_S / 4)
+                else:
+                    await asyncio.sleep(max(0.0, t0 + k * FRAME_S - time.monotonic()))
+                await send_on_line(pcm[k * frame_bytes:(k + 1) * frame_bytes])
+                sent_at[k] = time.monotonic()
+            line["input_done"] = True
+            await send_on_line({"type": "end_input"})
+
+        async def take_back() -> bool:
+            """The connection was lost mid-call: open a new one that resumes the call, retrying for the grace."""
+            deadline = time.monotonic() + resume["grace_s"]
+            while time.monotonic() < deadline:
+                try:
+                    line["ws"] = await http.ws_connect(f"{ws_url}?resume={resume['token']}&received={line['messages']}",
+                                                       max_msg_size=0)
+                except aiohttp.WSServerHandshakeError as e:
+                    if e.status in (400, 404, 409):   # the server cannot give the call back
+                        tqdm.write(f"resume refused ({e.status})")
+                        return False
+                except (ConnectionError, aiohttp.ClientError):
+                    pass
+                else:
+                    line["resumes"] += 1
+                    tqdm.write(f"connection lost: resumed after {line['messages']} messages")
+                    if line["input_done"] and not line["drained"]:   # the end may have been lost with it
+                        await send_on_line({"type": "end_input"})
+                    return True
+                await asyncio.sleep(0.25)
+            return False
+
+        sender = asyncio.create_task(send())
+        with tqdm(total=n_frames, unit="frame", desc=Path(args.clip).name) as bar:
+            while True:
+                async for m in line["ws"]:
+                    if m.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                        continue
+                    line["messages"] += 1
                     if m.type == aiohttp.WSMsgType.BINARY:
                         k, server_lag_ms = HEADER.unpack_from(m.data)
                         now = time.monotonic()
@@ -90,10 +126,14 @@ async def call(args) -> Path:
                         agent_turns.append("")
                     elif ev["type"] == "transcript":
                         user_text += ev["delta"]
-                    elif ev["type"] == "error":
+                    elif ev["type"] == "drained":
+                        line["drained"] = True
+                    elif ev["type"] == "error" and not (ev["code"] == "append_after_end" and line["resumes"]):
                         tqdm.write(f"error {ev['code']}: {ev['message']}")
+                lost = line["ws"].close_code in (None, 1006)   # no close frame from the server
+                if not (lost and resume and await take_back()):
+                    break
             sender.cancel()
-
     rate = started["output"]["sample_rate"]
     wav = np.concatenate(packets).astype(np.float32) / 32768.0 if packets else np.zeros(0, np.float32)
     write_wav(out / "agent.wav", wav, rate)
@@ -108,8 +148,9 @@ async def call(args) -> Path:
             f.write(json.dumps(ev) + "\n")
     ended = [e for e in events if e["type"] in ("ended", "error")]
     client = np.array([c for *_, c in lags]) if lags else np.zeros(1)
+    resumed = f", resumed {line['resumes']}x" if line["resumes"] else ""
     print(f"{received}/{n_frames} frames, {len(wav) / rate:.2f} s of agent audio; client lag p50 "
-          f"{np.percentile(client, 50):.0f} ms, p99 {np.percentile(client, 99):.0f} ms; "
+          f"{np.percentile(client, 50):.0f} ms, p99 {np.percentile(client, 99):.0f} ms{resumed}; "
           f"end: {ended[-1] if ended else 'socket closed'} -> {out}")
     return out
 

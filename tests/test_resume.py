@@ -434,3 +434,42 @@ def test_replicas_turn_resume_off_and_say_so(monkeypatch, caplog):
     assert cfg.serve.resume_grace_s == 0
     said = [r.getMessage() for r in caplog.records if "serve.resume_grace_s" in r.getMessage()]
     assert len(said) == 1 and "not honoured with serve.replicas = 2" in said[0]
+
+
+def test_the_call_script_resumes_a_lost_connection(server, tmp_path):
+    """scripts/call.py (native, paced) loses its connection mid-call (the server's side of it is reset): it
+    reconnects with the call's token and message count, and writes the whole call: every frame the engine
+    stepped exactly once, in order, and the normal end."""
+    import subprocess
+    import sys
+
+    from tests.server_support import wav_bytes
+
+    srv, _ = server(resume_grace_s=30)
+    clip = tmp_path / "in.wav"
+    clip.write_bytes(wav_bytes(tone(2.0)))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "scripts/call.py", str(clip), "--url", srv.url, "--seed", str(SEED),
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:   # a few frames into the call, reset its connection
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            live = list(srv.server.call_connections.parking.live.values())
+            if live and live[0].sent.sent >= 8:
+                break
+            time.sleep(0.02)
+        (conn,) = [c for c in srv.uvicorn.server_state.connections
+                   if (getattr(c, "scope", None) or {}).get("path") == "/generate/ws"]
+        srv.loop.call_soon_threadsafe(conn.transport.abort)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "resumed 1x" in stdout, stdout
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    assert events[-1] == {"type": "ended", "reason": "completed"} and not [e for e in events if e["type"] == "error"]
+    (drained,) = [e["frames"] for e in events if e["type"] == "drained"]
+    frames = [int(x.split()[0]) for x in (out / "lag.tsv").read_text().splitlines()[1:]]
+    assert frames == list(range(drained)) and drained >= 20   # each stepped frame once (a dropout loses input)
+    srv.wait_idle()
