@@ -16,6 +16,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from nemo_duplex.server.errors import Refusal
 from nemo_duplex.server.resume import CallConnections, Parking, SentLog
+from nemo_duplex.server.ws import CallConnection
 from tests.server_support import NATIVE, ScriptedModel, b64, frames_of, tone
 
 FRAME_IN = 1280
@@ -89,6 +90,11 @@ async def realtime_open(url: str, query: str = "") -> tuple[Client, str]:
     return c, c.got[0]["session"].get("resume", {}).get("token")
 
 
+def refused_status(error: BaseException) -> int:
+    assert isinstance(error, InvalidStatus), repr(error)
+    return error.response.status_code
+
+
 def refused(excinfo) -> tuple[int, dict]:
     response = excinfo.value.response
     return response.status_code, json.loads(response.body)
@@ -139,6 +145,25 @@ def test_parking_ends_a_call_not_taken_back_within_its_grace():
         parking.expire_all()
         assert ended == ["B", "A"] and not parking.live
     asyncio.run(go())
+
+
+def test_a_connection_overtaken_during_its_upgrade_serves_nothing():
+    """Two resumes of one call: the first is still upgrading when the second claims the call. The first must not
+    then serve it beside the second (two writers would split the call's messages between two sockets)."""
+    class Bridge:
+        attached = 0
+
+        def attach(self, cut):
+            self.attached += 1
+
+        def detach(self):
+            pass
+
+    session = CallConnection(Bridge())
+    first = session.claim()
+    session.claim()   # the second resume
+    assert asyncio.run(session.serve(None, [], first)) is False
+    assert session.bridge.attached == 0 and session.idle.is_set()
 
 
 @pytest.mark.parametrize("setting", [{"resume_grace_s": -1.0}, {"resume_buffer_kb": 0}])
@@ -203,6 +228,43 @@ def test_a_realtime_call_resumed_after_its_connection_is_lost_misses_nothing(ser
     srv.wait_idle()
     assert srv.server.metrics.resumes.labels("resumed")._value.get() == 1
     assert without_ids(whole) == without_ids(reference_call(srv.ws_url, np.concatenate([first, second])))
+
+
+def test_of_resumes_racing_for_one_call_only_the_last_serves_it(server):
+    """Three reconnects of one call at once (a client retrying fast): each claims the call in turn and cuts the
+    one before; those overtaken are refused or closed (having sent at most the start of the replay), and the
+    last serves the call to its end, from the count it gave."""
+    srv, _ = server(resume_grace_s=30)
+
+    async def go():
+        c, token = await realtime_open(srv.ws_url)
+        await appends(c, tone(0.4))
+        await c.take(lambda got: len(audio_frames(got)) >= 2)
+        received = list(c.got)
+        c.lose()
+        await wait_for(lambda: srv.server.call_connections.parking.parked == 1)
+        url = f"{srv.ws_url}/v1/realtime?resume={token}&received={len(received)}"
+        tries = await asyncio.gather(*(Client.open(url) for _ in range(3)), return_exceptions=True)
+        opened = [t for t in tries if isinstance(t, Client)]
+        refusals = [refused_status(t) for t in tries if not isinstance(t, Client)]
+        live = []
+        for t in opened:   # the overtaken ones are closed by the server
+            try:
+                await t.take(lambda got: False, timeout=1.5)
+            except ConnectionClosed:
+                continue
+            except TimeoutError:
+                live.append(t)
+        assert len(live) == 1, (len(opened), refusals)
+        (winner,) = live
+        await winner.ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+        code = await winner.to_end()
+        return received + winner.got, code, refusals
+
+    whole, code, refusals = asyncio.run(go())
+    assert all(status == 404 for status in refusals)
+    assert code == 1000 and realtime_packets(whole) == [(k, SEED) for k in range(5)]
+    srv.wait_idle()
 
 
 def test_a_call_that_ends_while_parked_is_delivered_whole_on_resume(server):

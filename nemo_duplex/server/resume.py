@@ -204,11 +204,12 @@ class CallConnections:
                 {"type": "error", "code": r.code, "message": r.message}, status_code=r.status))
         self.parking.unpark(token)
         self.metrics.resumes.labels("resumed").inc()
-        await self.serve(session, self._accept(websocket, session, replay))
+        await self.serve(session, self._accept(websocket, session, replay, generation))
 
-    async def _accept(self, websocket: WebSocket, session: CallConnection, replay: list) -> bool:
+    async def _accept(self, websocket: WebSocket, session: CallConnection, replay: list, generation: int) -> bool:
         try:
             await websocket.accept(subprotocol=Access.subprotocol(websocket.headers))
         except GONE:   # lost again before the upgrade completed: the call waits on
             return True
-        return await session.serve(Socket(websocket, self.max_message_bytes), replay)
+        # (a resume that arrived during this upgrade has claimed the call since: then this one serves nothing)
+        return await session.serve(Socket(websocket, self.max_message_bytes), replay, generation)

@@ -159,10 +159,13 @@ class CallConnection:
             self.duplex.cut()
         return self.generation
 
-    async def serve(self, socket: Socket, replay: list | None = None) -> bool:
+    async def serve(self, socket: Socket, replay: list | None = None, generation: int | None = None) -> bool:
         """Serve the call over `socket` until it ends, after sending `replay` (the messages a lost connection
         did not deliver). -> whether the transport was lost (the messages sent may not have arrived, so the
-        call, or what it last sent, may wait for a new connection)."""
+        call, or what it last sent, may wait for a new connection). A resuming connection gives the
+        `generation` it claimed: if a newer one has claimed the call meanwhile, it serves nothing."""
+        if generation is not None and generation != self.generation:
+            return False
         self.idle.clear()
         self.duplex = duplex = DuplexSocket(socket)
         self.bridge.attach(duplex.cut)
