@@ -31,8 +31,8 @@ class Client:
         self.ws, self.got = ws, []
 
     @classmethod
-    async def open(cls, url: str) -> "Client":
-        return cls(await connect(url, max_size=None, ping_interval=None))
+    async def open(cls, url: str, headers: dict | None = None) -> "Client":
+        return cls(await connect(url, max_size=None, ping_interval=None, additional_headers=headers))
 
     async def take(self, until, timeout: float = 20.0) -> None:
         """Receive until `until(self.got)` holds."""
@@ -81,9 +81,9 @@ async def appends(client: Client, audio: np.ndarray) -> None:
         await client.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(audio[i:i + FRAME_IN])}))
 
 
-async def realtime_open(url: str, query: str = "") -> tuple[Client, str]:
+async def realtime_open(url: str, query: str = "", headers: dict | None = None) -> tuple[Client, str]:
     """A Realtime call at the model's own rates and seed SEED; -> (client, resume token)."""
-    c = await Client.open(f"{url}/v1/realtime{query}")
+    c = await Client.open(f"{url}/v1/realtime{query}", headers)
     await c.ws.send(json.dumps({"type": "session.update", "session": {**NATIVE, "seed": SEED}}))
     await c.take(lambda got: len(got) >= 2)
     assert [e["type"] for e in c.got] == ["session.created", "session.updated"]
@@ -372,6 +372,29 @@ def test_resumes_that_cannot_be_honoured_are_refused_before_the_upgrade_and_the_
     assert "serve.resume_buffer_kb = 4" in answers["gone"][1]["message"]
     assert "/v1/realtime" in answers["other protocol"][1]["message"]
     assert code == 1000 and realtime_packets(whole) == [(k, SEED) for k in range(5)]
+    srv.wait_idle()
+
+
+def test_a_resume_needs_the_servers_api_key_too(server):
+    srv, _ = server(resume_grace_s=30, api_keys=["sesame"])
+    key = {"Authorization": "Bearer sesame"}
+
+    async def go():
+        c, token = await realtime_open(srv.ws_url, headers=key)
+        await appends(c, tone(0.24))
+        await c.take(lambda got: len(audio_frames(got)) == 3)
+        c.lose()
+        await wait_for(lambda: srv.server.call_connections.parking.parked == 1)
+        url = f"{srv.ws_url}/v1/realtime?resume={token}&received={len(c.got)}"
+        with pytest.raises(InvalidStatus) as keyless:
+            await connect(url)
+        again = await Client.open(url, key)
+        await again.ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+        code = await again.to_end()
+        return refused(keyless), code
+
+    (status, body), code = asyncio.run(go())
+    assert status == 401 and body["code"] == "unauthorized" and code == 1000
     srv.wait_idle()
 
 

@@ -257,7 +257,7 @@ class Server:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(self, request: Request) -> Response:
-        if (refused := self._refused(request.headers, "http")) is not None:
+        if (refused := self.refused(request.headers, "http")) is not None:
             return refused
         if self.cluster is not None:
             text = await self.cluster.metrics()
@@ -277,7 +277,7 @@ class Server:
             pass
         await socket.close(1013 if refusal.code == "busy" else 1008, refusal.code)
 
-    def _refused(self, headers, scheme: str) -> JSONResponse | None:
+    def refused(self, headers, scheme: str) -> JSONResponse | None:
         """A request without a valid key or from a foreign origin (server/access.py): its plain JSON refusal."""
         r = self.access.refusal(headers, scheme)
         if r is None:
@@ -287,7 +287,7 @@ class Server:
 
     async def _open(self, websocket: WebSocket, call_id: str | None, in_use_body: dict) -> bool:
         """Accept the upgrade, or refuse it with a plain HTTP response (401 / 403 / 409) and return False."""
-        if (refused := self._refused(websocket.headers, "ws")) is not None:
+        if (refused := self.refused(websocket.headers, "ws")) is not None:
             await websocket.send_denial_response(refused)
             return False
         if await self._call_id_in_use(websocket, call_id, in_use_body):
@@ -358,7 +358,7 @@ class Server:
 
     # -- POST /generate
     async def generate_post(self, request: Request) -> Response:
-        if (refused := self._refused(request.headers, "http")) is not None:
+        if (refused := self.refused(request.headers, "http")) is not None:
             return refused
         try:
             fields, wav = await read_upload(request, self.cfg.max_upload_mb)

@@ -1,5 +1,5 @@
 """A call outlives a dropped connection: the messages it sent, numbered, and the calls waiting for their client
-to reconnect (`serve.resume_grace_s`, docs/protocol.md "Reconnecting").
+to reconnect (`serve.resume_grace_s`; docs/protocol.md, "Reconnecting a lost connection").
 
 A WebSocket whose transport is lost without a close frame (a network change, a proxy's reset, a keepalive
 timeout) does not hang up its call: the call is parked with its place, its settings and its queued output, and a
@@ -129,7 +129,7 @@ class CallConnections:
         self.server, cfg = server, server.cfg
         if cfg.resume_grace_s < 0 or cfg.resume_buffer_kb < 1:
             raise SettingsError(f"serve.resume_grace_s = {cfg.resume_grace_s:g} (>= 0; 0 = off) and "
-                             f"serve.resume_buffer_kb = {cfg.resume_buffer_kb} (>= 1)")
+                                f"serve.resume_buffer_kb = {cfg.resume_buffer_kb} (>= 1)")
         self.grace_s, self.buffer_bytes = cfg.resume_grace_s, cfg.resume_buffer_kb * 1024
         self.max_message_bytes = cfg.max_message_kb * 1024
         self.metrics = server.metrics
@@ -175,7 +175,7 @@ class CallConnections:
         """`?resume=<token>&received=<n>`: the call of `token` (parked, or still held by a connection the server
         has not yet found dead, which is cut) continues on this connection, from message n + 1. Refused before
         the upgrade: 401 / 403 (access), 404 unknown_resume_token, 400 invalid_resume, 409 resume_gap."""
-        if (refused := self.server._refused(websocket.headers, "ws")) is not None:
+        if (refused := self.server.refused(websocket.headers, "ws")) is not None:
             return await websocket.send_denial_response(refused)
         token, received = websocket.query_params.get("resume"), websocket.query_params.get("received", "")
         try:

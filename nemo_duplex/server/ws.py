@@ -115,9 +115,7 @@ class DuplexSocket:
             for t in tasks:
                 try:
                     await t
-                except asyncio.CancelledError:
-                    pass
-                except GONE:   # a send found the socket closed (by the client, or its transport lost)
+                except (asyncio.CancelledError, *GONE):
                     pass
                 except Exception:   # noqa: BLE001 - a bug in one connection's task
                     log.exception("a connection's %s failed", "reader" if t is self.reader else "writer")
@@ -145,7 +143,7 @@ class CallConnection:
     def __init__(self, bridge):
         self.bridge = bridge
         self.sent = None                 # its SentLog when calls are resumable (server/resume.py sets it)
-        self.token: str | None = None    # the resume token (server/app.py sets it when resumable)
+        self.token: str | None = None    # its resume token, likewise
         self.generation = 0              # which connection may serve the call (claim)
         self.duplex: DuplexSocket | None = None
         self.closing: tuple[int, str] | None = None   # the close the writer began (code, reason)
