@@ -375,6 +375,34 @@ def test_resumes_that_cannot_be_honoured_are_refused_before_the_upgrade_and_the_
     srv.wait_idle()
 
 
+def test_a_client_that_stops_answering_pings_is_parked_and_one_the_server_closes_is_not(server):
+    """uvicorn's keepalive: a client whose transport stopped (it answers no ping) is a lost connection, its call
+    parked for a resume. A connection the server itself closes (a message over serve.max_message_kb: 1009) is
+    over: its call ends at once."""
+    srv, _ = server(resume_grace_s=30, max_message_kb=8)
+    srv.uvicorn.config.ws_ping_interval = srv.uvicorn.config.ws_ping_timeout = 0.2   # (read by each connection)
+
+    async def go():
+        c, token = await realtime_open(srv.ws_url)
+        await appends(c, tone(0.24))
+        await c.take(lambda got: len(audio_frames(got)) == 3)
+        c.ws.transport.pause_reading()   # half-open: the server's pings go unanswered
+        await wait_for(lambda: srv.server.call_connections.parking.parked == 1, timeout=5)
+        again = await Client.open(f"{srv.ws_url}/v1/realtime?resume={token}&received={len(c.got)}")
+        await again.ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+        resumed_code = await again.to_end()
+
+        big, _ = await realtime_open(srv.ws_url)
+        await big.ws.send("x" * (8 * 1024 + 1))
+        big_code = await big.to_end()
+        await wait_for(lambda: not srv.server.sessions, timeout=3)   # not parked for 30 s
+        return resumed_code, big_code, srv.server.call_connections.parking.parked
+
+    resumed_code, big_code, parked = asyncio.run(go())
+    assert resumed_code == 1000 and big_code == 1009 and parked == 0
+    srv.wait_idle()
+
+
 def test_a_resume_needs_the_servers_api_key_too(server):
     srv, _ = server(resume_grace_s=30, api_keys=["sesame"])
     key = {"Authorization": "Bearer sesame"}

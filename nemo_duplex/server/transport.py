@@ -55,17 +55,22 @@ def websocket_protocol(metrics):
 
     - counts a connection reset after the upgrade request but before the server accepted it (stage "upgrade");
     - marks a connection whose transport went without a close frame from the client (a reset, a network
-      change, a keepalive timeout) in its scope (ws.TRANSPORT_LOST): its call may be resumed (server/resume.py).
-      uvicorn reports such a loss as 1005, the code of a client's close frame without one."""
+      change, a keepalive timeout), and not after a close of the server's own, in its scope (ws.TRANSPORT_LOST):
+      its call may be resumed (server/resume.py). uvicorn reports such a loss as 1005, the code of a client's
+      close frame without one."""
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
     from nemo_duplex.server.ws import TRANSPORT_LOST
+
+    KEEPALIVE_TIMEOUT = "keepalive ping timeout"   # the reason of uvicorn's close when its pings go unanswered
 
     class WebSocketProtocol(WebSocketsSansIOProtocol):
         def connection_lost(self, exc) -> None:
             if not self.handshake_complete:
                 reset(metrics, "upgrade", getattr(self, "client", None))
-            elif self.conn.close_rcvd is None and getattr(self, "scope", None) is not None:
+            elif self.conn.close_rcvd is None and getattr(self, "scope", None) is not None and (
+                    self.conn.close_sent is None or self.conn.close_sent.reason == KEEPALIVE_TIMEOUT):
+                # (a close of the server's own, such as 1009 for a message too big, ended it on purpose)
                 self.scope[TRANSPORT_LOST] = True
             super().connection_lost(exc)
 
