@@ -403,6 +403,30 @@ def test_a_client_that_stops_answering_pings_is_parked_and_one_the_server_closes
     srv.wait_idle()
 
 
+def test_a_reconnect_does_not_restart_the_idle_clock(server):
+    """Issue 32's rule, idle means nothing received, holds across connections: a client that drops and resumes a
+    call it sends nothing to cannot hold its place beyond serve.idle_timeout_s from its last message."""
+    srv, _ = server(resume_grace_s=30, idle_timeout_s=1.5)
+
+    async def go():
+        c, token = await realtime_open(srv.ws_url)
+        await appends(c, tone(0.24))
+        last_sent = time.monotonic()
+        await c.take(lambda got: len(audio_frames(got)) == 3)
+        c.lose()
+        await wait_for(lambda: srv.server.call_connections.parking.parked == 1)
+        await asyncio.sleep(max(0.0, last_sent + 1.0 - time.monotonic()))   # 1 s of the 1.5 s gone
+        again = await Client.open(f"{srv.ws_url}/v1/realtime?resume={token}&received={len(c.got)}")
+        code = await again.to_end()
+        return code, time.monotonic() - last_sent, again.got
+
+    code, took, got = asyncio.run(go())
+    errors = [e["error"]["code"] for e in got if e["type"] == "error"]
+    assert errors == ["idle_timeout"] and code == 1008
+    assert 1.4 < took < 2.3   # 1.5 s after the last audio, not 1.5 s after the resume (2.5 s)
+    srv.wait_idle()
+
+
 def test_a_resume_needs_the_servers_api_key_too(server):
     srv, _ = server(resume_grace_s=30, api_keys=["sesame"])
     key = {"Authorization": "Bearer sesame"}

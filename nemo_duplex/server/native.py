@@ -243,7 +243,7 @@ class NativeSession(CallConnection):
         c, b = self.ctx, self.bridge
         while True:
             try:
-                msg = await socket.receive(timeout=c.cfg.idle_timeout_s if not b.call.input_ended else None)
+                msg = await self.receive(socket, c.cfg.idle_timeout_s if not b.call.input_ended else None)
             except asyncio.TimeoutError:
                 b.fail("idle_timeout", f"nothing received for serve.idle_timeout_s = {c.cfg.idle_timeout_s:g} s")
                 continue

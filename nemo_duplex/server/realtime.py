@@ -63,7 +63,7 @@ class RealtimeSession(CallConnection):
         while True:
             input_open = b.call is None or not b.call.input_ended
             try:
-                msg = await socket.receive(timeout=s.cfg.idle_timeout_s if input_open else None)
+                msg = await self.receive(socket, s.cfg.idle_timeout_s if input_open else None)
             except asyncio.TimeoutError:
                 b.fail("idle_timeout", f"nothing received for serve.idle_timeout_s = {s.cfg.idle_timeout_s:g} s")
                 while (await socket.receive()).kind != "closed":   # until the writer closes it (or the client)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -149,6 +150,17 @@ class CallConnection:
         self.closing: tuple[int, str] | None = None   # the close the writer began (code, reason)
         self.idle = asyncio.Event()      # no connection is serving the call
         self.idle.set()
+        self.last_heard = time.monotonic()   # the client's last message, on any of the call's connections
+
+    async def receive(self, socket: Socket, idle_s: float | None) -> Message:
+        """The client's next message on `socket`; TimeoutError once `idle_s` (serve.idle_timeout_s) has passed
+        since its last message on any connection of the call: a reconnect does not restart the clock, so a
+        client cannot hold its place by dropping and resuming a silent call."""
+        timeout = None if idle_s is None else max(0.0, idle_s - (time.monotonic() - self.last_heard))
+        msg = await socket.receive(timeout=timeout)
+        if msg.kind != "closed":
+            self.last_heard = time.monotonic()
+        return msg
 
     def claim(self) -> int:
         """A connection claims the call: the one serving it (if any) is cut and ends without hanging up."""
