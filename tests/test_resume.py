@@ -1,7 +1,9 @@
 """A call outlives a lost connection (server/resume.py): its client reconnects with the call's resume token and
 the number of messages it received, and gets exactly the rest. Over real loopback sockets on the scripted
 server (tests/server_support.py: each packet holds its frame index and the call's seed), so every frame can be
-checked to arrive once, in order, whichever connection carried it."""
+checked to arrive once, in order, whichever connection carried it. One file past 500 lines on purpose: every
+rule of a lost connection (which closes park a call, what a resume gives back and refuses, racing resumes, the
+idle clock, shutdown, both routes and scripts/call.py) over one client helper."""
 from __future__ import annotations
 
 import asyncio
