@@ -307,7 +307,8 @@ def test_calls_go_where_places_are_free_and_a_dead_replica_takes_only_its_calls(
         kept = [c for c in callers if c.replica == survivor]
         await asyncio.wait_for(asyncio.gather(*(c.reader for c in lost)), 30)
         for c in lost:
-            assert c.codes() == ["replica_failed"] and c.ws.close_code == 1011
+            assert c.codes() == ["replica_failed"] and c.ws.close_code == 1011, (c.codes(), c.ws.close_code,
+                                                                                 c.events[-3:])
         for c in kept:   # untouched: more audio, then a normal end with every frame
             await c.say(tone(0.4, seed=1))
             assert await c.finish() == 1000
