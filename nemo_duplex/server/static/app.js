@@ -71,7 +71,7 @@ function onMicSamples(chunk) {
   for (let i = 0; i < chunk.length; i++) peak = Math.max(peak, Math.abs(chunk[i]));
   state.micPeak = Math.max(state.micPeak, peak);
   $("level").style.width = `${Math.min(100, peak * 300)}%`;
-  if (!ws || ws.readyState !== WebSocket.OPEN) pending = pending.slice(-FRAME_IN);   // a dropout drops audio
+  if (reconnectUntil !== 0) pending = pending.slice(-FRAME_IN);   // a dropout drops what is said meanwhile
   while (pending.length >= FRAME_IN && ws && ws.readyState === WebSocket.OPEN && !state.inputEnded) {
     const frame = pending.subarray(0, FRAME_IN);
     ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: toBase64PCM16(frame) }));
@@ -150,7 +150,7 @@ async function start() {
   micCtx.createMediaStreamSource(micStream).connect(micNode);
   // (not connected to the destination: we do not want to hear ourselves)
 
-  resume = null;
+  resume = null; reconnectUntil = 0;
   connect("", () => {
     const session = { seed: parseInt($("seed").value || "0", 10), temperature: parseFloat($("temperature").value || "0") };
     const instructions = $("instructions").value.trim();
@@ -186,7 +186,7 @@ function connect(query, opened) {
                  250);
       return;
     }
-    state.closed = true; state.closeCode = e.code;
+    state.closed = true; state.closeCode = e.code; reconnectUntil = 0;
     setStatus(`call ended (${e.code}${e.reason ? " " + e.reason : ""})`);
     teardown();
   };
