@@ -70,12 +70,7 @@ class CallBridge:
             if self.socket_done:
                 self.ctx.forget(self)
             elif self.cut is not None and self._cut is None:
-                # The call is over; its socket must follow. A client that stopped reading would keep the
-                # writer waiting on the send buffer for ever, and its server place with it: cut once a
-                # client reading at playback rate would have had everything still queued.
-                queued_s = self.frames_waiting * self.ctx.frame_s
-                self._cut = self.loop.call_later(self.ctx.cfg.slow_consumer_grace_s + queued_s,
-                                                 self._cut_if_stuck)
+                self._arm_cut()
         if self.failed is not None:
             return
         if isinstance(ev, FrameEvent):
@@ -129,8 +124,14 @@ class CallBridge:
         it. A call that ended or failed while it had none gets its cut deadline now, as on_event would have."""
         self.cut = cut
         if (self.engine_ended or self.failed is not None) and self._cut is None:
-            grace = self.ctx.cfg.slow_consumer_grace_s
-            self._cut = self.loop.call_later(grace + self.frames_waiting * self.ctx.frame_s, self._cut_if_stuck)
+            self._arm_cut()
+
+    def _arm_cut(self) -> None:
+        """The call is over; its socket must follow. A client that stopped reading would keep the writer
+        waiting on the send buffer for ever, and its server place with it: cut once a client reading at
+        playback rate would have had everything still queued."""
+        queued_s = self.frames_waiting * self.ctx.frame_s
+        self._cut = self.loop.call_later(self.ctx.cfg.slow_consumer_grace_s + queued_s, self._cut_if_stuck)
 
     def detach(self) -> None:
         """The connection is gone; the call is parked until a new one attaches or its grace runs out."""

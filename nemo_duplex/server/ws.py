@@ -77,6 +77,9 @@ class Socket:
     async def send_bytes(self, data: bytes) -> None:
         await self.ws.send_bytes(data)
 
+    async def send(self, data: str | bytes) -> None:
+        await (self.send_text(data) if isinstance(data, str) else self.send_bytes(data))
+
     async def close(self, code: int, reason: str = "") -> None:
         try:
             await self.ws.close(code=code, reason=reason[:120])   # a close reason holds at most 123 bytes
@@ -189,7 +192,7 @@ class CallConnection:
 
     async def _write_after(self, socket: Socket, replay: list) -> None:
         for data in replay:
-            await (socket.send_text(data) if isinstance(data, str) else socket.send_bytes(data))
+            await socket.send(data)
         if self.closing is not None:   # the call's last messages were among them
             return await self.duplex.close(*self.closing)
         await self._write(socket)
@@ -199,7 +202,7 @@ class CallConnection:
             for data in messages:
                 self.sent.record(data)
         for data in messages:
-            await (socket.send_text(data) if isinstance(data, str) else socket.send_bytes(data))
+            await socket.send(data)
 
     async def finish(self, socket: Socket, code: int, reason: str, *messages: str | bytes) -> None:
         """The call's last messages, then the close. A connection lost on the way may still be resumed: the
