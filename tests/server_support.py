@@ -190,6 +190,13 @@ class RunningServer:
         self.uvicorn.should_exit = True
         self.thread.join(60)
 
+    def reset_connection(self, path: str) -> None:
+        """Reset the server's side of the one open connection on `path` (a TCP reset, no close frame): a network
+        dropout, as the client sees it."""
+        (conn,) = [c for c in self.uvicorn.server_state.connections
+                   if (getattr(c, "scope", None) or {}).get("path") == path]
+        self.loop.call_soon_threadsafe(conn.transport.abort)
+
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Every place and engine slot given back (asserts, with the counts, on timeout)."""
         t0 = time.monotonic()

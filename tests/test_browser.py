@@ -149,9 +149,7 @@ def test_the_page_resumes_its_call_after_the_connection_drops(monkeypatch, tmp_p
 
     def drop_at_packet_3(state):
         if state["packetsReceived"] >= 3 and not dropped:
-            (page,) = [c for c in srv.uvicorn.server_state.connections   # uvicorn's protocol of the page's call
-                       if (getattr(c, "scope", None) or {}).get("path") == "/v1/realtime"]
-            srv.loop.call_soon_threadsafe(page.transport.abort)
+            srv.reset_connection("/v1/realtime")
             dropped.append(state["packetsReceived"])
 
     browser = Chromium(mic)

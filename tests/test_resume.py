@@ -598,9 +598,7 @@ def test_the_call_script_resumes_a_lost_connection(server, tmp_path):
             if live and live[0].sent.sent >= 8:
                 break
             time.sleep(0.02)
-        (conn,) = [c for c in srv.uvicorn.server_state.connections
-                   if (getattr(c, "scope", None) or {}).get("path") == "/generate/ws"]
-        srv.loop.call_soon_threadsafe(conn.transport.abort)
+        srv.reset_connection("/generate/ws")
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
