@@ -92,14 +92,10 @@ async def realtime_open(url: str, query: str = "", headers: dict | None = None) 
     return c, c.got[0]["session"].get("resume", {}).get("token")
 
 
-def refused_status(error: BaseException) -> int:
+def refused(error: BaseException) -> tuple[int, dict]:
+    """An upgrade refused before the handshake: (HTTP status, the JSON body)."""
     assert isinstance(error, InvalidStatus), repr(error)
-    return error.response.status_code
-
-
-def refused(excinfo) -> tuple[int, dict]:
-    response = excinfo.value.response
-    return response.status_code, json.loads(response.body)
+    return error.response.status_code, json.loads(error.response.body)
 
 
 async def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -248,7 +244,7 @@ def test_of_resumes_racing_for_one_call_only_the_last_serves_it(server):
         url = f"{srv.ws_url}/v1/realtime?resume={token}&received={len(received)}"
         tries = await asyncio.gather(*(Client.open(url) for _ in range(3)), return_exceptions=True)
         opened = [t for t in tries if isinstance(t, Client)]
-        refusals = [refused_status(t) for t in tries if not isinstance(t, Client)]
+        refusals = [refused(t)[0] for t in tries if not isinstance(t, Client)]
         live = []
         for t in opened:   # the overtaken ones are closed by the server
             try:
@@ -307,7 +303,7 @@ def test_a_lost_call_not_taken_back_ends_and_frees_its_place(server):
         await wait_for(lambda: not srv.server.sessions, timeout=5)   # the grace ran out: a hang-up
         with pytest.raises(InvalidStatus) as late:
             await connect(f"{srv.ws_url}/v1/realtime?resume={token}&received=3")
-        return refused(late)
+        return refused(late.value)
 
     status, body = asyncio.run(go())
     assert status == 404 and body["code"] == "unknown_resume_token" and "serve.resume_grace_s = 0.3" in body["message"]
@@ -330,7 +326,7 @@ def test_a_close_frame_is_a_hang_up_whatever_its_code(server, code):
         assert srv.server.call_connections.parking.parked == 0
         with pytest.raises(InvalidStatus) as after:
             await connect(f"{srv.ws_url}/v1/realtime?resume={token}&received=0")
-        return refused(after)
+        return refused(after.value)
 
     status, body = asyncio.run(go())
     assert status == 404 and body["code"] == "unknown_resume_token"
@@ -357,7 +353,7 @@ def test_resumes_that_cannot_be_honoured_are_refused_before_the_upgrade_and_the_
             path = "/generate/ws" if name == "other protocol" else "/v1/realtime"
             with pytest.raises(InvalidStatus) as e:
                 await connect(f"{srv.ws_url}{path}?{query}")
-            answers[name] = refused(e)
+            answers[name] = refused(e.value)
         assert srv.server.call_connections.parking.parked == 1   # none of them took the call
         again = await Client.open(f"{srv.ws_url}/v1/realtime?resume={token}&received={n}")
         await appends(again, tone(0.16, seed=1))
@@ -445,7 +441,7 @@ def test_a_resume_needs_the_servers_api_key_too(server):
         again = await Client.open(url, key)
         await again.ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
         code = await again.to_end()
-        return refused(keyless), code
+        return refused(keyless.value), code
 
     (status, body), code = asyncio.run(go())
     assert status == 401 and body["code"] == "unauthorized" and code == 1000
@@ -489,7 +485,7 @@ def test_shutdown_ends_a_parked_call_at_once_and_refuses_its_resume(server):
     took, late = asyncio.run(go())
     assert took < 2.0
     if isinstance(late.value, InvalidStatus):
-        assert refused(late)[0] in (404, 503)
+        assert refused(late.value)[0] in (404, 503)
     srv.thread.join(15)
     assert not srv.thread.is_alive()
     assert srv.server.metrics.resumes.labels("expired")._value.get() == 1
