@@ -424,6 +424,24 @@ def test_coalescing_steps_frames_that_arrive_together(tiny, example_clip):
     eng.stop()
 
 
+def test_a_call_that_went_quiet_holds_no_step(tiny, example_clip):
+    """frame_due in the engine: two calls share a step, then b goes quiet (its next frame over a period
+    late: a push-to-talk client between turns, a parked connection). a's next frame is stepped at once,
+    not held up to the bound (2 s here) for b, which stepped frames before the rule."""
+    frame = example_clip[:1280].numpy()
+    eng = _engine(tiny, max_calls=2, coalesce_ms=2000.0)
+    a, b, stepped, batches = _two_paced_calls(eng, frame, 0.05)
+    assert batches() == [2]
+    time.sleep(0.25)   # b's next frame was due 80 ms after its last: now over a period late
+    eng._last_step = (time.monotonic(), 5.0)   # a bound of 2 s, not the CPU step's few ms
+    t0 = time.monotonic()
+    a.append(frame)
+    stepped(5)
+    waited = time.monotonic() - t0
+    assert batches() == [2, 1] and waited < 1.5, (batches(), waited)
+    eng.stop()
+
+
 @pytest.mark.parametrize("last_step_s,at_most_step", [(1.0, True), (0.02, True), (0.02, False)])
 def test_coalescing_bound_is_at_most_one_step(tiny, example_clip, last_step_s, at_most_step):
     """engine.coalesce_ms is capped by the last step's time (coalesce_limit). Bound 400 ms, frames 150 ms
@@ -536,8 +554,11 @@ def test_coalesce_wait_rule():
     assert coalesce_wait([(10.000, 10.000, 1), (10.002, 10.002, 1)], 10.003, L, F) == 0.0
     assert coalesce_wait([(None, 9.95, 0), (None, 9.93, 0)], 10.003, L, F) == 0.0
     assert coalesce_wait([(10.000, 10.000, 1), (None, None, 0)], 10.003, L, F) == 0.0
-    # a call that went quiet (overdue) is waited for, but only up to the bound
-    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.5, 0)], 10.010, L, F) == pytest.approx(0.010)
+    # a call late by less than a period (jitter) is waited for, up to the bound...
+    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.85, 0)], 10.003, L, F) == pytest.approx(0.017)
+    # ...one that went quiet (its next frame a period late or more: push-to-talk, a parked connection) is not
+    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.83, 0)], 10.003, L, F) == 0.0
+    assert coalesce_wait([(10.000, 10.000, 1), (None, 9.5, 0)], 10.010, L, F) == 0.0
     # an upload being fed (a backlog of old frames) does not end the wait for the paced calls...
     upload = (8.0, 10.001, 40)
     assert coalesce_wait([(10.000, 10.000, 1), (None, 9.921, 0), upload], 10.003, L, F) == pytest.approx(0.017)

@@ -298,7 +298,7 @@ class Engine:
             return
         coalesce_end, duty_end = now + wait, now + held
         awaited = fresh + [c for c, (_, last, pending) in zip(live, pacing)
-                           if frame_due(last, pending, coalesce_end, self.frame_seconds)]
+                           if frame_due(last, pending, coalesce_end, self.frame_seconds, now)]
 
         def arrived(c: Call) -> bool:
             return c.has_frame or c.closed or c.input_ended

@@ -38,11 +38,11 @@ def coalesce_wait(calls: list[tuple[float | None, float | None, int]], now: floa
     never waits. A call with a backlog (an upload being fed, or a call that fell behind) neither sets the
     bound nor is waited for: its frames are not paced, and its old frames would otherwise turn
     coalescing off for everyone while an upload runs. A call that has not sent a frame yet has no rhythm
-    to go by and is not waited for."""
+    to go by and is not waited for, nor is one whose next frame is a period late (frame_due)."""
     deadline = coalesce_deadline(calls, limit)
     if deadline is None or now >= deadline:
         return 0.0
-    due = any(frame_due(last, pending, deadline, frame_s) for _, last, pending in calls)
+    due = any(frame_due(last, pending, deadline, frame_s, now) for _, last, pending in calls)
     return deadline - now if due else 0.0
 
 
@@ -76,10 +76,13 @@ def opened_together(opened_at: float, first_frame_opens: list[float], limit: flo
     return i < len(first_frame_opens) and first_frame_opens[i] <= opened_at + limit
 
 
-def frame_due(last: float | None, pending: int, deadline: float, frame_s: float) -> bool:
-    """A call with no frame pending whose next frame (its last arrival + one period) is due by `deadline`:
-    the calls coalescing waits for."""
-    return pending == 0 and last is not None and last + frame_s <= deadline
+def frame_due(last: float | None, pending: int, deadline: float, frame_s: float, now: float) -> bool:
+    """A call with no frame pending whose next frame (its last arrival + one period) is due by `deadline`
+    and is late by less than one period at `now`: the calls coalescing waits for. Why the second rule: a
+    call that went quiet (a push-to-talk client between turns, a connection lost and parked for a resume,
+    a client that stalls on purpose) would otherwise hold every other call's step up to the bound for as
+    long as it stays quiet; a frame a period late is no longer in the lockstep rhythm coalescing is for."""
+    return pending == 0 and last is not None and last + frame_s <= deadline and now - last < 2 * frame_s
 
 
 def backlog_hold(calls: list[tuple[float | None, float | None, int]], now: float, frame_s: float,
