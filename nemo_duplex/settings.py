@@ -52,6 +52,12 @@ class EngineConfig:
     # error naming this setting, rather than waiting on a thread that never finishes it (its slot stays the
     # thread's until the thread is done with it); /health reports an admission under way that long.
     max_admission_s: float = 30.0
+    # With the admission thread: each piece of an admission (a prompt chunk, the warm-up) starts only in a gap
+    # between the live calls' steps where the previous piece's time fits before the next step is due
+    # (Engine.step_gap), so that a prefill shares neither the GPU's bandwidth nor its SMs with a step; a
+    # piece waits at most this long for such a gap, then runs anyway (staggered calls leave few gaps).
+    # 0 = pieces back to back, beside the steps.
+    admission_gap_wait_ms: float = 80.0
     # A step (or, without the admission thread, an admission piece) still under way this long (no bucket's
     # step takes a second on the H200) marks the engine stalled: /health answers 503 "engine_stalled" so that
     # an orchestrator restarts the server; a kernel that never finishes cannot be cut from Python.

@@ -613,6 +613,126 @@ def test_duty_hold_waits_for_idle_calls_within_its_bounds(tiny, example_clip):
     assert held_for(0.0, 1000.0) < 0.02
 
 
+def test_step_gap_rule():
+    """step_gap on made-up times (seconds; frames every 0.08 s): how long until the next step of paced calls
+    is due, what the admission thread fits an admission piece into."""
+    from nemo_duplex.serving.pacing import step_gap
+
+    F = 0.08
+    assert step_gap([(None, 9.95, 0), (None, 9.96, 0)], 10.0, F) == pytest.approx(0.03)   # a's next frame first
+    assert step_gap([(None, 9.95, 0), (10.0, 10.0, 1)], 10.001, F) == 0.0   # b's frame waits for its step
+    assert step_gap([(None, 9.95, 0), (8.0, 9.99, 25)], 10.0, F) == pytest.approx(0.03)   # a backlog: not counted
+    assert step_gap([(None, 9.91, 0)], 10.0, F) == 0.0                     # due already (late, still in rhythm)
+    assert step_gap([(None, 9.83, 0), (None, None, 0)], 10.0, F) == float("inf")   # quiet, or no frame yet
+    assert step_gap([], 10.0, F) == float("inf")
+
+
+def test_admission_pieces_wait_for_a_gap_between_steps(tiny):
+    """Admitter._await_gap: with no gap (Engine.step_gap 0: a step under way) a piece waits, looking again
+    as each step ends, and starts once the gap fits it; with none it starts after engine.admission_gap_wait_ms;
+    with 0 it never waits."""
+    from nemo_duplex.serving.admitter import Admitter
+
+    eng = _engine(tiny, admission_thread=True, admission_gap_wait_ms=3000.0)
+    gap = [0.0]
+    eng.step_gap = lambda: gap[0]
+    admitter = Admitter(eng)   # (not started: _await_gap runs on the test's thread)
+
+    def step_ends(after_s: float, then_gap: float) -> None:
+        def end():
+            gap[0] = then_gap
+            with eng.step_ended:
+                eng.stats.steps += 1
+                eng.step_ended.notify_all()
+        threading.Timer(after_s, end).start()
+
+    def waited(estimate: float) -> float:
+        t0 = time.monotonic()
+        admitter._await_gap(estimate)
+        return time.monotonic() - t0
+
+    gap[0] = 0.05
+    assert waited(0.02) < 0.05   # the gap fits: at once
+    gap[0] = 0.0
+    step_ends(0.2, 0.01)   # a step ends, but its gap (10 ms) is short of the piece (20 ms) ...
+    step_ends(0.4, 0.05)   # ... the next one's fits
+    assert 0.35 < waited(0.02) < 2.0
+    assert admitter.pieces == {"gap": 2, "waited": 0}
+    gap[0], admitter.gap_wait_s = 0.0, 0.15   # no gap ever: it starts after the bound
+    assert 0.14 < waited(0.02) < 1.0 and admitter.pieces == {"gap": 2, "waited": 1}
+    admitter.gap_wait_s = 0.0   # engine.admission_gap_wait_ms=0: back to back
+    assert waited(0.02) < 0.05 and admitter.pieces == {"gap": 2, "waited": 1}
+
+
+def test_admission_pieces_run_between_the_live_calls_steps(tiny, example_clip, monkeypatch):
+    """engine.admission_gap_wait_ms on a running engine: a live call speaks every 80 ms while a new call's
+    prompt is prefilled in 4-token pieces slowed to 25 ms each (12 or more pieces). Each piece starts in a gap
+    between the live call's steps where the last one's time fits; back to back, as before, they ran over
+    ~300 ms and beside three or four steps. At most one piece may overlap a step (a CPU this busy can
+    stretch a piece past its estimate); the admitted call's tokens are those of the same call admitted
+    inline."""
+    from nemo_duplex.serving import engine as engine_mod
+
+    model, tok, *_ = tiny
+    prompt = " ".join(["Please answer briefly and kindly."] * 6)
+    clip = example_clip[: 1280 * 6]
+    inline = drive(_engine(tiny, prefix_cache_mib=0, prefill_chunk_tokens=4),
+                   clip_plans([clip], prompt=prompt, seed=3))[0]
+    admission, pieces, steps = engine_mod.admission, [], []
+
+    def slowed(*args, **kwargs):
+        inner = admission(*args, **kwargs)
+        while True:
+            t = time.monotonic()
+            time.sleep(0.025)
+            try:
+                next(inner)
+            except StopIteration:
+                return
+            finally:
+                pieces.append((t, time.monotonic()))
+            yield
+    monkeypatch.setattr(engine_mod, "admission", slowed)
+    eng = _engine(tiny, prefix_cache_mib=0, prefill_chunk_tokens=4, admission_thread=True,
+                  admission_gap_wait_ms=5000.0)
+    step_to_host = eng.step_runner.step_to_host
+
+    def timed(*args, **kwargs):
+        t = time.monotonic()
+        try:
+            return step_to_host(*args, **kwargs)
+        finally:
+            steps.append((t, time.monotonic()))
+    eng.step_runner.step_to_host = timed
+    eng.start()
+    try:
+        live = eng.open_call(CallOptions(seed=1))
+        while not live.admitted:
+            time.sleep(0.01)
+        eng.admitter.first_piece_s = 0.03   # (the estimate the first admission would have left)
+        pieces.clear()
+        events = CallEvents()
+        new = eng.open_call(CallOptions(prompt=prompt, seed=3), on_event=events)
+        assert eng.prompt_ids(prompt).numel() >= 44
+        new.append(clip.numpy())
+        new.end_input()
+        for k in range(40):   # 3.2 s of the live call, a frame every 80 ms
+            live.append(example_clip[1280 * (k % 60): 1280 * (k % 60 + 1)].numpy())
+            time.sleep(0.08)
+            if events.ended.is_set() and k >= 10:
+                break
+        assert events.ended.wait(30)
+        live.abort()
+    finally:
+        eng.stop()
+    assert len(pieces) >= 12
+    overlapping = [p for p in pieces if any(s0 < p[1] and p[0] < s1 for s0, s1 in steps)]
+    assert len(overlapping) <= 1, ([(round(a - pieces[0][0], 3), round(b - pieces[0][0], 3)) for a, b in pieces],
+                                   [(round(a - pieces[0][0], 3), round(b - pieces[0][0], 3)) for a, b in steps])
+    assert eng.admitter.pieces["gap"] >= 12
+    assert [f.text for f in events.frames] == inline.text_tokens.tolist()
+
+
 def test_backlog_hold_rule():
     """backlog_hold on made-up times (seconds; frames every 0.08 s): paced call p stepped its last frame,
     which arrived at 9.95, so its next is due at 10.03; call u has a backlog of 25 frames."""
@@ -873,19 +993,20 @@ def test_an_inline_admission_piece_past_max_step_s_marks_the_engine_stalled(tiny
         eng.stop()
 
 
-def test_max_admission_s_without_the_admission_thread_is_named_unused(tiny, caplog):
+def test_admission_thread_settings_without_the_thread_are_named_unused(tiny, caplog):
     import logging
 
     with caplog.at_level(logging.WARNING, logger="nemo_duplex.serving.engine"):
-        _engine(tiny, admission_thread=False, max_admission_s=5.0)
-        _engine(tiny, admission_thread=True, max_admission_s=5.0)
+        _engine(tiny, admission_thread=False, max_admission_s=5.0, admission_gap_wait_ms=10.0)
+        _engine(tiny, admission_thread=True, max_admission_s=5.0, admission_gap_wait_ms=10.0)
     unused = [r.getMessage() for r in caplog.records if "is unused" in r.getMessage()]
-    assert unused == ["engine.max_admission_s=5 is unused: engine.admission_thread=false admits on the engine "
-                      "thread, between steps"]
+    assert unused == [f"engine.{key} is unused: engine.admission_thread=false admits on the engine thread, "
+                      "between steps" for key in ("max_admission_s=5", "admission_gap_wait_ms=10")]
 
 
 @pytest.mark.parametrize("bad", [{"admission_pieces_per_tick": 0}, {"prefill_chunk_tokens": -1},
-                                 {"max_admission_s": 0.0}, {"max_step_s": -1.0}])
+                                 {"max_admission_s": 0.0}, {"max_step_s": -1.0}, {"admission_gap_wait_ms": -1.0},
+                                 {"admission_gap_wait_ms": float("inf")}])
 def test_admission_settings_that_could_never_admit_are_refused(tiny, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         _engine(tiny, **bad)

@@ -618,6 +618,9 @@ def test_health_and_metrics(server, tok):
         assert name in metrics, name
     lag_count = [line for line in metrics.splitlines() if line.startswith("duplex_frame_lag_seconds_count")][0]
     assert float(lag_count.split()[-1]) == 7.0     # 0.5 s = 7 frames, each observed once
+    # the admission thread's pieces (the warm-up call's, the call's), with no live call beside them: in a gap
+    in_gap = [line for line in metrics.splitlines() if line.startswith('duplex_admission_pieces_total{start="gap"}')]
+    assert in_gap and float(in_gap[0].split()[-1]) >= 2.0, in_gap
     srv.server.ready = False
     status, _ = asyncio.run(_status(f"{srv.url}/health"))
     assert status == 503

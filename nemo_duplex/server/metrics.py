@@ -57,6 +57,10 @@ class ServerMetrics:
         self.stalled = Gauge("duplex_stalled_seconds", "how long the engine thread's step or admission piece (part "
                              "engine) or the admission thread's call (part admission) has been under way past "
                              "engine.max_step_s / engine.max_admission_s; 0: none", ["part"], registry=r)
+        self.admission_pieces = Counter("duplex_admission_pieces", "admission pieces (prompt chunks, warm-ups) the "
+                                        "admission thread started in a gap between steps (start gap) or after waiting "
+                                        "engine.admission_gap_wait_ms for one (waited)", ["start"], registry=r)
+        self._seen_pieces = {"gap": 0, "waited": 0}
         self._seen_steps = 0
         self._seen_frames = 0
         self._fps = deque()        # (monotonic time, engine frames so far)
@@ -84,6 +88,11 @@ class ServerMetrics:
             for key, value in engine.pages.usage().items():   # e.g. talker_pages_uncommitted
                 pool, _, state = key.partition("_pages")
                 self.kv_pages.labels(pool=pool, state=state.lstrip("_") or "total").set(value)
+        if engine.admitter is not None:
+            for start, count in engine.admitter.pieces.items():
+                if count > self._seen_pieces[start]:
+                    self.admission_pieces.labels(start=start).inc(count - self._seen_pieces[start])
+                    self._seen_pieces[start] = count
         new_steps = stats.steps - self._seen_steps
         if new_steps > 0:
             recent = list(stats.step_seconds)[-min(new_steps, len(stats.step_seconds)):]

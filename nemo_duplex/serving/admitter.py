@@ -65,6 +65,9 @@ class Admitter:
         self.stream = torch.cuda.Stream(self.device, priority=0) if self.device.type == "cuda" else None
         self.thread: threading.Thread | None = None
         self.busy_since: float | None = None   # when the thread took the call it is admitting (None: idle)
+        self.gap_wait_s = engine.cfg.admission_gap_wait_ms / 1e3
+        self.first_piece_s = 0.0   # how long the last admission's first piece took: the estimate for the next
+        self.pieces = {"gap": 0, "waited": 0}   # pieces started in a gap / after waiting admission_gap_wait_ms
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="admission", daemon=True)
@@ -107,7 +110,7 @@ class Admitter:
                 self._admit(group, self.engine.restore_together, key, [job.call for job in group])
             if waiting:   # then one other call; calls the cache admits never wait behind more than one
                 job = waiting.popleft()
-                self._admit([job], _run_pieces, job.pieces)
+                self._admit([job], self._run_pieces, job.pieces)
 
     def _admit(self, jobs: list[Job], run: Callable, *args) -> None:
         """run(*args), the admission of `jobs`, on the admission's stream after the engine's work queued when
@@ -131,7 +134,38 @@ class Admitter:
         self.done.extend((job.call, error) for job in jobs)
         self.engine.wake()
 
+    def _run_pieces(self, pieces: Iterator) -> None:
+        """The pieces of one admission, each started where `_await_gap` says it fits, each done (its kernels
+        too) before the next one is considered. A piece is estimated to take what the one before it took
+        (pieces fall in size: frame_step.prompt_pieces), the first what the last admission's first took."""
+        estimate, first = self.first_piece_s, True
+        while True:
+            self._await_gap(estimate)
+            started = time.perf_counter()
+            try:
+                next(pieces)
+            except StopIteration:
+                return
+            if self.stream is not None:
+                self.stream.synchronize()
+            estimate = time.perf_counter() - started
+            if first:
+                self.first_piece_s, first = estimate, False
 
-def _run_pieces(pieces: Iterator) -> None:
-    for _ in pieces:
-        pass
+    def _await_gap(self, estimate: float) -> None:
+        """Wait until the live calls' next step is due at least `estimate` seconds from now and none is under
+        way (Engine.step_gap), looking again as each step ends; at most engine.admission_gap_wait_ms."""
+        if self.gap_wait_s <= 0:
+            return
+        end = time.monotonic() + self.gap_wait_s
+        while True:
+            seen = self.engine.stats.steps
+            if self.engine.step_gap() >= estimate:
+                self.pieces["gap"] += 1
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                self.pieces["waited"] += 1
+                return
+            with self.engine.step_ended:
+                self.engine.step_ended.wait_for(lambda: self.engine.stats.steps != seen, timeout=left)

@@ -52,6 +52,7 @@ from nemo_duplex.serving.pacing import (
     duty_wait,
     frame_due,
     opened_together,
+    step_gap,
 )
 from nemo_duplex.serving.pages import KVPages
 from nemo_duplex.serving.state import PrefixCache, SlotAllocator, allocate_call_state
@@ -100,9 +101,13 @@ class Engine:
         if cfg.max_admission_s <= 0:
             raise ValueError(f"engine.max_admission_s = {cfg.max_admission_s}: seconds a call may wait for its "
                              "admission, > 0")
-        if not cfg.admission_thread and cfg.max_admission_s != EngineConfig.max_admission_s:
-            log.warning("engine.max_admission_s=%g is unused: engine.admission_thread=false admits on the engine "
-                        "thread, between steps", cfg.max_admission_s)
+        if not 0 <= cfg.admission_gap_wait_ms < math.inf:
+            raise ValueError(f"engine.admission_gap_wait_ms = {cfg.admission_gap_wait_ms}: how long an admission "
+                             "piece may wait for a gap between steps, >= 0 ms (0: no wait)")
+        for key in ("max_admission_s", "admission_gap_wait_ms"):
+            if not cfg.admission_thread and getattr(cfg, key) != getattr(EngineConfig, key):
+                log.warning("engine.%s=%g is unused: engine.admission_thread=false admits on the engine thread, "
+                            "between steps", key, getattr(cfg, key))
         if cfg.admission_pieces_per_tick < 1 or cfg.prefill_chunk_tokens < 0:
             raise ValueError(f"engine.admission_pieces_per_tick = {cfg.admission_pieces_per_tick} (>= 1) and "
                              f"engine.prefill_chunk_tokens = {cfg.prefill_chunk_tokens} (>= 0, 0: whole): an "
@@ -138,6 +143,7 @@ class Engine:
         # while the engine thread waits on the device: a step, or an inline admission piece (engine_stalled_s)
         self.busy_since: float | None = None
         self._step_seconds: dict[int, float] = {}   # rows -> seconds of the last step of that many rows
+        self.step_ended = threading.Condition()   # notified as each step ends (stats.steps counts them)
         self._last_open: float | None = None  # monotonic time of the last open_call (engine.open_quiet_ms)
         self.longest_token = max(len(t) for t in tokenizer.token_strings())   # characters (prompt_ids)
 
@@ -187,6 +193,15 @@ class Engine:
     def admission_stalled_s(self) -> float:
         """How long the admission thread has been on one call past engine.max_admission_s (0: it is not)."""
         return _busy_past(self.admitter.busy_since if self.admitter is not None else None, self.cfg.max_admission_s)
+
+    def step_gap(self) -> float:
+        """Seconds until the live calls' next step is due (pacing.step_gap; 0 while a step is under way): the
+        admission thread starts each piece of an admission only where it fits (engine.admission_gap_wait_ms)."""
+        if self.busy_since is not None:
+            return 0.0
+        with self._lock:
+            live = [c for c in self._calls.values() if c.admitted and not c.closed]
+        return step_gap([c.pacing() for c in live], time.monotonic(), self.frame_seconds)
 
     def wake(self) -> None:
         with self._lock:
@@ -580,6 +595,8 @@ class Engine:
         self._step_seconds[n] = done - t0
         self.stats.record_step(n, done - t0, gather=t0 - gathered, prep=launched - t0, device=waited - launched,
                                dispatch=done - waited, padded=host.padded_rows)
+        with self.step_ended:
+            self.step_ended.notify_all()
 
     def _free_slot(self, slot: int) -> None:
         if self.pages is not None:

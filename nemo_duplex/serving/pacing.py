@@ -82,7 +82,23 @@ def frame_due(last: float | None, pending: int, deadline: float, frame_s: float,
     call that went quiet (a push-to-talk client between turns, a connection lost and parked for a resume,
     a client that stalls on purpose) would otherwise hold every other call's step up to the bound for as
     long as it stays quiet; a frame a period late is no longer in the lockstep rhythm coalescing is for."""
-    return pending == 0 and last is not None and last + frame_s <= deadline and now - last < 2 * frame_s
+    return pending == 0 and in_rhythm(last, now, frame_s) and last + frame_s <= deadline
+
+
+def in_rhythm(last: float | None, now: float, frame_s: float) -> bool:
+    """A call whose next frame (its last arrival + one period) is late by less than one period at `now`."""
+    return last is not None and now - last < 2 * frame_s
+
+
+def step_gap(calls: list[tuple[float | None, float | None, int]], now: float, frame_s: float) -> float:
+    """Seconds until the next step of paced calls is due (calls as for coalesce_wait; the engine adds that a
+    step under way leaves no gap): 0 while a paced frame (one pending) waits for its step, else until the
+    first next frame of a call in its rhythm is due; inf with no such call. Calls with a backlog do not
+    count: the engine steps them in the gaps itself (backlog_hold), or with the paced calls."""
+    if any(pending == 1 for _, _, pending in calls):
+        return 0.0
+    due = [last + frame_s for _, last, pending in calls if pending == 0 and in_rhythm(last, now, frame_s)]
+    return max(0.0, min(due) - now) if due else float("inf")
 
 
 def backlog_hold(calls: list[tuple[float | None, float | None, int]], now: float, frame_s: float,
