@@ -17,7 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nemo_duplex.server.replicas import ReplicaGone, deployment_health, deployment_metrics, label_metrics
+from nemo_duplex.server.replicas import (
+    ReplicaGone,
+    ResumeRoute,
+    deployment_health,
+    deployment_metrics,
+    label_metrics,
+)
 from tests.server_support import NATIVE, b64, frames_of, free_port, tone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +123,73 @@ def test_metrics_of_every_replica_are_labelled_and_described_once():
     snap["replicas"]["b"]["ready"] = True
     assert deployment_health(snap)[1] == 200
     assert label_metrics("duplex_x 1", "r", set()) == ['duplex_x{replica="r"} 1']
+
+
+def routed_scope(scope: dict) -> dict:
+    """The scope the proxy's app sees behind ResumeRoute."""
+    seen = {}
+
+    async def app(scope_in, receive, send):
+        seen["scope"] = scope_in
+    asyncio.run(ResumeRoute(app)(scope, None, None))
+    return seen["scope"]
+
+
+def test_a_resume_is_routed_by_its_token_and_a_client_cannot_pick_a_replica():
+    """ResumeRoute: `?resume=<replica>.<random>` on a call route gives Serve that replica as the session id
+    (server/routing.py follows it); a session id header from the client is dropped on every request, whatever
+    its spelling; a token without a route adds none."""
+    def headers(path, query, extra=(), kind="websocket"):
+        scope = {"type": kind, "path": path, "query_string": query.encode(),
+                 "headers": [(b"origin", b"x"), *extra]}
+        return routed_scope(scope)["headers"]
+
+    assert headers("/v1/realtime", "resume=r1abc.Zx-_9&received=3") == [(b"origin", b"x"), (b"x-session-id", b"r1abc")]
+    assert headers("/generate/ws", "received=3&resume=r2.q") == [(b"origin", b"x"), (b"x-session-id", b"r2")]
+    picked = [(b"X-Session-Id", b"r1abc"), (b"x_session_id", b"r1abc")]
+    assert headers("/v1/realtime", "", picked) == [(b"origin", b"x")]
+    assert headers("/v1/realtime", "resume=nodot&received=0", picked) == [(b"origin", b"x")]
+    assert headers("/v1/realtime", "resume=.q&received=0") == [(b"origin", b"x")]
+    assert headers("/generate", "resume=r1.q", picked, kind="http") == [(b"origin", b"x")]
+    assert headers("/health", "resume=r1.q", kind="websocket") == [(b"origin", b"x")]
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_lost_transport_reaches_the_replica_as_1006(lost):
+    """ResumeRoute: a disconnect whose transport the proxy's protocol marked lost (server/transport.py) goes on
+    with 1006, which the replica's Socket reads as lost (its call waits to be resumed); a close frame's code,
+    1005 included, goes on as it is (a hang-up)."""
+    from nemo_duplex.server.ws import TRANSPORT_LOST
+
+    scope = {"type": "websocket", "path": "/v1/realtime", "query_string": b"", "headers": []}
+    gone = {"type": "websocket.disconnect", "code": 1005}
+
+    async def app(scope_in, receive, send):
+        assert (await receive())["type"] == "websocket.connect"
+        if lost:
+            scope[TRANSPORT_LOST] = True   # as the protocol marks it, in its own scope, before the disconnect
+        app.got = await receive()
+
+    incoming = [{"type": "websocket.connect"}, gone]
+
+    async def receive():
+        return incoming.pop(0)
+    asyncio.run(ResumeRoute(app)(scope, receive, None))
+    assert app.got == {"type": "websocket.disconnect", "code": 1006 if lost else 1005}
+
+
+def test_the_router_sends_a_resume_to_the_replica_that_holds_its_call():
+    """routing.ranks: every candidate in one rank (the most free places wins), or the holder alone."""
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from nemo_duplex.server.routing import ranks
+
+    a, b = (SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in ("ra", "rb"))
+    assert ranks([a, b], "") == [[a, b]]
+    assert ranks([a, b], "rb") == [[b]]
+    assert ranks([a, b], "gone") == [[a, b]]   # the holder died: anyone (it answers unknown_resume_token)
+    assert ranks([], "ra") == []
 
 
 @pytest.mark.parametrize("message", ["a" * 4096, "é" * 2048, b"\0" * 4096, "é" * 2049, "a" * 4097, b"\0" * 4097])
@@ -276,6 +349,61 @@ def test_the_page_an_upload_and_a_native_call_through_the_endpoint(deployment):
     audio = [m for m in native if m.type == aiohttp.WSMsgType.BINARY]
     events = [json.loads(m.data) for m in native if m.type == aiohttp.WSMsgType.TEXT]
     assert len(audio) == 3 and events[-1] == {"type": "ended", "reason": "completed"}
+
+
+def test_a_lost_connection_resumes_on_the_replica_that_holds_its_call(deployment):
+    """serve.resume_grace_s behind Serve's proxy: four calls, two a replica. The connection of one of replica X's
+    calls is lost (the client's transport aborted, no close frame); Y's two calls then hang up, so that Y has the
+    most free places and a resume routed as a new call would go there. The resume goes to X (its token names
+    it), and the call goes on: its frames before and after add up, with no error. A new call that names X in
+    Serve's session header itself still goes where places are free (Y)."""
+    import websockets
+
+    url, _, _ = deployment
+    ws_url = url.replace("http", "ws") + "/v1/realtime"
+
+    async def go():
+        callers = []
+        for _ in range(4):
+            callers.append(await Caller.open(url))
+            await callers[-1].say(tone(0.16))
+        x, y = sorted({c.replica for c in callers})
+        for c in callers:
+            for _ in range(200):
+                if c.frames() >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert c.frames() >= 2, c.events
+        lost = next(c for c in callers if c.replica == x)
+        token = lost.events[0]["session"]["resume"]["token"]
+        assert token.startswith(x + "."), token
+        lost.ws.transport.abort()   # the network drops: no close frame
+        await asyncio.wait_for(lost.reader, 10)
+        for c in callers:
+            if c.replica == y:
+                assert await c.finish() == 1000 and c.codes() == []
+        for _ in range(100):
+            if health(url)["replicas"][y]["sessions"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert health(url)["replicas"][y]["sessions"] == 0
+
+        ws = await websockets.connect(f"{ws_url}?resume={token}&received={len(lost.events)}", max_size=None)
+        back = Caller(ws)
+        assert back.replica == x
+        await back.say(tone(0.4, seed=1))
+        assert await back.finish() == 1000 and back.codes() == [], back.events[-3:]
+        assert lost.frames() + back.frames() == 7   # 0.16 s + 0.4 s: every frame once, across both connections
+        assert [e for e in back.events if e["type"] == "response.done"]
+
+        pinned = await websockets.connect(ws_url, max_size=None, additional_headers={"x-session-id": x})
+        assert pinned.response.headers.get("x-replica") == y
+        await pinned.close()
+        for c in callers:
+            if c.replica == x and c is not lost:
+                assert await c.finish() == 1000
+
+    asyncio.run(go())
 
 
 def test_calls_go_where_places_are_free_and_a_dead_replica_takes_only_its_calls(deployment):

@@ -537,40 +537,6 @@ def test_a_native_call_resumes_from_the_message_after_the_last_one_received(serv
     srv.wait_idle()
 
 
-# ---- replicas ----------------------------------------------------------------------------------------------
-def test_replicas_turn_resume_off_and_say_so(monkeypatch, caplog):
-    """Serve's proxy would send a reconnect to any replica: with serve.replicas > 1 the setting is not honoured,
-    which is a warning naming it, and the replicas get 0."""
-    import logging
-    import os
-
-    import ray
-    from omegaconf import OmegaConf
-
-    from nemo_duplex import runtime, settings
-    from nemo_duplex.server import replicas
-
-    class RayStarted(Exception):
-        pass
-
-    def stop(*args, **kwargs):
-        raise RayStarted
-
-    monkeypatch.setattr(replicas, "check_replicas_fit", lambda *args: None)
-    monkeypatch.setattr(runtime, "resolve_model", lambda *args: None)
-    monkeypatch.setattr(ray, "init", stop)
-    for name in ("PYTHONPATH", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"):   # run() sets them: put them back after
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-    cfg = OmegaConf.merge(OmegaConf.structured(settings.ServeApp), {"serve": {"replicas": 2}})
-    assert cfg.serve.resume_grace_s > 0
-    caplog.set_level(logging.WARNING, logger="nemo_duplex.replicas")
-    with pytest.raises(RayStarted):
-        replicas.run(cfg, [])
-    assert cfg.serve.resume_grace_s == 0
-    said = [r.getMessage() for r in caplog.records if "serve.resume_grace_s" in r.getMessage()]
-    assert len(said) == 1 and "not honoured with serve.replicas = 2" in said[0]
-
-
 def test_the_call_script_resumes_a_lost_connection(server, tmp_path):
     """scripts/call.py (native, paced) loses its connection mid-call (the server's side of it is reset): it
     reconnects with the call's token and message count, and writes the whole call: every frame the engine

@@ -16,6 +16,8 @@ replica; the call's state never leaves that replica's device.
   (installed in the proxy through RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH) ends each of them with the error
   `replica_failed` (then close code 1011, or the end of an upload's stream). Serve starts a replacement;
   the router stops choosing the dead one as soon as it is gone.
+- A call whose connection is lost is resumed on its own replica (`ResumeRoute`, in the proxy too): its token
+  names the replica, and the router follows that.
 """
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ import sys
 import threading
 import time
 import uuid
+from urllib.parse import parse_qsl
 
 from nemo_duplex import REPO
+from nemo_duplex.server.ws import TRANSPORT_LOST
 
 log = logging.getLogger("nemo_duplex.replicas")
 APP_NAME = "nemo_duplex"
@@ -120,11 +124,58 @@ class ReplicaHeader:
         await self.app(scope, receive, labelled)
 
 
-def proxy_middlewares():
-    """Serve's proxy callback (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): the middlewares it installs."""
-    from starlette.middleware import Middleware
+class ResumeRoute:
+    """ASGI middleware in Serve's proxy: a resumed call (`?resume=<token>`, docs/protocol.md) goes to the replica
+    that holds it. A token begins with that replica's id (resume.Parking.new_token); this gives it to Serve as
+    the request's session id (the header Serve reads, x-session-id), which the router (server/routing.py) follows.
+    A session id from the client itself is dropped: it would pin calls to a replica of its choosing. And a
+    WebSocket whose transport was lost without a close frame (marked by the proxy's uvicorn protocol,
+    server/transport.py) reaches the replica as a disconnect with 1006, the code a lost connection has there,
+    not uvicorn's 1005, which a client's close frame without a code has too."""
 
-    return [Middleware(ReplicaGone)]
+    HEADER = os.environ.get("RAY_SERVE_SESSION_ID_HEADER_KEY", "x-session-id").lower().replace("_", "-")
+
+    def __init__(self, app):
+        self.app = app
+
+    @classmethod
+    def _is_session_header(cls, name: bytes) -> bool:
+        return name.decode("latin-1").lower().replace("_", "-") == cls.HEADER
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = [(k, v) for k, v in scope.get("headers", []) if not self._is_session_header(k)]
+        if scope["type"] == "websocket" and scope.get("path") in CALL_ROUTES:
+            token = next((v for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"))
+                          if k == "resume"), "")
+            route, dot, _ = token.partition(".")
+            if dot and route:
+                headers.append((self.HEADER.encode(), route.encode("latin-1")))
+        marked = scope   # (the protocol marks the scope it made, not this middleware's copy)
+        scope = {**scope, "headers": headers}
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+
+        async def lost_is_1006():
+            message = await receive()
+            if message["type"] == "websocket.disconnect" and marked.get(TRANSPORT_LOST):
+                message = {**message, "code": 1006}
+            return message
+        await self.app(scope, lost_is_1006, send)
+
+
+def proxy_middlewares():
+    """Serve's proxy callback (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): the middlewares it installs. It runs
+    before the proxy starts its uvicorn server, which takes its "auto" WebSocket protocol by name when it starts:
+    set here to server/transport.py's, which marks a lost transport (ResumeRoute passes that on)."""
+    from starlette.middleware import Middleware
+    from uvicorn.protocols.websockets import auto
+
+    from nemo_duplex.server.transport import websocket_protocol
+
+    auto.AutoWebSocketsProtocol = websocket_protocol(None)
+    return [Middleware(ResumeRoute), Middleware(ReplicaGone)]
 
 
 # ---- the deployment's health and metrics ------------------------------------------------------------------
@@ -251,6 +302,7 @@ def replica_class():
             self.server = build_server(composed, overrides)
             self.replica = serve.get_replica_context().replica_id.unique_id
             self.server.cluster = ReplicaCluster(self.replica)
+            self.server.call_connections.route = self.replica   # resume tokens name it (ResumeRoute)
 
         def __serve_build_asgi_app__(self):
             return ReplicaHeader(self.server.app(), self.replica)
@@ -295,11 +347,6 @@ def run(cfg, overrides: list[str]) -> None:
         raise runtime.SettingsError(f"device={cfg.device} with serve.replicas={n}: each replica gets its own GPU "
                                     "(Ray picks it); give device=cuda")
     gpus = 1 if cfg.device == "cuda" else 0
-    if float(scfg.resume_grace_s) > 0:
-        # Serve's proxy sends a reconnecting client to any replica, not the one that holds its call
-        log.warning("serve.resume_grace_s = %g is not honoured with serve.replicas = %d: a call whose connection is "
-                    "lost ends at once (resuming a call needs one replica)", float(scfg.resume_grace_s), n)
-        cfg.serve.resume_grace_s = 0.0
     # refusals come here, in seconds, before Ray starts: no checkpoint, bad settings, not enough memory.
     # (An embedded checkpoint is generated here once, not by every replica.)
     check_replicas_fit(cfg, runtime.resolve_model(cfg, overrides), n)

@@ -67,8 +67,10 @@ class Parking:
         self._lingering: dict[str, asyncio.TimerHandle] = {}
 
     @staticmethod
-    def new_token() -> str:
-        return secrets.token_urlsafe(24)
+    def new_token(route: str = "") -> str:
+        """A call's resume token: `route` (the replica that holds the call, by which Serve's proxy routes the
+        resume: server/replicas.py), a dot, 32 random characters; only the random part without a route."""
+        return f"{route}.{secrets.token_urlsafe(24)}" if route else secrets.token_urlsafe(24)
 
     def register(self, token: str, session) -> None:
         self.live[token] = session
@@ -134,12 +136,13 @@ class CallConnections:
         self.max_message_bytes = cfg.max_message_kb * 1024
         self.metrics = server.metrics
         self.parking = Parking(self.grace_s, self._expired)
+        self.route = ""   # behind Serve's proxy, this replica's id: the head of every resume token (new_token)
 
     def resumable(self, session: CallConnection) -> CallConnection:
         """Give `session` a SentLog and a resume token when calls are resumable (serve.resume_grace_s > 0)."""
         if self.grace_s > 0:
             session.sent = SentLog(self.buffer_bytes)
-            session.token = Parking.new_token()
+            session.token = Parking.new_token(self.route)
             self.parking.register(session.token, session)
         return session
 

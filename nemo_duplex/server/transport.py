@@ -1,7 +1,8 @@
 """uvicorn's HTTP and WebSocket protocols (server/app.py `uvicorn_config`) with two changes: a TCP half-close is
 not a hang-up, and connections reset before their request or upgrade completed are counted in /metrics
 (`duplex_connection_resets{stage}`) and logged in one line each, instead of a traceback. Behind Ray Serve
-(serve.replicas > 1) the proxy's own uvicorn serves the connections, without these."""
+(serve.replicas > 1) the proxy's own uvicorn serves the connections: server/replicas.py gives it the WebSocket
+protocol (a lost transport marked, so that its call may be resumed), not the HTTP one."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +11,8 @@ log = logging.getLogger("nemo_duplex.server")
 
 
 def reset(metrics, stage: str, client) -> None:
-    metrics.connection_resets.labels(stage).inc()
+    if metrics is not None:   # (None in Serve's proxy, server/replicas.py: its resets are only logged)
+        metrics.connection_resets.labels(stage).inc()
     where = f"{client[0]}:{client[1]}" if client else "a client"
     log.info("connection from %s reset before its %s was complete (duplex_connection_resets)", where, stage)
 
