@@ -147,6 +147,7 @@ class ServeConfig:
     api_keys: list[str] = field(default_factory=list)   # none: no key asked (server/access.py)
     api_keys_file: Optional[str] = None  # one key a line ('#' comments), added to api_keys
     allowed_origins: list[str] = field(default_factory=list)   # browser origins besides the server's own ("*": any)
+    max_client_secrets: int = 1024      # live Realtime client secrets (POST /v1/realtime/client_secrets); 0: none
     cors_origins: list[str] = field(default_factory=list)      # CORS for POST /generate from these origins (off)
     gil_switch_interval_ms: float = 0.1  # scripts/serve.py: how soon the engine thread gets the GIL back
     max_upload_mb: float = 16.0         # POST /generate body size

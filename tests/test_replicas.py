@@ -152,6 +152,14 @@ def test_a_resume_is_routed_by_its_token_and_a_client_cannot_pick_a_replica():
     assert headers("/v1/realtime", "resume=.q&received=0") == [(b"origin", b"x")]
     assert headers("/generate", "resume=r1.q", picked, kind="http") == [(b"origin", b"x")]
     assert headers("/health", "resume=r1.q", kind="websocket") == [(b"origin", b"x")]
+    # a Realtime call opened with a client secret goes to the replica that minted it (Bearer or subprotocol)
+    secret = [(b"authorization", b"Bearer ek_r3.Zq")]
+    assert headers("/v1/realtime", "", secret) == [(b"origin", b"x"), *secret, (b"x-session-id", b"r3")]
+    offered = [(b"sec-websocket-protocol", b"realtime, openai-insecure-api-key.ek_r4.Zq")]
+    assert headers("/v1/realtime", "", offered) == [(b"origin", b"x"), *offered, (b"x-session-id", b"r4")]
+    key = [(b"authorization", b"Bearer sk-r5.x")]
+    assert headers("/v1/realtime", "", key) == [(b"origin", b"x"), *key]         # a real key: any replica
+    assert headers("/generate/ws", "", secret) == [(b"origin", b"x"), *secret]   # (refused there anyway)
 
 
 @pytest.mark.parametrize("lost", [True, False])
@@ -401,6 +409,42 @@ def test_a_lost_connection_resumes_on_the_replica_that_holds_its_call(deployment
         await pinned.close()
         for c in callers:
             if c.replica == x and c is not lost:
+                assert await c.finish() == 1000
+
+    asyncio.run(go())
+
+
+def test_a_client_secret_opens_its_calls_on_the_replica_that_minted_it(deployment):
+    """POST /v1/realtime/client_secrets through the proxy: the secret names the replica that minted it (M), and a
+    call opened with it goes there even when the other replica has the most free places (a plain call to M, then
+    the other's one hung up)."""
+    import aiohttp
+    import websockets
+
+    url, _, _ = deployment
+    ws_url = url.replace("http", "ws") + "/v1/realtime"
+
+    async def go():
+        first, second = await Caller.open(url), await Caller.open(url)
+        assert {first.replica, second.replica} == set(health(url)["replicas"])
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/realtime/client_secrets", json={"session": {"instructions": "Hi."}}) as r:
+                value, minted_by = (await r.json())["value"], r.headers.get("x-replica")
+        assert value.startswith(f"ek_{minted_by}.")
+        other = first if first.replica != minted_by else second
+        assert await other.finish() == 1000
+        for _ in range(100):
+            if health(url)["replicas"][other.replica]["sessions"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        ws = await websockets.connect(ws_url, max_size=None, additional_headers={"Authorization": f"Bearer {value}"})
+        opened = Caller(ws)
+        assert opened.replica == minted_by
+        await opened.say(tone(0.16))
+        assert await opened.finish() == 1000 and opened.codes() == []
+        assert opened.events[0]["session"]["instructions"] == "Hi."
+        for c in (first, second):
+            if c is not other:
                 assert await c.finish() == 1000
 
     asyncio.run(go())

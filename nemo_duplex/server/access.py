@@ -3,8 +3,9 @@
 Keys (`serve.api_keys`, or `serve.api_keys_file` with one key a line) are off by default, when the server
 binds to loopback only. With keys, every call route and `/metrics` wants one, as `Authorization: Bearer <key>`
 (what the OpenAI SDKs send) or, from a browser, which cannot set headers on a WebSocket, as the subprotocol
-`openai-insecure-api-key.<key>` beside `realtime` (what OpenAI's browser client offers). `/health`, the page
-and its files stay open: a load balancer and the page's first load need them.
+`openai-insecure-api-key.<key>` beside `realtime` (what OpenAI's browser client offers). A Realtime call also
+takes a live client secret minted with a key (server/client_secrets.py), so that a browser never holds the key.
+`/health`, the page and its files stay open: a load balancer and the page's first load need them.
 
 Origins: a browser sends `Origin` with every WebSocket upgrade and POST, and any page the user visits could
 otherwise open calls to a server on their machine. A request without `Origin` (not a browser), from the
@@ -46,7 +47,8 @@ class Access:
                         cfg.host)
         return cls(tuple(keys), tuple(cfg.allowed_origins))
 
-    def _key(self, headers: Headers) -> str | None:
+    @staticmethod
+    def key(headers: Headers) -> str | None:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and token.strip():
             return token.strip()
@@ -55,15 +57,18 @@ class Access:
                 return proto.strip()[len(KEY_SUBPROTOCOL):]
         return None
 
-    def refusal(self, headers: Headers, scheme: str) -> Refusal | None:
-        """Why this request may not call (None: it may). `scheme`: http or ws, for the same-origin check."""
+    def refusal(self, headers: Headers, scheme: str, client_secrets=None) -> Refusal | None:
+        """Why this request may not call (None: it may). `scheme`: http or ws, for the same-origin check;
+        `client_secrets` (server/client_secrets.py): where a live client secret stands for a key (a Realtime call)."""
         if self.keys:
-            key = self._key(headers)
+            key = self.key(headers)
             if key is None:
                 return Refusal("unauthorized", "an API key is required (Authorization: Bearer <key>, or the "
                                f"WebSocket subprotocol {KEY_SUBPROTOCOL}<key>)", 401)
-            if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys):
-                return Refusal("unauthorized", "the API key is not one of serve.api_keys", 401)
+            if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys) and (
+                    client_secrets is None or client_secrets.get(key) is None):
+                return Refusal("unauthorized", "the API key is not one of serve.api_keys" + (
+                    " nor a live client secret" if client_secrets is not None else ""), 401)
         origin = headers.get("origin")
         if origin is None or "*" in self.origins or origin in self.origins:
             return None

@@ -42,12 +42,19 @@ from starlette.websockets import WebSocket
 from nemo_duplex.audio import AudioFormatError, decode_wav, wav_info
 from nemo_duplex.server.access import Access
 from nemo_duplex.server.bridge import CallBridge, call_options
+from nemo_duplex.server.client_secrets import ClientSecrets, expiry_seconds
 from nemo_duplex.server.context import ServerContext
 from nemo_duplex.server.errors import Refusal
 from nemo_duplex.server.metrics import ServerMetrics
-from nemo_duplex.server.native import NativeSession, native_opening, read_upload
-from nemo_duplex.server.realtime import RealtimeSession
-from nemo_duplex.server.realtime_protocol import ProtocolError, SessionSettings, error_event, parse_client_event
+from nemo_duplex.server.native import NativeSession, native_opening, read_body, read_upload
+from nemo_duplex.server.realtime import RealtimeSession, check_settings, session_update
+from nemo_duplex.server.realtime_protocol import (
+    ProtocolError,
+    SessionSettings,
+    error_event,
+    parse_client_event,
+    session_object,
+)
 from nemo_duplex.server.resume import CallConnections
 from nemo_duplex.server.ws import Socket
 from nemo_duplex.serving.calls import CallOptions, EndedEvent
@@ -55,6 +62,7 @@ from nemo_duplex.settings import ServeConfig
 
 STATIC = Path(__file__).resolve().parent / "static"
 log = logging.getLogger("nemo_duplex.server")
+CLIENT_SECRET_BODY_KB = 64   # a mint request: its session settings (instructions, tools) and expiry
 CALL_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")   # a client's own call id: it is echoed in headers and events
 COUNTED_BY_RESERVE = ("busy", "call_id_in_use", "not_ready", "invalid_call_id", "server_shutdown")
 
@@ -73,6 +81,7 @@ class Server:
                                  voices or [mc.talker.speaker], default_voice or mc.talker.speaker,
                                  session_defaults or SessionSettings(), forget=self.forget)
         self.access = Access.from_config(self.cfg)
+        self.client_secrets = ClientSecrets(self.cfg.max_client_secrets)   # keys a browser may hold (Realtime only)
         # each WebSocket call's connections: the first, losing it, and those resuming the call (server/resume.py)
         self.call_connections = CallConnections(self)
         self.connections = 0   # open call connections, with or without a place (serve.max_connections)
@@ -236,6 +245,7 @@ class Server:
             WebSocketRoute("/v1/realtime", self.realtime),
             WebSocketRoute("/generate/ws", self.generate_ws),
             Route("/generate", self.generate_post, methods=["POST"]),
+            Route("/v1/realtime/client_secrets", self.mint_client_secret, methods=["POST"]),
             Route("/health", self.health),
             Route("/metrics", self.prometheus),
             Route("/", index),
@@ -277,17 +287,18 @@ class Server:
             pass
         await socket.close(1013 if refusal.code == "busy" else 1008, refusal.code)
 
-    def refused(self, headers, scheme: str) -> JSONResponse | None:
-        """A request without a valid key or from a foreign origin (server/access.py): its plain JSON refusal."""
-        r = self.access.refusal(headers, scheme)
+    def refused(self, headers, scheme: str, secret_ok: bool = False) -> JSONResponse | None:
+        """A request without a valid key or from a foreign origin (server/access.py): its plain JSON refusal.
+        secret_ok: a live client secret stands for a key (a Realtime call)."""
+        r = self.access.refusal(headers, scheme, self.client_secrets if secret_ok else None)
         if r is None:
             return None
         self.metrics.refusal(r.code)
         return JSONResponse({"type": "error", "code": r.code, "message": r.message}, status_code=r.status)
 
-    async def _open(self, websocket: WebSocket, call_id: str | None, in_use_body: dict) -> bool:
+    async def _open(self, websocket: WebSocket, call_id: str | None, in_use_body: dict, secret_ok: bool = False) -> bool:
         """Accept the upgrade, or refuse it with a plain HTTP response (401 / 403 / 409) and return False."""
-        if (refused := self.refused(websocket.headers, "ws")) is not None:
+        if (refused := self.refused(websocket.headers, "ws", secret_ok)) is not None:
             await websocket.send_denial_response(refused)
             return False
         if await self._call_id_in_use(websocket, call_id, in_use_body):
@@ -306,18 +317,21 @@ class Server:
     # -- WS /v1/realtime
     async def realtime(self, websocket: WebSocket) -> None:
         if "resume" in websocket.query_params:
-            return await self.call_connections.resume(websocket, RealtimeSession, other_route="/generate/ws")
+            return await self.call_connections.resume(websocket, RealtimeSession, other_route="/generate/ws",
+                                                      secret_ok=True)
         call_id = websocket.query_params.get("call_id")
         if not await self._open(websocket, call_id, {"error": {
                 "type": "invalid_request_error", "code": "call_id_in_use",
-                "message": f"call id {call_id!r} belongs to a live call"}}):
+                "message": f"call id {call_id!r} belongs to a live call"}}, secret_ok=True):
             return
+        secret = self.client_secrets.get(Access.key(websocket.headers))   # its session: where the call starts
         socket = Socket(websocket, self.cfg.max_message_kb * 1024)
         try:
             bridge = self.reserve(call_id)
         except Refusal as r:
             return await self._refuse_ws(socket, r, realtime=True)
-        session = self.call_connections.resumable(RealtimeSession(self.ctx, bridge))
+        session = self.call_connections.resumable(RealtimeSession(self.ctx, bridge,
+                                                                  secret.settings if secret is not None else None))
         await self.call_connections.serve(session, session.run(socket))
 
     # -- WS /generate/ws (native)
@@ -357,6 +371,37 @@ class Server:
         await self.call_connections.serve(session, session.run_ws(socket))
 
     # -- POST /generate
+    async def mint_client_secret(self, request: Request) -> Response:
+        """POST /v1/realtime/client_secrets (server/client_secrets.py): a key for a browser, minted with a real one."""
+        if (refused := self.refused(request.headers, "http")) is not None:
+            return refused
+        try:
+            body = json.loads(await read_body(request, CLIENT_SECRET_BODY_KB * 1024) or b"{}")
+            if not isinstance(body, dict):
+                raise ProtocolError("invalid_event", "the body must be a JSON object")
+            seconds = expiry_seconds(body.get("expires_after"))
+            session = body.get("session")
+            if isinstance(session, dict) and session.get("type", "realtime") != "realtime":
+                raise ProtocolError("not_supported", f"session.type {str(session['type'])[:40]!r}: only 'realtime' "
+                                    "sessions exist here", "session.type")
+            settings = self.ctx.session_defaults
+            if session is not None:
+                settings = session_update(self.ctx, session, settings)
+                check_settings(self.ctx, settings)
+            secret = self.client_secrets.mint(settings, seconds)
+        except (ValueError, UnicodeDecodeError) as e:   # (json's errors are ValueErrors)
+            code, message, param, status = "invalid_event", f"the body is not JSON: {e}"[:200], None, 400
+        except ProtocolError as e:
+            code, message, param, status = e.code, e.message, e.param, 400
+        except Refusal as r:
+            code, message, param, status = r.code, r.message, None, r.status
+        else:
+            body = session_object(f"sess_{uuid.uuid4().hex[:16]}", self.ctx.model_name, secret.settings,
+                                  secret.settings.voice or self.ctx.default_voice, self.ctx.capabilities())
+            return JSONResponse({"value": secret.value, "expires_at": int(secret.expires_at), "session": body})
+        self.metrics.refusal(code)
+        return JSONResponse({"type": "error", "code": code, "message": message, "param": param}, status_code=status)
+
     async def generate_post(self, request: Request) -> Response:
         if (refused := self.refused(request.headers, "http")) is not None:
             return refused

@@ -99,15 +99,10 @@ def typed_fields(fields: dict) -> dict:
 MULTIPART_SLACK = 65536   # a multipart body's boundaries and headers beside its WAV
 
 
-async def read_upload(request: Request, max_upload_mb: float) -> tuple[dict, bytes]:
-    """-> (fields, WAV bytes). The body is the WAV itself (settings in the query string), or
-    multipart/form-data with a file field `audio` (or `file`) and the settings as fields. The whole body
-    is capped at serve.max_upload_mb (plus the multipart slack) while it is read."""
-    limit = int(max_upload_mb * 2 ** 20)
-    too_large = Refusal("upload_too_large", f"the upload is larger than serve.max_upload_mb = {max_upload_mb:g} MiB",
-                        413)
-    multipart = request.headers.get("content-type", "").startswith("multipart/")
-    cap = limit + (MULTIPART_SLACK if multipart else 0)
+async def read_body(request: Request, cap: int, too_large: Refusal | None = None) -> bytes:
+    """A request's body, refused (`too_large`, else 413 body_too_large) once it is past `cap` bytes: by its
+    Content-Length before any of it is read, or while it is read (a chunked body has none)."""
+    too_large = too_large or Refusal("body_too_large", f"the request body is larger than {cap} bytes", 413)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise too_large
@@ -117,7 +112,18 @@ async def read_upload(request: Request, max_upload_mb: float) -> tuple[dict, byt
         if n > cap:
             raise too_large
         chunks.append(chunk)
-    body = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_upload(request: Request, max_upload_mb: float) -> tuple[dict, bytes]:
+    """-> (fields, WAV bytes). The body is the WAV itself (settings in the query string), or
+    multipart/form-data with a file field `audio` (or `file`) and the settings as fields. The whole body
+    is capped at serve.max_upload_mb (plus the multipart slack) while it is read."""
+    limit = int(max_upload_mb * 2 ** 20)
+    too_large = Refusal("upload_too_large", f"the upload is larger than serve.max_upload_mb = {max_upload_mb:g} MiB",
+                        413)
+    multipart = request.headers.get("content-type", "").startswith("multipart/")
+    body = await read_body(request, limit + (MULTIPART_SLACK if multipart else 0), too_large)
     fields: dict = dict(request.query_params)
     if not multipart:
         wav = body

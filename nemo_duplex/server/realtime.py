@@ -20,6 +20,7 @@ from nemo_duplex.server.realtime_protocol import (
     OPENAI_VOICES,
     ProtocolError,
     RealtimeOutput,
+    SessionSettings,
     decode_audio,
     error_event,
     parse_client_event,
@@ -31,14 +32,31 @@ from nemo_duplex.server.ws import CallConnection, Socket
 from nemo_duplex.serving.calls import DrainedEvent, EndedEvent, FrameEvent
 
 
-class RealtimeSession(CallConnection):
-    """The OpenAI Realtime dialect over a WebSocket (a new one may resume the call: server/resume.py)."""
+def session_update(ctx: ServerContext, body: object, current: SessionSettings) -> SessionSettings:
+    """A `session.update` body (or a client secret's session) applied to `current` (parse_session), OpenAI's stock
+    voice names taken as the checkpoint's voice (session.updated names it)."""
+    new = parse_session(body, current, ctx.cfg.max_tools, ctx.max_call_s)
+    if new.voice in OPENAI_VOICES and new.voice not in ctx.voices:
+        new.voice = None
+    return new
 
-    def __init__(self, ctx: ServerContext, bridge: CallBridge):
+
+def check_settings(ctx: ServerContext, settings: SessionSettings) -> None:
+    """What parse_session cannot check alone: the voice, the prompt's length, the sampling values together."""
+    ctx.check_voice(settings.voice)
+    ctx.check_prompt(settings)
+    call_options(settings, settings.voice)
+
+
+class RealtimeSession(CallConnection):
+    """The OpenAI Realtime dialect over a WebSocket (a new one may resume the call: server/resume.py). `settings`:
+    where the call starts (a client secret's session, server/client_secrets.py), else the server's defaults."""
+
+    def __init__(self, ctx: ServerContext, bridge: CallBridge, settings: SessionSettings | None = None):
         super().__init__(bridge)
         self.ctx = ctx
         bridge.notify = lambda code, message: bridge.push(error_event(bridge.ids.next("event"), code, message))
-        self.settings = copy.deepcopy(ctx.session_defaults)
+        self.settings = copy.deepcopy(settings if settings is not None else ctx.session_defaults)
         self.out = RealtimeOutput(bridge.ids, self.settings.output_modalities,
                                   hangover=max(1, math.ceil(ctx.cfg.speech_hangover_ms / 1000 / ctx.frame_s)),
                                   frame_ms=ctx.frame_s * 1000)
@@ -107,9 +125,7 @@ class RealtimeSession(CallConnection):
             self._ensure_call()
             b.append_audio(data)
         elif kind == "session.update":
-            new = parse_session(ev.get("session"), self.settings, s.cfg.max_tools, s.max_call_s)
-            if new.voice in OPENAI_VOICES and new.voice not in s.voices:
-                new.voice = None   # a client's stock default: the checkpoint's voice (session.updated names it)
+            new = session_update(s, ev.get("session"), self.settings)
             if b.call is not None:
                 # once audio has started the prompt is in the model: an update that changes nothing is
                 # acknowledged (clients such as the Agents SDK send their configuration again), others refused
@@ -121,9 +137,7 @@ class RealtimeSession(CallConnection):
                                         f"session.{changed[0]}")
                 b.push(self.out.ev("session.updated", session=self.session_body()))
                 return
-            s.check_voice(new.voice)
-            s.check_prompt(new)
-            call_options(new, new.voice)   # validates the sampling values
+            check_settings(s, new)
             self.settings = new
             self.out.set_modalities(new.output_modalities)
             b.push(self.out.ev("session.updated", session=self.session_body()))

@@ -32,7 +32,11 @@ import time
 import uuid
 from urllib.parse import parse_qsl
 
+from starlette.datastructures import Headers
+
 from nemo_duplex import REPO
+from nemo_duplex.server.access import Access
+from nemo_duplex.server.client_secrets import PREFIX as SECRET_PREFIX
 from nemo_duplex.server.ws import TRANSPORT_LOST
 
 log = logging.getLogger("nemo_duplex.replicas")
@@ -126,7 +130,8 @@ class ReplicaHeader:
 
 class ResumeRoute:
     """ASGI middleware in Serve's proxy: a resumed call (`?resume=<token>`, docs/protocol.md) goes to the replica
-    that holds it. A token begins with that replica's id (resume.Parking.new_token); this gives it to Serve as
+    that holds it, a Realtime call opened with a client secret to the replica that minted it. A token or secret
+    begins with that replica's id (resume.Parking.new_token, ClientSecrets.mint); this gives it to Serve as
     the request's session id (the header Serve reads, x-session-id), which the router (server/routing.py) follows.
     A session id from the client itself is dropped: it would pin calls to a replica of its choosing. And a
     WebSocket whose transport was lost without a close frame (marked by the proxy's uvicorn protocol,
@@ -138,6 +143,17 @@ class ResumeRoute:
     def __init__(self, app):
         self.app = app
 
+    @staticmethod
+    def route(scope) -> str:
+        """The replica a call must go to: the one its resume token names, else (a Realtime call opened with a
+        client secret, server/client_secrets.py) the one that minted the secret; "" for any."""
+        token = next((v for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1")) if k == "resume"), "")
+        if not token and scope.get("path") == "/v1/realtime":
+            key = Access.key(Headers(scope=scope)) or ""
+            token = key[len(SECRET_PREFIX):] if key.startswith(SECRET_PREFIX) else ""
+        route, dot, _ = token.partition(".")
+        return route if dot else ""
+
     @classmethod
     def _is_session_header(cls, name: bytes) -> bool:
         return name.decode("latin-1").lower().replace("_", "-") == cls.HEADER
@@ -147,10 +163,8 @@ class ResumeRoute:
             return await self.app(scope, receive, send)
         headers = [(k, v) for k, v in scope.get("headers", []) if not self._is_session_header(k)]
         if scope["type"] == "websocket" and scope.get("path") in CALL_ROUTES:
-            token = next((v for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"))
-                          if k == "resume"), "")
-            route, dot, _ = token.partition(".")
-            if dot and route:
+            route = self.route(scope)
+            if route:
                 headers.append((self.HEADER.encode(), route.encode("latin-1")))
         marked = scope   # (the protocol marks the scope it made, not this middleware's copy)
         scope = {**scope, "headers": headers}
@@ -302,7 +316,8 @@ def replica_class():
             self.server = build_server(composed, overrides)
             self.replica = serve.get_replica_context().replica_id.unique_id
             self.server.cluster = ReplicaCluster(self.replica)
-            self.server.call_connections.route = self.replica   # resume tokens name it (ResumeRoute)
+            # resume tokens and client secrets name it: their calls are sent here (ResumeRoute)
+            self.server.call_connections.route = self.server.client_secrets.route = self.replica
 
         def __serve_build_asgi_app__(self):
             return ReplicaHeader(self.server.app(), self.replica)

@@ -174,11 +174,12 @@ class CallConnections:
         session.bridge.hang_up(f"the connection was lost and not resumed within serve.resume_grace_s = "
                                f"{self.grace_s:g} s")
 
-    async def resume(self, websocket: WebSocket, kind: type, other_route: str) -> None:
+    async def resume(self, websocket: WebSocket, kind: type, other_route: str, secret_ok: bool = False) -> None:
         """`?resume=<token>&received=<n>`: the call of `token` (parked, or still held by a connection the server
         has not yet found dead, which is cut) continues on this connection, from message n + 1. Refused before
-        the upgrade: 401 / 403 (access), 404 unknown_resume_token, 400 invalid_resume, 409 resume_gap."""
-        if (refused := self.server.refused(websocket.headers, "ws")) is not None:
+        the upgrade: 401 / 403 (access; secret_ok: a live client secret stands for a key), 404 unknown_resume_token,
+        400 invalid_resume, 409 resume_gap."""
+        if (refused := self.server.refused(websocket.headers, "ws", secret_ok)) is not None:
             return await websocket.send_denial_response(refused)
         token, received = websocket.query_params.get("resume"), websocket.query_params.get("received", "")
         try:
