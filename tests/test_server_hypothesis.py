@@ -152,12 +152,30 @@ def test_hypothesis_fuzzes_both_protocols_and_uploads(monkeypatch, tok, caplog):
     def resumes(path, query):   # no such call: refused before the upgrade, whatever the query holds
         assert asyncio.run(run_resume(path, query)) in (400, 404)
 
+    async def run_mint(body: bytes):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{srv.url}/v1/realtime/client_secrets", data=body,
+                                 headers={"Content-Type": "application/json"}) as r:
+                answer = json.loads(await r.read())
+                assert answer["value"].startswith("ek_") if r.status == 200 else answer["type"] == "error"
+                return r.status
+
+    @settings(max_examples=30, **common)
+    @given(body=st.fixed_dictionaries({}, optional={
+        "expires_after": json_values | st.fixed_dictionaries({}, optional={"anchor": json_values,
+                                                                           "seconds": json_values}),
+        "session": session | json_values}).map(lambda d: json.dumps(d).encode())
+        | st.binary(max_size=200) | st.text(max_size=60).map(str.encode))
+    def mints(body):   # a secret, or an error naming the field: never a 500
+        assert asyncio.run(run_mint(body)) in (200, 400)
+
     try:
         with caplog.at_level(logging.ERROR):
             realtime_calls()
             native_calls()
             uploads()
             resumes()
+            mints()
             assert_recovers(srv)
         assert _logged_errors(caplog) == []
     finally:
