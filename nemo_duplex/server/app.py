@@ -370,13 +370,17 @@ class Server:
                                                               tokens=opening.get("tokens") is True))
         await self.call_connections.serve(session, session.run_ws(socket))
 
-    # -- POST /generate
+    # -- POST /v1/realtime/client_secrets
     async def mint_client_secret(self, request: Request) -> Response:
-        """POST /v1/realtime/client_secrets (server/client_secrets.py): a key for a browser, minted with a real one."""
+        """A key for a browser, minted with a real one (server/client_secrets.py)."""
         if (refused := self.refused(request.headers, "http")) is not None:
             return refused
         try:
-            body = json.loads(await read_body(request, CLIENT_SECRET_BODY_KB * 1024) or b"{}")
+            raw = await read_body(request, CLIENT_SECRET_BODY_KB * 1024)
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError as e:   # (UnicodeDecodeError too)
+                raise ProtocolError("invalid_event", f"the body is not JSON: {e}"[:200]) from None
             if not isinstance(body, dict):
                 raise ProtocolError("invalid_event", "the body must be a JSON object")
             seconds = expiry_seconds(body.get("expires_after"))
@@ -389,8 +393,6 @@ class Server:
                 settings = session_update(self.ctx, session, settings)
                 check_settings(self.ctx, settings)
             secret = self.client_secrets.mint(settings, seconds)
-        except (ValueError, UnicodeDecodeError) as e:   # (json's errors are ValueErrors)
-            code, message, param, status = "invalid_event", f"the body is not JSON: {e}"[:200], None, 400
         except ProtocolError as e:
             code, message, param, status = e.code, e.message, e.param, 400
         except Refusal as r:
@@ -402,6 +404,7 @@ class Server:
         self.metrics.refusal(code)
         return JSONResponse({"type": "error", "code": code, "message": message, "param": param}, status_code=status)
 
+    # -- POST /generate
     async def generate_post(self, request: Request) -> Response:
         if (refused := self.refused(request.headers, "http")) is not None:
             return refused
