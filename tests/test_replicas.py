@@ -19,7 +19,7 @@ import pytest
 
 from nemo_duplex.server.replicas import (
     ReplicaGone,
-    ResumeRoute,
+    ReplicaRoute,
     deployment_health,
     deployment_metrics,
     label_metrics,
@@ -126,17 +126,17 @@ def test_metrics_of_every_replica_are_labelled_and_described_once():
 
 
 def routed_scope(scope: dict) -> dict:
-    """The scope the proxy's app sees behind ResumeRoute."""
+    """The scope the proxy's app sees behind ReplicaRoute."""
     seen = {}
 
     async def app(scope_in, receive, send):
         seen["scope"] = scope_in
-    asyncio.run(ResumeRoute(app)(scope, None, None))
+    asyncio.run(ReplicaRoute(app)(scope, None, None))
     return seen["scope"]
 
 
 def test_a_resume_is_routed_by_its_token_and_a_client_cannot_pick_a_replica():
-    """ResumeRoute: `?resume=<replica>.<random>` on a call route gives Serve that replica as the session id
+    """ReplicaRoute: `?resume=<replica>.<random>` on a call route gives Serve that replica as the session id
     (server/routing.py follows it); a session id header from the client is dropped on every request, whatever
     its spelling; a token without a route adds none."""
     def headers(path, query, extra=(), kind="websocket"):
@@ -164,7 +164,7 @@ def test_a_resume_is_routed_by_its_token_and_a_client_cannot_pick_a_replica():
 
 @pytest.mark.parametrize("lost", [True, False])
 def test_a_lost_transport_reaches_the_replica_as_1006(lost):
-    """ResumeRoute: a disconnect whose transport the proxy's protocol marked lost (server/transport.py) goes on
+    """ReplicaRoute: a disconnect whose transport the proxy's protocol marked lost (server/transport.py) goes on
     with 1006, which the replica's Socket reads as lost (its call waits to be resumed); a close frame's code,
     1005 included, goes on as it is (a hang-up)."""
     from nemo_duplex.server.ws import TRANSPORT_LOST
@@ -182,7 +182,7 @@ def test_a_lost_transport_reaches_the_replica_as_1006(lost):
 
     async def receive():
         return incoming.pop(0)
-    asyncio.run(ResumeRoute(app)(scope, receive, None))
+    asyncio.run(ReplicaRoute(app)(scope, receive, None))
     assert app.got == {"type": "websocket.disconnect", "code": 1006 if lost else 1005}
 
 

@@ -8,7 +8,7 @@ of Realtime calls (or resumes them) until then; a call it opened goes on after i
 with it are the calls' starting settings, which a `session.update` may still change. At most
 `serve.max_client_secrets` are live at once: a mint past that is refused (429), not the oldest dropped. With
 `serve.replicas` > 1 a secret lives on the replica that minted it and names it (`ek_<replica>.<random>`); Serve's
-proxy sends the calls it opens there (server/replicas.py, ResumeRoute)."""
+proxy sends the calls it opens there (server/replicas.py, ReplicaRoute)."""
 from __future__ import annotations
 
 import copy
@@ -16,6 +16,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from nemo_duplex.runtime import SettingsError
 from nemo_duplex.server.errors import Refusal
 from nemo_duplex.server.realtime_protocol import ProtocolError, SessionSettings
 
@@ -53,7 +54,7 @@ class ClientSecrets:
 
     def __init__(self, max_secrets: int):
         if max_secrets < 0:
-            raise ValueError(f"serve.max_client_secrets = {max_secrets}: >= 0 (0: none may be minted)")
+            raise SettingsError(f"serve.max_client_secrets = {max_secrets}: >= 0 (0: none may be minted)")
         self.max_secrets = max_secrets
         self._live: dict[str, ClientSecret] = {}
         self.route = ""   # behind Serve's proxy, this replica's id, in every value: its calls are sent here (replicas.py)

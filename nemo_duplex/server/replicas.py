@@ -16,8 +16,9 @@ replica; the call's state never leaves that replica's device.
   (installed in the proxy through RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH) ends each of them with the error
   `replica_failed` (then close code 1011, or the end of an upload's stream). Serve starts a replacement;
   the router stops choosing the dead one as soon as it is gone.
-- A call whose connection is lost is resumed on its own replica (`ResumeRoute`, in the proxy too): its token
-  names the replica, and the router follows that.
+- A call whose connection is lost is resumed on its own replica, and a Realtime call opened with a client secret
+  goes to the replica that minted it (`ReplicaRoute`, in the proxy too): the token or secret names the replica,
+  and the router follows that.
 """
 from __future__ import annotations
 
@@ -128,11 +129,12 @@ class ReplicaHeader:
         await self.app(scope, receive, labelled)
 
 
-class ResumeRoute:
-    """ASGI middleware in Serve's proxy: a resumed call (`?resume=<token>`, docs/protocol.md) goes to the replica
-    that holds it, a Realtime call opened with a client secret to the replica that minted it. A token or secret
-    begins with that replica's id (resume.Parking.new_token, ClientSecrets.mint); this gives it to Serve as
-    the request's session id (the header Serve reads, x-session-id), which the router (server/routing.py) follows.
+class ReplicaRoute:
+    """ASGI middleware in Serve's proxy: a call goes to the replica that holds what it needs. A resumed call
+    (`?resume=<token>`, docs/protocol.md) goes to the replica that holds it, a Realtime call opened with a client
+    secret to the replica that minted it. A token or secret begins with that replica's id
+    (resume.Parking.new_token, ClientSecrets.mint); this gives it to Serve as the request's session id (the header
+    Serve reads, x-session-id), which the router (server/routing.py) follows.
     A session id from the client itself is dropped: it would pin calls to a replica of its choosing. And a
     WebSocket whose transport was lost without a close frame (marked by the proxy's uvicorn protocol,
     server/transport.py) reaches the replica as a disconnect with 1006, the code a lost connection has there,
@@ -182,14 +184,14 @@ class ResumeRoute:
 def proxy_middlewares():
     """Serve's proxy callback (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): the middlewares it installs. It runs
     before the proxy starts its uvicorn server, which takes its "auto" WebSocket protocol by name when it starts:
-    set here to server/transport.py's, which marks a lost transport (ResumeRoute passes that on)."""
+    set here to server/transport.py's, which marks a lost transport (ReplicaRoute passes that on)."""
     from starlette.middleware import Middleware
     from uvicorn.protocols.websockets import auto
 
     from nemo_duplex.server.transport import websocket_protocol
 
     auto.AutoWebSocketsProtocol = websocket_protocol(None)
-    return [Middleware(ResumeRoute), Middleware(ReplicaGone)]
+    return [Middleware(ReplicaRoute), Middleware(ReplicaGone)]
 
 
 # ---- the deployment's health and metrics ------------------------------------------------------------------
@@ -316,7 +318,7 @@ def replica_class():
             self.server = build_server(composed, overrides)
             self.replica = serve.get_replica_context().replica_id.unique_id
             self.server.cluster = ReplicaCluster(self.replica)
-            # resume tokens and client secrets name it: their calls are sent here (ResumeRoute)
+            # resume tokens and client secrets name it: their calls are sent here (ReplicaRoute)
             self.server.call_connections.route = self.server.client_secrets.route = self.replica
 
         def __serve_build_asgi_app__(self):
