@@ -84,7 +84,7 @@ from nemo_duplex.loadtest.callers import (  # noqa: E402
     whole_frames,
 )
 from nemo_duplex.loadtest.judging import ARRIVALS_START, UPLOADS_START, judge, pct  # noqa: E402
-from nemo_duplex.loadtest.metrics import parse_metrics, poll_server, timeline  # noqa: E402
+from nemo_duplex.loadtest.metrics import admission_pieces, parse_metrics, poll_server, timeline  # noqa: E402
 from nemo_duplex.loadtest.report import (  # noqa: E402
     markdown,
     plot,
@@ -221,7 +221,8 @@ async def run_once(url: str, lt: DictConfig, start: str, n: int, pcm: bytes, ser
                            "first_packet_ms": pct([1000 * (a.first_packet - a.started) for a in ok], (50, 99)),
                            # x real time, first packet to last (its audio came in at once: a backlog)
                            "catch_up_x": pct([x for a in ok if (x := a.catch_up()) is not None], (0, 50)),
-                           "errors": sorted({a.error or "no packet" for a in arrival_records if a not in ok})}
+                           "errors": sorted({a.error or "no packet" for a in arrival_records if a not in ok}),
+                           "pieces": admission_pieces(samples)}
     row["timeline"] = tl
     row["records"] = records
     return row

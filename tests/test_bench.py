@@ -20,7 +20,7 @@ from nemo_duplex.loadtest.callers import (
     whole_frames,
 )
 from nemo_duplex.loadtest.judging import judge, sustained
-from nemo_duplex.loadtest.metrics import parse_metrics, timeline
+from nemo_duplex.loadtest.metrics import admission_pieces, parse_metrics, timeline
 
 REPO = Path(__file__).resolve().parent.parent
 FRAME_MS = 80.0
@@ -181,6 +181,11 @@ def test_parse_metrics_and_timeline():
     assert row["device_ms"] == pytest.approx(40.0) and row["padded_batch"] == pytest.approx(4.0)
     assert row["prep_ms"] == 0.0   # not on the page: counted as nothing
     assert row["frames_per_s"] == pytest.approx(12.0)
+    # the admission thread's pieces, per start, over the run (first sample to last)
+    pieces = 'duplex_admission_pieces_total{start="gap"} 7.0\nduplex_admission_pieces_total{start="waited"} 2.0\n'
+    first, last = parse_metrics(pieces), parse_metrics(pieces.replace("7.0", "19.0"))
+    assert last == {"duplex_admission_pieces_total:gap": 19.0, "duplex_admission_pieces_total:waited": 2.0}
+    assert admission_pieces([first, a, last]) == {"gap": 12, "waited": 0} and admission_pieces([first]) == {}
 
 
 # ---- end to end ----------------------------------------------------------------------------------------

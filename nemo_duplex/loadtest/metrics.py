@@ -12,7 +12,7 @@ METRIC = re.compile(r"^(duplex_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$")
 
 
 # labelled samples kept apart, as "<name>:<label value>" (the rest are summed by name)
-BY_LABEL = {"duplex_stalled_seconds": "part"}
+BY_LABEL = {"duplex_stalled_seconds": "part", "duplex_admission_pieces_total": "start"}
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -67,6 +67,15 @@ async def poll_server(http, url: str, every_s: float, stop: asyncio.Event, serve
             await asyncio.wait_for(stop.wait(), max(0.0, every_s - (time.monotonic() - t)))
         except asyncio.TimeoutError:
             pass
+
+
+def admission_pieces(samples: list[dict]) -> dict[str, int]:
+    """Admission pieces the server's admission thread started during the run, in a gap between steps or after
+    waiting engine.admission_gap_wait_ms for one (duplex_admission_pieces_total, first sample to last)."""
+    if len(samples) < 2:
+        return {}
+    key = "duplex_admission_pieces_total:"
+    return {start: int(samples[-1].get(key + start, 0) - samples[0].get(key + start, 0)) for start in ("gap", "waited")}
 
 
 def timeline(samples: list[dict], t0: float) -> list[dict]:

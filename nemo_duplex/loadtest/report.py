@@ -75,6 +75,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
                          f"{a['first_packet_ms'].get('p99')} ms, catch-up (audio out per second, first packet to "
                          f"last) min / p50 {a['catch_up_x'].get('p0')} / {a['catch_up_x'].get('p50')}x real time"
                          + (f"; live lag p99 {ratio}x the same N without arrivals" if ratio is not None else "")
+                         + (f"; admission pieces {a['pieces']['gap']} started in a gap between steps, "
+                            f"{a['pieces']['waited']} after waiting engine.admission_gap_wait_ms for one"
+                            if a.get("pieces") else "")
                          + (f"; errors: {a['errors']}" if a["errors"] else ""))
     return "\n".join(lines)
 
