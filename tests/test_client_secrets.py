@@ -145,3 +145,38 @@ async def _post_json(url: str, body: dict) -> dict:
     async with aiohttp.ClientSession() as http:
         async with http.post(url, json=body) as r:
             return await r.json()
+
+
+def test_the_secret_that_opened_a_call_resumes_it_after_it_expired(server):
+    """OpenAI's rule: a call opened with a secret goes on past the secret's expiry. Going on includes a resume
+    after a lost connection: the secret that opened the call is taken for it, expired or not; an expired secret
+    that did not open the call is not (401)."""
+    from tests.test_resume import Client, appends, realtime_open, realtime_packets, refused
+
+    srv, _ = server(api_keys=[KEY])
+    opener, stranger = (asyncio.run(mint(srv.url, KEY)).value for _ in range(2))
+
+    def expire(value):
+        live = srv.server.client_secrets._live
+        live[value] = dataclasses.replace(live[value], expires_mono=time.monotonic() - 0.1)
+
+    async def go():
+        c, token = await realtime_open(srv.ws_url, headers={"Authorization": f"Bearer {opener}"})
+        await appends(c, tone(0.16))
+        await c.take(lambda got: len(realtime_packets(got)) >= 2)
+        c.lose()
+        expire(opener)
+        expire(stranger)
+        resume = f"{srv.ws_url}/v1/realtime?resume={token}&received={len(c.got)}"
+        with pytest.raises(Exception) as e:
+            await Client.open(resume, {"Authorization": f"Bearer {stranger}"})
+        assert refused(e.value)[0] == 401
+        back = await Client.open(resume, {"Authorization": f"Bearer {opener}"})
+        await appends(back, tone(0.16))
+        await back.ws.send('{"type": "input_audio_buffer.commit", "final": true}')
+        assert await back.to_end() == 1000
+        return realtime_packets(c.got) + realtime_packets(back.got)
+
+    packets = asyncio.run(go())
+    assert [frame for frame, _ in packets] == list(range(4))
+    srv.wait_idle()

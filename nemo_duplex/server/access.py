@@ -57,16 +57,17 @@ class Access:
                 return proto.strip()[len(KEY_SUBPROTOCOL):]
         return None
 
-    def refusal(self, headers: Headers, scheme: str, client_secrets=None) -> Refusal | None:
+    def refusal(self, headers: Headers, scheme: str, client_secrets=None, also: str | None = None) -> Refusal | None:
         """Why this request may not call (None: it may). `scheme`: http or ws, for the same-origin check;
-        `client_secrets` (server/client_secrets.py): where a live client secret stands for a key (a Realtime call)."""
+        `client_secrets` (server/client_secrets.py): where a live client secret stands for a key (a Realtime call);
+        `also`: one more key that is good here (the secret that opened a call, for its resume)."""
         if self.keys:
             key = self.key(headers)
             if key is None:
                 return Refusal("unauthorized", "an API key is required (Authorization: Bearer <key>, or the "
                                f"WebSocket subprotocol {KEY_SUBPROTOCOL}<key>)", 401)
-            if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys) and (
-                    client_secrets is None or client_secrets.get(key) is None):
+            if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys + ((also,) if also else ())) \
+                    and (client_secrets is None or client_secrets.get(key) is None):
                 return Refusal("unauthorized", "the API key is not one of serve.api_keys" + (
                     " nor a live client secret" if client_secrets is not None else ""), 401)
         origin = headers.get("origin")

@@ -287,10 +287,10 @@ class Server:
             pass
         await socket.close(1013 if refusal.code == "busy" else 1008, refusal.code)
 
-    def refused(self, headers, scheme: str, secret_ok: bool = False) -> JSONResponse | None:
+    def refused(self, headers, scheme: str, secret_ok: bool = False, also: str | None = None) -> JSONResponse | None:
         """A request without a valid key or from a foreign origin (server/access.py): its plain JSON refusal.
-        secret_ok: a live client secret stands for a key (a Realtime call)."""
-        r = self.access.refusal(headers, scheme, self.client_secrets if secret_ok else None)
+        secret_ok: a live client secret stands for a key (a Realtime call); also: one more good key."""
+        r = self.access.refusal(headers, scheme, self.client_secrets if secret_ok else None, also)
         if r is None:
             return None
         self.metrics.refusal(r.code)
@@ -332,6 +332,7 @@ class Server:
             return await self._refuse_ws(socket, r, realtime=True)
         session = self.call_connections.resumable(RealtimeSession(self.ctx, bridge,
                                                                   secret.settings if secret is not None else None))
+        session.opened_with = secret.value if secret is not None else None
         await self.call_connections.serve(session, session.run(socket))
 
     # -- WS /generate/ws (native)

@@ -3,7 +3,8 @@ Realtime calls without the real key (OpenAI's `POST /v1/realtime/client_secrets`
 `client.realtime.client_secrets.create`; docs/protocol.md, "Who may call").
 
 A secret is minted with a real key, lives `expires_after.seconds` (10 s to 2 h, 600 by default) and opens any number
-of Realtime calls (or resumes them) until then; a call it opened goes on after it expires. It is good for
+of Realtime calls (or resumes them) until then; a call it opened goes on after it expires, and it still resumes
+that call (CallConnection.opened_with). It is good for
 `/v1/realtime` only: not for minting more, not for `/generate`, not for `/metrics`. The session settings given
 with it are the calls' starting settings, which a `session.update` may still change. At most
 `serve.max_client_secrets` are live at once: a mint past that is refused (429), not the oldest dropped. With

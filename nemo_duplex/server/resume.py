@@ -179,9 +179,12 @@ class CallConnections:
         has not yet found dead, which is cut) continues on this connection, from message n + 1. Refused before
         the upgrade: 401 / 403 (access; secret_ok: a live client secret stands for a key), 404 unknown_resume_token,
         400 invalid_resume, 409 resume_gap."""
-        if (refused := self.server.refused(websocket.headers, "ws", secret_ok)) is not None:
+        token = websocket.query_params.get("resume")
+        held = self.parking.live.get(token) if token else None   # (its opening secret resumes it, expired too)
+        also = held.opened_with if held is not None else None
+        if (refused := self.server.refused(websocket.headers, "ws", secret_ok, also)) is not None:
             return await websocket.send_denial_response(refused)
-        token, received = websocket.query_params.get("resume"), websocket.query_params.get("received", "")
+        received = websocket.query_params.get("received", "")
         try:
             if self.server.stopping:
                 raise Refusal("server_shutdown", "the server is shutting down", 503)

@@ -154,6 +154,7 @@ class CallConnection:
         self.idle = asyncio.Event()      # no connection is serving the call
         self.idle.set()
         self.last_heard = time.monotonic()   # the client's last message, on any of the call's connections
+        self.opened_with: str | None = None  # the client secret that opened it: it resumes the call past its expiry
 
     async def receive(self, socket: Socket, idle_s: float | None) -> Message:
         """The client's next message on `socket`; TimeoutError once `idle_s` (serve.idle_timeout_s) has passed
