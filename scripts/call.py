@@ -3,6 +3,7 @@
     python scripts/call.py clip.wav                       # paced: one 80 ms append every 80 ms (default)
     python scripts/call.py clip.wav --fast                # as fast as the server takes it
     python scripts/call.py clip.wav --url http://host:8000 --seed 3 --prompt "You are Aria." --tail 2
+    python scripts/call.py clip.wav --api-key sk-...      # a server with serve.api_keys (or NEMO_DUPLEX_API_KEY)
 
 Writes to --out (default outputs/call/<timestamp>/): agent.wav (22.05 kHz), agent.txt (the agent's text
 by turn), user.txt (the RNN-T transcript), lag.tsv (per frame: server lag, and client lag = packet
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import struct
 import sys
 import time
@@ -52,8 +54,16 @@ async def call(args) -> Path:
     agent_turns, user_text = [""], ""
     received = 0
 
-    async with aiohttp.ClientSession() as http:
-        ws = await http.ws_connect(ws_url, max_msg_size=0)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        try:
+            ws = await http.ws_connect(ws_url, max_msg_size=0)
+        except aiohttp.WSServerHandshakeError as e:   # refused before the upgrade: a plain HTTP answer
+            why = {401: ": the server wants an API key (--api-key, or NEMO_DUPLEX_API_KEY)" if not args.api_key
+                   else ": the server does not take this API key", 403: ": this origin is not allowed"}
+            raise SystemExit(f"refused: HTTP {e.status}{why.get(e.status, '')}") from None
+        except (ConnectionError, aiohttp.ClientConnectionError) as e:
+            raise SystemExit(f"no server at {args.url}: {e}") from None
         await ws.send_json(opening)
         started = json.loads((await ws.receive()).data)
         if started.get("type") != "started":
@@ -167,6 +177,8 @@ def main() -> None:
     p.add_argument("--prompt", default=None, help="system prompt")
     p.add_argument("--tail", type=float, default=0.0, help="seconds of silence appended (room to answer)")
     p.add_argument("--out", default=None)
+    p.add_argument("--api-key", default=os.environ.get("NEMO_DUPLEX_API_KEY"),
+                   help="the server's key (serve.api_keys), sent as a Bearer token; default: $NEMO_DUPLEX_API_KEY")
     asyncio.run(call(p.parse_args()))
 
 

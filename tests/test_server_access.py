@@ -137,3 +137,33 @@ def test_keys_from_a_file_and_the_warning_for_an_open_bind(tmp_path, caplog):
     with pytest.raises(FileNotFoundError, match="serve.api_keys_file"):
         Access.from_config(ServeConfig(api_keys_file=str(tmp_path / "none")))
 
+
+
+def test_the_call_script_takes_the_servers_key(server, tmp_path):
+    """scripts/call.py against a server with keys: without one it stops with the refusal and how to give the key
+    (no traceback); with a wrong one it says so; with the key (--api-key, or NEMO_DUPLEX_API_KEY) the call
+    completes."""
+    import os
+    import subprocess
+    import sys
+
+    srv, _ = server(api_keys=[KEY])
+    clip = tmp_path / "in.wav"
+    clip.write_bytes(wav_bytes(tone(0.4)))
+
+    def call(*args, env_key=None):
+        env = {k: v for k, v in os.environ.items() if k != "NEMO_DUPLEX_API_KEY"}
+        if env_key is not None:
+            env["NEMO_DUPLEX_API_KEY"] = env_key
+        return subprocess.run([sys.executable, "scripts/call.py", str(clip), "--url", srv.url, "--fast",
+                               "--out", str(tmp_path / "out"), *args], capture_output=True, text=True, env=env,
+                              timeout=120)
+
+    for r, says in ((call(), "refused: HTTP 401: the server wants an API key (--api-key, or NEMO_DUPLEX_API_KEY)"),
+                    (call("--api-key", "sk-wrong"), "refused: HTTP 401: the server does not take this API key")):
+        assert r.returncode == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for r in (call("--api-key", KEY), call(env_key=KEY)):
+        assert r.returncode == 0, r.stderr[-2000:]
+        events = [json.loads(x) for x in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+        assert events[-1] == {"type": "ended", "reason": "completed"}
+    srv.wait_idle()
