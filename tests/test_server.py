@@ -600,7 +600,7 @@ def test_client_that_stops_reading_after_its_call_ends_frees_its_place(server, t
 
 
 def test_health_and_metrics(server, tok):
-    srv, _ = server()
+    srv, _ = server(engine_kwargs={"admission_gap_wait_ms": 80.0})   # (for duplex_admission_pieces_total)
     asyncio.run(realtime(srv.ws_url, tone(0.5)))
 
     async def go():
@@ -618,7 +618,7 @@ def test_health_and_metrics(server, tok):
         assert name in metrics, name
     lag_count = [line for line in metrics.splitlines() if line.startswith("duplex_frame_lag_seconds_count")][0]
     assert float(lag_count.split()[-1]) == 7.0     # 0.5 s = 7 frames, each observed once
-    # the admission thread's pieces (the warm-up call's, the call's), with no live call beside them: in a gap
+    # the admission thread's pieces (the warm-up call's, the call's), with the gap rule on and no live call: in a gap
     in_gap = [line for line in metrics.splitlines() if line.startswith('duplex_admission_pieces_total{start="gap"}')]
     assert in_gap and float(in_gap[0].split()[-1]) >= 2.0, in_gap
     srv.server.ready = False
