@@ -96,3 +96,25 @@ def _wav(pcm16: bytes, rate: int = 16000) -> bytes:
         w.setframerate(rate)
         w.writeframes(pcm16)
     return buf.getvalue()
+
+
+def test_ctrl_c_stops_the_server_with_status_0_and_no_traceback(tmp_path):
+    """SIGINT (Ctrl-C at the terminal) drains and exits 0, as SIGTERM does; uvicorn raised it again after its
+    shutdown, which printed a KeyboardInterrupt traceback and exited 130."""
+    import signal
+
+    from tests.test_hub import _free_port, _wait_health
+
+    port = _free_port()
+    proc = subprocess.Popen(without_extras("scripts/serve.py", "serve.host=127.0.0.1", f"serve.port={port}",
+                                           "serve.warmup_frames=1", f"hydra.run.dir={tmp_path}"),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert _wait_health(port, proc)["status"] == "ready"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)

@@ -528,8 +528,9 @@ def uvicorn_server(server: Server, **overrides):
 
         def handle_exit(self, sig, frame):
             super().handle_exit(sig, frame)
-            if sig == signal.SIGTERM and sig in self._captured_signals:
-                # a requested stop, drained: exit status 0 (uvicorn would raise the signal again at the end)
+            if sig in (signal.SIGTERM, signal.SIGINT) and sig in self._captured_signals:
+                # a requested stop (Ctrl-C too), drained: exit status 0; uvicorn would raise the signal again at
+                # the end, a KeyboardInterrupt traceback for Ctrl-C (a second Ctrl-C still forces the exit)
                 self._captured_signals.remove(sig)
 
     return Draining(uvicorn_config(server, **overrides))
