@@ -3,6 +3,7 @@ and the load test import at run time comes with the extra that the README's comm
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import subprocess
 import sys
@@ -59,7 +60,9 @@ def test_the_main_command_runs_without_the_extras(tmp_path):
     assert (tmp_path / "agent.wav").stat().st_size > 0
 
 
-def test_the_server_serves_without_the_extras(tmp_path):
+@contextlib.contextmanager
+def served_without_extras(tmp_path):
+    """scripts/serve.py (tiny model, CPU) without the extras, ready: (port, process); killed after if still up."""
     from tests.test_hub import _free_port, _wait_health
 
     port = _free_port()
@@ -68,6 +71,15 @@ def test_the_server_serves_without_the_extras(tmp_path):
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert _wait_health(port, proc)["status"] == "ready"
+        yield port, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
+def test_the_server_serves_without_the_extras(tmp_path):
+    with served_without_extras(tmp_path) as (port, proc):
         pcm = (0.1 * np.random.default_rng(0).standard_normal(12800) * 32767).astype("<i2").tobytes()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=_wav(pcm),
                                      headers={"Content-Type": "audio/wav"})
@@ -79,10 +91,6 @@ def test_the_server_serves_without_the_extras(tmp_path):
         proc.terminate()                        # SIGTERM: the server drains and exits 0
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
 
 
 def _wav(pcm16: bytes, rate: int = 16000) -> bytes:
@@ -103,18 +111,7 @@ def test_ctrl_c_stops_the_server_with_status_0_and_no_traceback(tmp_path):
     shutdown, which printed a KeyboardInterrupt traceback and exited 130."""
     import signal
 
-    from tests.test_hub import _free_port, _wait_health
-
-    port = _free_port()
-    proc = subprocess.Popen(without_extras("scripts/serve.py", "serve.host=127.0.0.1", f"serve.port={port}",
-                                           "serve.warmup_frames=1", f"hydra.run.dir={tmp_path}"),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert _wait_health(port, proc)["status"] == "ready"
+    with served_without_extras(tmp_path) as (_, proc):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
