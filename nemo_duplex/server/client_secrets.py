@@ -13,13 +13,13 @@ proxy sends the calls it opens there (server/replicas.py, ReplicaRoute)."""
 from __future__ import annotations
 
 import copy
-import secrets
 import time
 from dataclasses import dataclass
 
 from nemo_duplex.runtime import SettingsError
 from nemo_duplex.server.errors import Refusal
 from nemo_duplex.server.realtime_protocol import ProtocolError, SessionSettings
+from nemo_duplex.server.resume import Parking
 
 PREFIX = "ek_"
 SECONDS = (10, 7200)      # OpenAI's range for expires_after.seconds
@@ -65,7 +65,7 @@ class ClientSecrets:
         if len(self._live) >= self.max_secrets:
             raise Refusal("too_many_client_secrets", f"{len(self._live)} client secrets are live; the limit is "
                           f"serve.max_client_secrets = {self.max_secrets}", 429)
-        value = PREFIX + (f"{self.route}." if self.route else "") + secrets.token_urlsafe(24)
+        value = PREFIX + Parking.new_token(self.route)   # (routed as a resume token is: ReplicaRoute.route)
         secret = ClientSecret(value, time.time() + seconds, time.monotonic() + seconds, copy.deepcopy(settings))
         self._live[value] = secret
         return secret

@@ -7,8 +7,8 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 
 
 def ranks(candidates: list, holder: str) -> list[list]:
-    """The candidates in one rank, or, where one of them is `holder` (a replica id: the route of a resume token,
-    which the proxy's ReplicaRoute gives as the request's session id), that one alone."""
+    """The candidates in one rank, or, where one of them is `holder` (a replica id: the route of a resume token or
+    a client secret, which the proxy's ReplicaRoute gives as the request's session id), that one alone."""
     held = [r for r in candidates if holder and r.replica_id.unique_id == holder]
     return [held] if held else [list(candidates)] if candidates else []
 
