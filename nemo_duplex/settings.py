@@ -312,6 +312,7 @@ class ProfileConfig:
     greedy: bool = False      # ... with the greedy-only graphs
     top: int = 45             # ops / kernels listed
     first: int = 40           # kernels of one replay listed in order
+    host: int = 0             # with graphs: this many calls' host path under cProfile (the busiest functions)
 
 
 @dataclass

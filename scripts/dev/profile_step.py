@@ -9,7 +9,8 @@ time, then the busiest ops. With `profile.graphs=true`: the step captured as the
 it (`engine.graph_backend`), and the kernels of its replays by name and by kind (GEMM, attention, Mamba,
 elementwise, ...), with the kernel count per step: launch gaps are gone there, so this is where the
 remaining time is. Then, per CUDA stream of the replay, how long it had a kernel running, and each stage's
-span in the step (which stages ran beside which: engine.pipeline, frame_step's branches).
+span in the step (which stages ran beside which: engine.pipeline, frame_step's branches). `profile.host=N`: N
+calls' host path by function (cProfile): whose is a back end's host time.
 """
 from __future__ import annotations
 
@@ -134,6 +135,37 @@ def print_graph_profile(prof, n: int, pos: int, top: int = 45, first_kernels: in
         print(f"{t:8.3f}  {calls[name] / STEPS:5.0f}x  {name[:150]}")
 
 
+def print_host_profile(step, calls: int, top: int) -> None:
+    """The host side of `calls` captured steps: each call's launch time (no profiler), then the Python
+    functions that take it under cProfile, by their own time. Why: a back end's host time per step (bench_step's
+    `host ms`) is launch work the GPU may wait for; this says whose it is (the runner, Dynamo's guards,
+    AOTAutograd's wrappers, cudagraph trees' checks). Each call waits for the one before it, as a step does."""
+    import cProfile
+    import pstats
+    import time
+
+    def timed() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) * 1e3
+
+    launch = sorted(timed() for _ in range(calls))
+    print(f"host per call (launch, no profiler): median {launch[len(launch) // 2]:.3f} ms, min {launch[0]:.3f}")
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        profiler.enable()
+        step()
+        profiler.disable()
+    torch.cuda.synchronize()
+    print(f"host profile of {calls} calls (cProfile's own overhead included), by own time:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
+
+
 @hydra.main(config_path="../../conf", config_name="profile_step", version_base=None)
 def main(cfg: DictConfig) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -178,6 +210,8 @@ def main(cfg: DictConfig) -> None:
         if on_graphs:
             # profile.top=N: more names; profile.first=N: the second step's first N kernels with their times
             print_graph_profile(prof, n, pos, cfg.profile.top, cfg.profile.first)
+            if cfg.profile.host:
+                print_host_profile(step, cfg.profile.host, cfg.profile.top)
             del runner
             continue
         print(f"\n==== N={n} position={pos}: stages (kernel time per step, eager) ====")
