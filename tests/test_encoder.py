@@ -228,6 +228,17 @@ def test_pos_tables_follow_loaded_weights(monkeypatch):
     assert "encoder.layers.0.self_attn.pos_by_distance" not in model.state_dict()
 
 
+def test_allocating_the_stream_state_builds_the_streaming_tables():
+    """The tables stream_step reads (P[d], the stacked q/k/v) exist once a state is allocated, before any
+    step: a torch.compile build of the first step otherwise traced their lazy build, a graph break that
+    failed it (scripts/dev/profile_step.py with engine.graph_backend=reduce-overhead)."""
+    model = make_perception(seed=3)
+    assert not model.stream_tables_ready() and model.encoder.layers[0].self_attn.stack is None
+    model.allocate_stream_state(2, "cpu", torch.float32)
+    assert model.stream_tables_ready()
+    assert all(layer.self_attn.stack is not None for layer in model.encoder.layers)
+
+
 @torch.no_grad()
 def test_streaming_qkv_stack_is_the_weights_themselves():
     """The streaming step's one q/k/v GEMM reads `stack` (nemo_duplex/models/stacking.py), whose row blocks ARE

@@ -390,7 +390,15 @@ class Perception(nn.Module):
         for layer in self.encoder.layers:
             layer.self_attn.prepare_stream()
 
+    def stream_tables_ready(self) -> bool:
+        return self.encoder.layers[0].self_attn.pos_by_distance.numel() > 0
+
     def allocate_stream_state(self, num_slots: int, device, dtype: torch.dtype) -> EncoderStreamState:
+        """Zeroed state for `num_slots` rows. Also builds the streaming tables here (as the codec its stacked
+        codebooks), before any step is captured or compiled: built at a step's first call inside a
+        torch.compile trace they are a graph break that fails the build."""
+        if not self.stream_tables_ready():
+            self.prepare_stream()
         fe, enc = self.frontend_cfg, self.encoder_cfg
         tail = self.preprocessor.stream_tail_samples(enc.subsampling_factor)
         cached_columns = self.STREAM_MEL_COLUMNS - enc.subsampling_factor
@@ -418,7 +426,7 @@ class Perception(nn.Module):
         """chunk [B, 1280] (each row the next 80 ms of its call), slots [B] int64 (distinct, padding rows
         may all point at the sink) -> enc [B, d_model] before proj: frame k = frames_done[slot] of each
         call, equal to offline frame k. Updates the rows `slots` of `state` in place."""
-        if self.encoder.layers[0].self_attn.pos_by_distance.numel() == 0:
+        if not self.stream_tables_ready():   # weights loaded or drawn since the state was allocated
             self.prepare_stream()
         per_step = self.encoder_cfg.subsampling_factor
         frame_index = state.frames_done[slots]
