@@ -135,33 +135,29 @@ def print_graph_profile(prof, n: int, pos: int, top: int = 45, first_kernels: in
         print(f"{t:8.3f}  {calls[name] / STEPS:5.0f}x  {name[:150]}")
 
 
-def print_host_profile(step, calls: int, top: int) -> None:
-    """The host side of `calls` captured steps: each call's launch time (no profiler), then the Python
-    functions that take it under cProfile, by their own time. Why: a back end's host time per step (bench_step's
-    `host ms`) is launch work the GPU may wait for; this says whose it is (the runner, Dynamo's guards,
-    AOTAutograd's wrappers, cudagraph trees' checks). Each call waits for the one before it, as a step does."""
+def print_host_profile(step_to_host, calls: int, top: int) -> None:
+    """The host side of `calls` served steps (`step_to_host`, as the engine calls it: numpy in, the launches,
+    a wait, numpy out): each call's host time to its last launch (bench_step's `host ms`), then the Python
+    functions the calls spend their time in under cProfile, by own time (the wait for the GPU shows as
+    `synchronize`). Why: a back end's host time per step is launch work that the GPU may wait for; this says
+    whose it is (the runner, Dynamo's guards, AOTAutograd's wrappers, cudagraph trees' checks, the launch)."""
     import cProfile
     import pstats
     import time
 
-    def timed() -> float:
-        torch.cuda.synchronize()
+    def launch_ms() -> float:
         t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        return (t1 - t0) * 1e3
+        return (step_to_host().launched - t0) * 1e3
 
-    launch = sorted(timed() for _ in range(calls))
-    print(f"host per call (launch, no profiler): median {launch[len(launch) // 2]:.3f} ms, min {launch[0]:.3f}")
+    launch = sorted(launch_ms() for _ in range(calls))
+    print(f"host per step to its last launch (no profiler): median {launch[len(launch) // 2]:.3f} ms, "
+          f"min {launch[0]:.3f}")
     profiler = cProfile.Profile()
+    profiler.enable()
     for _ in range(calls):
-        torch.cuda.synchronize()
-        profiler.enable()
-        step()
-        profiler.disable()
-    torch.cuda.synchronize()
-    print(f"host profile of {calls} calls (cProfile's own overhead included), by own time:")
+        step_to_host()
+    profiler.disable()
+    print(f"host profile of {calls} steps (cProfile's own overhead included):")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
 
@@ -211,7 +207,9 @@ def main(cfg: DictConfig) -> None:
             # profile.top=N: more names; profile.first=N: the second step's first N kernels with their times
             print_graph_profile(prof, n, pos, cfg.profile.top, cfg.profile.first)
             if cfg.profile.host:
-                print_host_profile(step, cfg.profile.host, cfg.profile.top)
+                host_args = (slots.cpu().numpy(), audio.cpu().numpy(), forced.cpu().numpy())
+                print_host_profile(lambda: runner.step_to_host(*host_args, sampling=not greedy), cfg.profile.host,
+                                   cfg.profile.top)
             del runner
             continue
         print(f"\n==== N={n} position={pos}: stages (kernel time per step, eager) ====")
