@@ -28,7 +28,6 @@ from nemo_duplex.serving.frame_step import admit, special_ids
 from nemo_duplex.serving.pages import whole_call_state
 from nemo_duplex.serving.runner import build_runner
 from nemo_duplex.serving.state import state_tensors
-from ops import torch_references
 from tests.conftest import slim_model
 
 CPU = torch.device("cpu")
@@ -68,8 +67,6 @@ def _epilogue_copies(model, st, reorder_for_locality: bool | None = None) -> tup
     torch._dynamo.reset()
     runner = build_runner(model, st, specials, [2], graphs=True, backend="reduce-overhead", compiler=compiler)
     inputs = runner._padded_inputs(2, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
-    with torch_references():     # the first step prepares the streaming stacks (outside any graph)
-        runner._eager(*inputs[:3])
     options = inductor_options("reduce-overhead", CPU)
     if reorder_for_locality is not None:
         options["reorder_for_locality"] = reorder_for_locality

@@ -187,7 +187,6 @@ def test_compiled_step_copies_nothing_in(slim, backend):
     torch._dynamo.reset()
     runner = build_runner(model, st, specials, [4], graphs=True, backend=backend, compiler=backend_seeing_inputs)
     s, a, f, *_ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
-    runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
     runner.capture()         # what the engine runs at start-up: the build of each bucket, with its inputs
     copied = [x for x in inputs if not isinstance(x, torch.nn.Parameter)
               and getattr(x, "_dynamo_static_input_type", None) is None]
@@ -236,7 +235,6 @@ def test_reduce_overhead_records_a_graph_and_matches_eager(tiny, static_pools, m
     torch._dynamo.reset()
     runner = build_runner(model, st, specials, [4], graphs=True, backend="reduce-overhead")
     s, a, f, *_ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
-    runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
     skips = capture.cudagraph_skips()
     with torch._inductor.config.patch(force_disable_caches=True):
         if not static_pools:
@@ -663,7 +661,6 @@ def test_compiled_calls_check_only_the_guards_that_tell_builds_apart(slim, caplo
     runner._compiled = spy(runner._compiled, "capture")   # what capture() builds through
     runner._built = spy(runner._built, "serve")           # what a prepared call runs (_run_prepared)
     s, a, f, *_ = runner._padded_inputs(4, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
-    runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
     runner.capture()
     assert skipped["capture"] and not any(skipped["capture"])   # capture's calls build and check everything
     assert skipped["serve"] == [True] * 4   # and then each build is called once as it will serve (4 builds)
@@ -733,9 +730,7 @@ def test_dynamic_batch_builds_once_for_the_buckets_above_one(slim, caplog):
     before = counters["stats"]["unique_graphs"]
     runner = build_runner(model, st, specials, [1, 2, 4, 8], graphs=True, backend="reduce-overhead",
                           compiler="aot_eager", dynamic_batch=True)
-    s, a, f, *_ = runner._padded_inputs(8, torch.tensor([0, 1]), torch.zeros(2, 1280), torch.tensor([-1, -1]))
-    runner._eager(s, a, f)   # the first step prepares the streaming stacks (outside any graph)
-    runner.capture()
+    runner.capture()   # with no step before it: the state's allocation built the streaming tables
     built = counters["stats"]["unique_graphs"] - before
     assert built == 2, built
     g = torch.Generator().manual_seed(9)

@@ -86,7 +86,7 @@ def test_per_call_bytes_match_the_allocation_full_size_on_meta():
 
 def test_weight_bytes_match_a_real_model(tiny):
     model = tiny[0]
-    model.perception.prepare_stream()   # as when serving (built on the first stream step otherwise)
+    model.perception.prepare_stream()   # as when serving (built with the encoder's stream state otherwise)
     model.codec.prvq.stacked()          # the stacked codebooks (built with the codec's stream state otherwise)
     real = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     longest_token = model.talker.embed_subword.char_ids.shape[1]   # set from the tokenizer (spec 4.2.2)

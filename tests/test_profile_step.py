@@ -62,3 +62,12 @@ def test_host_profile_names_the_functions_a_step_spends_its_host_time_in(capsys)
     median = float(out.split("to its last launch (no profiler): median ")[1].split(" ms")[0])
     assert 2.0 <= median < 30.0     # the 2 ms before the launch, not the 30 ms wait after it
     assert "5 steps" in out and "guard_checks" in out   # cProfile's table names the function
+
+
+def test_host_profile_without_graphs_is_refused_naming_the_setting(tmp_path):
+    import subprocess
+    for value, extra in (("5", []), ("-1", ["profile.graphs=true"])):
+        done = subprocess.run([sys.executable, str(REPO / "scripts" / "dev" / "profile_step.py"), f"profile.host={value}",
+                               *extra, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stderr
+        assert f"profile.host={value}" in done.stderr and "profile.graphs=true" in done.stderr, done.stderr

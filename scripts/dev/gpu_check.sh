@@ -27,8 +27,8 @@
 #                                             # bf16 SSM state, fp8 talker KV (docs/performance.md, "Memory and capacity")
 #   bash scripts/dev/gpu_check.sh compile-cache   # a reduce-overhead bucket built cold, then from its compile cache
 #                                             # (each run's table row: that back end's step and host time)
-#   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end (compiled, captured by hand), then
-#                                             # reduce-overhead with engine.compile_dynamic_batch (3 buckets, one build)
+#   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end (compiled, captured by hand) with one build
+#                                             # for the buckets above 1, cold and from its compile cache (~9.5 min)
 #   bash scripts/dev/gpu_check.sh fp8-weights     # the float8 projections' GPU tests, their GEMMs against bf16 cuBLAS at
 #                                             # N=1/32/128 and the weight-only kernel's sweep at N=32/128 (~9 min);
 #                                             # the step with them: `step model.dtype.llm_weights=fp8_weight_only
@@ -107,16 +107,18 @@ elif [ "$PART" = compile-cache ]; then
         echo "$run:"; grep -E "compile cache|^capture|^copy bandwidth|^ +32 " "$OUT/cc_$run.log"
     done
 elif [ "$PART" = compiled ]; then
-    timeout 250 python3 scripts/bench_step.py $M engine.graph_backend=cudagraph 'engine.capture_buckets=[32]' \
-        'bench.batch_sizes=[32]' 'bench.positions=[1000]' bench.compare_eager=false engine.greedy_graphs=false \
-        engine.compile_cache_dir=/tmp/gpu_check_cc_cudagraph hydra.run.dir=/tmp/gpu_check_compiled > "$OUT/compiled.log" 2>&1
-    grep -E "compile cache|^capture|^ +32 " "$OUT/compiled.log" || tail -n 20 "$OUT/compiled.log"
-    # reduce-overhead with one build for buckets 8, 16 and 32 (engine.compile_dynamic_batch)
-    timeout 290 python3 scripts/bench_step.py $M engine.graph_backend=reduce-overhead engine.compile_dynamic_batch=true \
-        'engine.capture_buckets=[8,16,32]' 'bench.batch_sizes=[8,32]' 'bench.positions=[1000]' bench.compare_eager=false \
-        engine.greedy_graphs=false engine.compile_cache_dir=/tmp/gpu_check_cc_dynamic hydra.run.dir=/tmp/gpu_check_dynamic \
-        > "$OUT/dynamic.log" 2>&1
-    grep -E "compile cache|captured bucket|^capture|^ +(8|32) " "$OUT/dynamic.log" || tail -n 20 "$OUT/dynamic.log"
+    # the `cudagraph` back end (Inductor's step, captured by hand) as a server of 128 places builds it: the default
+    # buckets up to 128, both variants, one build for every bucket above 1 (engine.compile_dynamic_batch); cold
+    # into a compile cache, then restored from it (the restart), each with its step at N = 1 / 32 / 128
+    rm -rf /tmp/gpu_check_cc_cudagraph
+    for run in cold warm; do
+        timeout $([ $run = cold ] && echo 390 || echo 180) python3 scripts/bench_step.py $M engine.graph_backend=cudagraph \
+            engine.compile_dynamic_batch=true 'bench.batch_sizes=[1,32,128]' 'bench.positions=[600]' \
+            bench.compare_eager=false engine.compile_cache_dir=/tmp/gpu_check_cc_cudagraph \
+            hydra.run.dir=/tmp/gpu_check_compiled_$run > "$OUT/compiled_$run.log" 2>&1
+        echo "$run (exit $?):"; grep -E "compile cache|^capture|^ +N |^ +(1|32|128) +600" "$OUT/compiled_$run.log" \
+            || tail -n 20 "$OUT/compiled_$run.log"
+    done
 elif [ "$PART" = fp8-weights ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_fp8_weight_linear.py \
         tests/ops/test_fp8_linear.py > "$OUT/fp8_pytest.log" 2>&1; tail -n 3 "$OUT/fp8_pytest.log"

@@ -168,6 +168,9 @@ def main(cfg: DictConfig) -> None:
 
     from nemo_duplex.serving.runner import build_runner, engine_compile_cache
 
+    if cfg.profile.host < 0 or (cfg.profile.host and not cfg.profile.graphs):
+        raise SystemExit(f"profile_step: profile.host={cfg.profile.host}: the number of captured steps whose host path "
+                         "to profile, >= 0, and only with profile.graphs=true")
     device = torch.device(cfg.device)
     n_max, pos = max(cfg.bench.batch_sizes), max(cfg.bench.positions)
     with runtime.refusals("profile_step"):
