@@ -14,7 +14,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
 from nemo_duplex.models.config import ModelConfig, SamplingParams
+
+
+def default_device() -> str:
+    """`device`'s default: the GPU when this machine has one, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def deployment_dtype(device: str) -> str:
+    """`model/dtype=auto`'s compute dtype for the encoder, LLM and talker on `device`: bf16 on a GPU (the
+    deployment, model/dtype=bf16), fp32 on the CPU (the reference numerics, model/dtype=fp32)."""
+    return "fp32" if str(device) == "cpu" else "bf16"
+
+
+# Registered on import, not in register(): a config composed in one process may be resolved in another
+# (a Ray Serve replica), and every process that imports the settings can resolve these.
+OmegaConf.register_new_resolver("default_device", default_device, replace=True)
+OmegaConf.register_new_resolver("deployment_dtype", deployment_dtype, replace=True)
 
 # Every 8 calls from 16 to 64, every 16 to 160, every 32 to 256: a batch pads to the next bucket, and with
 # powers of two a batch of 65 ran as 128 (49 ms instead of ~34 on the H200); buckets above engine.max_calls
@@ -202,7 +223,7 @@ class ModelApp:
     revision: Optional[str] = None
     tokenizer: Optional[str] = None   # the LLM's tokenizer.json (a file, a directory or a repo id); null =
                                       # beside the checkpoint, else its `pretrained_llm` (Nemotron-Nano-9B-v2)
-    device: str = "cpu"               # cpu | cuda | cuda:N
+    device: str = "${default_device:}"   # cpu | cuda | cuda:N; by default the GPU when there is one
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 

@@ -75,7 +75,7 @@ def test_unknown_keys_and_wrong_types_are_refused():
 def test_dtype_presets():
     bf16 = compose_app("serve", ["model/dtype=bf16"]).model.dtype
     assert (bf16.encoder, bf16.llm, bf16.talker, bf16.codec, bf16.mamba_ssm_state) == ("bf16",) * 3 + ("fp32",) * 2
-    assert compose_app("serve").model.dtype.llm == "fp32"            # the reference numerics by default
+    assert compose_app("serve").model.dtype.llm == "fp32"            # on the CPU (model/dtype=auto): the reference
     assert compose_app("bench_step").model.dtype.llm == "bf16"       # the benchmark times the deployment
     assert compose_app("bench_step", ["model/dtype=fp32"]).model.dtype.llm == "fp32"
     assert compose_app("serve", ["model/dtype=bf16", "model.dtype.talker=fp32"]).model.dtype.talker == "fp32"
@@ -83,6 +83,28 @@ def test_dtype_presets():
     capacity = OmegaConf.to_object(compose_app("serve", ["model/dtype=capacity"]).model).dtype
     assert (capacity.llm, capacity.mamba_ssm_state, capacity.talker_kv, capacity.talker_kv_pool) == \
         ("bf16", "bf16", "fp8", "fp8")
+
+
+def test_the_default_device_is_the_gpu_when_there_is_one_and_auto_dtypes_follow_it(monkeypatch):
+    """`python scripts/serve.py model=nemotron_duplex` serves the deployment on a GPU machine: the device defaults
+    to cuda there (cpu elsewhere) and model/dtype=auto gives bf16 for the encoder, LLM and talker on a GPU (the
+    codec and the SSM state fp32), fp32 everywhere on the CPU. A device or dtype given wins."""
+    import torch
+
+    def parts(cfg):
+        d = OmegaConf.to_object(cfg.model).dtype
+        return cfg.device, (d.encoder, d.llm, d.talker, d.codec, d.mamba_ssm_state)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parts(compose_app("serve", ["model=nemotron_duplex"])) == ("cpu", ("fp32",) * 5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for app in ("serve", "run_clip", "gate", "eval_clips", "bench"):
+        assert parts(compose_app(app, ["model=nemotron_duplex"])) == ("cuda", ("bf16",) * 3 + ("fp32",) * 2), app
+    assert parts(compose_app("serve", ["device=cpu"])) == ("cpu", ("fp32",) * 5)
+    assert parts(compose_app("serve", ["device=cuda:1"])) == ("cuda:1", ("bf16",) * 3 + ("fp32",) * 2)
+    assert parts(compose_app("serve", ["model/dtype=fp32"])) == ("cuda", ("fp32",) * 5)
+    assert parts(compose_app("serve", ["model/dtype=auto", "model.dtype.talker=fp32"]))[1][2] == "fp32"
+    # make_checkpoint takes no device: its dtypes are fixed, and its config resolves without one
+    assert OmegaConf.to_object(compose_app("make_checkpoint").model).dtype.llm == "fp32"
 
 
 def test_checkpoint_defaults_to_the_presets():
