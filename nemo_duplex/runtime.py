@@ -248,6 +248,23 @@ def check_memory(cfg: DictConfig, mcfg: ModelConfig, device,
                       kv_pool_gib=engine.get("kv_pool_gib") if calls else None)
 
 
+def settle_max_calls(cfg: DictConfig, mcfg: ModelConfig, device) -> int:
+    """engine.max_calls as the engine runs it: the setting, or for null (the default) the places the device
+    holds (memory.calls_for_device: on a GPU what its memory fits, at most the largest capture bucket; 8 on the
+    CPU). Written back into cfg, so that what reads it later, the settings record included, has the number."""
+    from nemo_duplex.serving.memory import calls_for_device
+
+    engine = cfg.engine
+    if engine.max_calls is None:
+        m = cfg.get("memory") or {}
+        engine.max_calls = calls_for_device(
+            mcfg, device, max(engine.capture_buckets), max_call_s=float(engine.max_call_s),
+            device_gib=m.get("device_gib"), reserve_gib=m.get("reserve_gib"),
+            max_prompt_tokens=int(engine.max_prompt_tokens), prefix_cache_mib=int(engine.prefix_cache_mib),
+            kv_pool_gib=engine.kv_pool_gib)
+    return int(engine.max_calls)
+
+
 @dataclass
 class Loaded:
     model: Any

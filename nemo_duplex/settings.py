@@ -45,7 +45,9 @@ CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144
 
 @dataclass
 class EngineConfig:
-    max_calls: int = 8
+    # Call places. null: on a GPU as many calls of max_call_s as its memory holds, at most the largest capture
+    # bucket (serving/memory.py calls_for_device); 8 on the CPU. The server prints the number it took.
+    max_calls: Optional[int] = None
     max_call_s: float = 160.0          # a call past this many seconds of input ends with reason "limit"
     max_pending_s: float = 30.0        # input received but not yet stepped, per call
     max_prompt_tokens: int = 512

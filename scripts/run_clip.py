@@ -13,6 +13,7 @@ the options.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -46,8 +47,10 @@ def write_outputs(out: Path, res, tokenizer, rnnt_vocab, sample_rate: int) -> No
 
 def engine_config(cfg, n_clips: int):
     """mode=engine's engine: the `engine` settings, with at least a slot per clip (engine.max_calls smaller
-    than the clip count is an error, not a silent change)."""
+    than the clip count is an error, not a silent change; null, the default, is a slot per clip)."""
     ecfg = OmegaConf.to_object(cfg.engine)
+    if ecfg.max_calls is None:
+        return dataclasses.replace(ecfg, max_calls=n_clips)
     if ecfg.max_calls < n_clips:
         raise runtime.SettingsError(f"mode=engine runs {n_clips} clips at once; engine.max_calls = {ecfg.max_calls} "
                                     "is fewer slots (raise it)")

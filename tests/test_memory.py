@@ -302,3 +302,40 @@ def test_kv_pool_settings_that_cannot_work_are_refused():
     full = inference_config(ModelConfig(), "bf16")
     with pytest.raises(MemoryPlanError, match=r"engine.kv_pool_gib = 200 GiB .* At most engine.kv_pool_gib = "):
         plan(full, 16, 160.0, 140 * GiB, kv_pool_gib=200.0)
+
+
+def test_engine_max_calls_null_takes_the_places_the_device_holds(monkeypatch):
+    """engine.max_calls=null (the default): on a GPU the calls of max_call_s its memory holds, exactly the plan's
+    limit (one more does not fit), at most the largest capture bucket; with engine.kv_pool_gib the slots beside
+    the pool; 8 on the CPU. On the H200's memory at full size in bf16: the docs' 165 calls of 160 s."""
+    from nemo_duplex.serving import memory
+
+    cfg = inference_config(ModelConfig())
+    h200 = 143771 / 1024   # GiB, as the docs' table (memory.DEVICES)
+    kw = dict(device_gib=h200, reserve_gib=6, prefix_cache_mib=1280, max_prompt_tokens=512)
+    n = memory.calls_for_device(cfg, "cuda", 256, max_call_s=160.0, **kw)
+    assert n == 165
+    budget, reserve, w = int(h200 * GiB), 6 * GiB, weight_bytes(cfg)
+    assert plan(cfg, n, 160.0, budget, reserve=reserve, weights=w, prefix_cache_mib=1280).fits
+    with pytest.raises(MemoryPlanError):
+        plan(cfg, n + 1, 160.0, budget, reserve=reserve, weights=w, prefix_cache_mib=1280)
+    assert memory.calls_for_device(cfg, "cuda", 256, max_call_s=30.0, **kw) == 256       # 438 fit: the largest bucket
+    assert memory.calls_for_device(cfg, "cuda", 128, max_call_s=30.0, **kw) == 128
+    pooled = memory.calls_for_device(cfg, "cuda", 256, max_call_s=160.0, kv_pool_gib=90, **kw)
+    assert 1 < pooled < 256
+    assert plan(cfg, pooled, 160.0, budget, reserve=reserve, weights=w, prefix_cache_mib=1280, kv_pool_gib=90).fits
+    with pytest.raises(MemoryPlanError):
+        plan(cfg, pooled + 1, 160.0, budget, reserve=reserve, weights=w, prefix_cache_mib=1280, kv_pool_gib=90)
+    assert memory.calls_for_device(cfg, "cuda", 256, max_call_s=160.0, **{**kw, "device_gib": 20}) == 1  # refused later
+    assert memory.calls_for_device(cfg, "cpu", 256, max_call_s=160.0, **kw) == memory.CPU_CALLS == 8
+
+
+def test_the_server_settles_a_null_max_calls_into_its_settings():
+    from nemo_duplex import runtime
+    from tests.apps import compose_app
+
+    cfg = compose_app("serve")
+    assert cfg.engine.max_calls is None                       # the default
+    assert runtime.settle_max_calls(cfg, runtime.model_config(cfg), "cpu") == 8 and cfg.engine.max_calls == 8
+    given = compose_app("serve", ["engine.max_calls=3"])
+    assert runtime.settle_max_calls(given, runtime.model_config(given), "cuda") == 3   # a number given is kept

@@ -19,6 +19,7 @@ def test_engine_mode_takes_the_engine_settings_from_the_config():
     default = compose_app("run_clip", ["mode=engine"])
     invariant = compose_app("run_clip", ["mode=engine", "engine.batch_invariant=true", "engine.max_calls=3"])
     assert engine_config(default, 3).batch_invariant is False
+    assert engine_config(default, 5).max_calls == 5   # engine.max_calls=null (the default): a slot per clip
     cfg = engine_config(invariant, 3)
     assert cfg.batch_invariant is True and cfg.max_calls == 3
     with pytest.raises(SettingsError, match="engine.max_calls = 3 is fewer slots"):

@@ -11,8 +11,9 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
     """The server of a composed `serve` config: the model (after the memory check of the model and the
     engine's pools), the engine, the server. Prints the settings it runs with and writes them to the run
     directory."""
-    engine_cfg = OmegaConf.to_object(cfg.engine)
     resolved = runtime.resolve_model(cfg, overrides)   # a missing checkpoint is refused here, in seconds
+    runtime.settle_max_calls(cfg, resolved.cfg, cfg.device)   # engine.max_calls=null: the places the device holds
+    engine_cfg = OmegaConf.to_object(cfg.engine)
     # imported only now: a refusal (no checkpoint, bad settings) needs neither torch nor the server
     from nemo_duplex.server.app import Server
     from nemo_duplex.server.realtime_protocol import SessionSettings

@@ -366,7 +366,10 @@ def run(cfg, overrides: list[str]) -> None:
     gpus = 1 if cfg.device == "cuda" else 0
     # refusals come here, in seconds, before Ray starts: no checkpoint, bad settings, not enough memory.
     # (An embedded checkpoint is generated here once, not by every replica.)
-    check_replicas_fit(cfg, runtime.resolve_model(cfg, overrides), n)
+    resolved = runtime.resolve_model(cfg, overrides)
+    if gpus == 0:   # engine.max_calls=null on the CPU: settled here; on GPUs each replica settles it on its own
+        runtime.settle_max_calls(cfg, resolved.cfg, "cpu")
+    check_replicas_fit(cfg, resolved, n)
 
     try:
         import ray
@@ -384,7 +387,9 @@ def run(cfg, overrides: list[str]) -> None:
              runtime_env={"env_vars": env})
     serve.start(http_options=HTTPOptions(host=scfg.host, port=int(scfg.port)))
     registry = registry_class().options(name=REGISTRY, namespace=APP_NAME).remote(n)
-    max_connections = scfg.max_connections if scfg.max_connections is not None else cfg.engine.max_calls + 16
+    # (engine.max_calls null on GPUs: no replica takes more places than the largest capture bucket)
+    places = cfg.engine.max_calls if cfg.engine.max_calls is not None else max(cfg.engine.capture_buckets)
+    max_connections = scfg.max_connections if scfg.max_connections is not None else places + 16
     deployment = serve.deployment(replica_class()).options(
         name="Replica", num_replicas=n,
         ray_actor_options={"num_gpus": gpus, "num_cpus": 1 if gpus else 0},
@@ -395,8 +400,9 @@ def run(cfg, overrides: list[str]) -> None:
         graceful_shutdown_timeout_s=float(scfg.shutdown_grace_s) + 5.0)
     serve.run(deployment.bind(OmegaConf.to_container(cfg, resolve=True), list(overrides)), name=APP_NAME,
               route_prefix="/", blocking=False)
-    print(f"serving {n} replicas on http://{scfg.host}:{scfg.port} (Ray Serve; engine.max_calls="
-          f"{cfg.engine.max_calls} each); ready after warm-up, see /health", flush=True)
+    each = cfg.engine.max_calls if cfg.engine.max_calls is not None else "what its GPU holds"
+    print(f"serving {n} replicas on http://{scfg.host}:{scfg.port} (Ray Serve; engine.max_calls: {each} "
+          "each); ready after warm-up, see /health", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -21,6 +21,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -75,6 +76,13 @@ def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torc
 
     cfg = cfg or EngineConfig()
     device = device or model.stt_model.embed_tokens.weight.device
+    if cfg.max_calls is None:   # null: the places the device holds (the server settles it before loading)
+        from nemo_duplex.serving.memory import calls_for_device
+
+        places = calls_for_device(model.cfg, device, max(cfg.capture_buckets), max_call_s=cfg.max_call_s,
+                                  max_prompt_tokens=cfg.max_prompt_tokens, prefix_cache_mib=cfg.prefix_cache_mib,
+                                  kv_pool_gib=cfg.kv_pool_gib)
+        cfg = replace(cfg, max_calls=places)
     max_frames = frames_per_call(model.cfg, cfg.max_call_s)
     pages = kv_page_counts(model.cfg, cfg.max_calls, cfg.max_call_s, cfg.max_prompt_tokens, cfg.kv_page_len,
                            cfg.kv_pool_gib)

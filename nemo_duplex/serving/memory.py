@@ -317,6 +317,43 @@ def available_bytes(device: str | torch.device) -> tuple[int, str]:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"
 
 
+def device_budget(device: torch.device, device_gib: float | None = None,
+                  reserve_gib: float | None = None) -> tuple[int, str, int]:
+    """(bytes the plan may use, where that figure comes from, bytes reserved beyond the plan): memory.device_gib
+    or what the device has free; memory.reserve_gib or 6 GiB on CUDA, 1 GiB on the CPU."""
+    if device_gib is not None:
+        budget, where = int(float(device_gib) * GiB), "memory.device_gib"
+    else:
+        budget, where = available_bytes(device)
+    if reserve_gib is not None:
+        return budget, where, int(float(reserve_gib) * GiB)
+    return budget, where, DEFAULT_RESERVE_BYTES if device.type == "cuda" else CPU_RESERVE_BYTES
+
+
+CPU_CALLS = 8   # engine.max_calls=null on the CPU
+
+
+def calls_for_device(cfg: ModelConfig, device: str | torch.device, largest_bucket: int, *, max_call_s: float,
+                     device_gib: float | None = None, reserve_gib: float | None = None, max_prompt_tokens: int = 512,
+                     prefix_cache_mib: int = 0, kv_pool_gib: float | None = None) -> int:
+    """engine.max_calls=null: on a GPU, as many calls of max_call_s as its memory holds beside the weights, the
+    prefix cache and the reserve (with engine.kv_pool_gib: as many call slots beside that pool), at most
+    `largest_bucket` (a larger batch steps as two); at least 1 (a server that cannot hold one is then refused by
+    check_fits with the numbers). On the CPU CPU_CALLS: there the step's time, not the memory, is the limit."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_CALLS
+    budget, _, reserve = device_budget(device, device_gib, reserve_gib)
+    fixed = weight_bytes(cfg, device=device) + prefix_cache_mib * 2**20 + reserve
+    if kv_pool_gib is None:
+        fit = max_calls_that_fit(cfg, max_call_s, budget, fixed, max_prompt_tokens)
+    else:
+        per = bytes_per_call(cfg, max_call_s, max_prompt_tokens)
+        slot = per.total - per.llm_kv - per.talker_kv
+        fit = max(0, (budget - fixed - int(float(kv_pool_gib) * GiB)) // slot - 1)
+    return max(1, min(int(fit), int(largest_bucket)))
+
+
 def check_fits(cfg: ModelConfig, device: str | torch.device, *, check: bool = True, device_gib: float | None = None,
                reserve_gib: float | None = None, calls: tuple[int, float] | None = None, max_prompt_tokens: int = 512,
                prefix_cache_mib: int = 0, kv_pool_gib: float | None = None) -> MemoryPlan | None:
@@ -328,14 +365,7 @@ def check_fits(cfg: ModelConfig, device: str | torch.device, *, check: bool = Tr
     if not check:
         return None
     device = torch.device(device)
-    if device_gib is not None:
-        budget, where = int(float(device_gib) * GiB), "memory.device_gib"
-    else:
-        budget, where = available_bytes(device)
-    if reserve_gib is not None:
-        reserve = int(float(reserve_gib) * GiB)
-    else:
-        reserve = DEFAULT_RESERVE_BYTES if device.type == "cuda" else CPU_RESERVE_BYTES
+    budget, where, reserve = device_budget(device, device_gib, reserve_gib)
     weights = weight_bytes(cfg, device=device)
     dtypes = f"encoder {cfg.dtype.encoder}, llm {cfg.dtype.llm}, talker {cfg.dtype.talker}, codec {cfg.dtype.codec}"
     if calls is not None:
