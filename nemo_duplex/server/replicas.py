@@ -388,7 +388,7 @@ def run(cfg, overrides: list[str]) -> None:
     serve.start(http_options=HTTPOptions(host=scfg.host, port=int(scfg.port)))
     registry = registry_class().options(name=REGISTRY, namespace=APP_NAME).remote(n)
     # (engine.max_calls null on GPUs: no replica takes more places than the largest capture bucket)
-    places = cfg.engine.max_calls if cfg.engine.max_calls is not None else max(cfg.engine.capture_buckets)
+    places = cfg.engine.max_calls if cfg.engine.max_calls is not None else max(cfg.engine.capture_buckets, default=1)
     max_connections = scfg.max_connections if scfg.max_connections is not None else places + 16
     deployment = serve.deployment(replica_class()).options(
         name="Replica", num_replicas=n,
