@@ -304,7 +304,7 @@ def test_kv_pool_settings_that_cannot_work_are_refused():
         plan(full, 16, 160.0, 140 * GiB, kv_pool_gib=200.0)
 
 
-def test_engine_max_calls_null_takes_the_places_the_device_holds(monkeypatch):
+def test_engine_max_calls_null_takes_the_places_the_device_holds():
     """engine.max_calls=null (the default): on a GPU the calls of max_call_s its memory holds, exactly the plan's
     limit (one more does not fit), at most the largest capture bucket; with engine.kv_pool_gib the slots beside
     the pool; 8 on the CPU. On the H200's memory at full size in bf16: the docs' 165 calls of 160 s."""
