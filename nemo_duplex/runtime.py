@@ -257,11 +257,8 @@ def settle_max_calls(cfg: DictConfig, mcfg: ModelConfig, device) -> int:
     engine = cfg.engine
     if engine.max_calls is None:
         m = cfg.get("memory") or {}
-        engine.max_calls = calls_for_device(
-            mcfg, device, max(engine.capture_buckets, default=1), max_call_s=float(engine.max_call_s),
-            device_gib=m.get("device_gib"), reserve_gib=m.get("reserve_gib"),
-            max_prompt_tokens=int(engine.max_prompt_tokens), prefix_cache_mib=int(engine.prefix_cache_mib),
-            kv_pool_gib=engine.kv_pool_gib)
+        engine.max_calls = calls_for_device(mcfg, device, engine, device_gib=m.get("device_gib"),
+                                            reserve_gib=m.get("reserve_gib"))
     return int(engine.max_calls)
 
 

@@ -309,33 +309,46 @@ def test_engine_max_calls_null_takes_the_places_the_device_holds():
     limit (one more does not fit), at most the largest capture bucket; with engine.kv_pool_gib the slots beside
     the pool; 8 on the CPU. On the H200's memory at full size in bf16: the docs' 165 calls of 160 s."""
     from nemo_duplex.serving import memory
+    from nemo_duplex.settings import CAPTURE_BUCKETS, EngineConfig
 
+    assert max(CAPTURE_BUCKETS) == 256
     cfg = inference_config(ModelConfig())
     h200 = 143771 / 1024   # GiB, as the docs' table (memory.DEVICES)
-    kw = dict(device_gib=h200, reserve_gib=6, prefix_cache_mib=1280, max_prompt_tokens=512)
-    n = memory.calls_for_device(cfg, "cuda", 256, max_call_s=160.0, **kw)
+    kw = dict(device_gib=h200, reserve_gib=6)
+
+    def engine(**settings):
+        return EngineConfig(**{"max_call_s": 160.0, "prefix_cache_mib": 1280, "max_prompt_tokens": 512, **settings})
+    n = memory.calls_for_device(cfg, "cuda", engine(), **kw)
     assert n == 165
     budget, reserve, w = int(h200 * GiB), 6 * GiB, weight_bytes(cfg)
     assert plan(cfg, n, 160.0, budget, reserve=reserve, weights=w, prefix_cache_mib=1280).fits
     with pytest.raises(MemoryPlanError):
         plan(cfg, n + 1, 160.0, budget, reserve=reserve, weights=w, prefix_cache_mib=1280)
-    assert memory.calls_for_device(cfg, "cuda", 256, max_call_s=30.0, **kw) == 256       # 438 fit: the largest bucket
-    assert memory.calls_for_device(cfg, "cuda", 128, max_call_s=30.0, **kw) == 128
-    pooled = memory.calls_for_device(cfg, "cuda", 256, max_call_s=160.0, kv_pool_gib=90, **kw)
+    assert memory.calls_for_device(cfg, "cuda", engine(max_call_s=30.0), **kw) == 256   # 438 fit: the largest bucket
+    assert memory.calls_for_device(cfg, "cuda", engine(max_call_s=30.0, capture_buckets=[1, 32, 128]), **kw) == 128
+    pooled = memory.calls_for_device(cfg, "cuda", engine(kv_pool_gib=90), **kw)
     assert 1 < pooled < 256
     assert plan(cfg, pooled, 160.0, budget, reserve=reserve, weights=w, prefix_cache_mib=1280, kv_pool_gib=90).fits
     with pytest.raises(MemoryPlanError):
         plan(cfg, pooled + 1, 160.0, budget, reserve=reserve, weights=w, prefix_cache_mib=1280, kv_pool_gib=90)
-    assert memory.calls_for_device(cfg, "cuda", 256, max_call_s=160.0, **{**kw, "device_gib": 20}) == 1  # refused later
-    assert memory.calls_for_device(cfg, "cpu", 256, max_call_s=160.0, **kw) == memory.CPU_CALLS == 8
+    assert memory.calls_for_device(cfg, "cuda", engine(), **{**kw, "device_gib": 20}) == 1  # refused later
+    assert memory.calls_for_device(cfg, "cpu", engine(), **kw) == memory.CPU_CALLS == 8
 
 
 def test_the_server_settles_a_null_max_calls_into_its_settings():
+    from omegaconf import OmegaConf
+
     from nemo_duplex import runtime
+    from nemo_duplex.serving.memory import calls_for_device
     from tests.apps import compose_app
 
     cfg = compose_app("serve")
     assert cfg.engine.max_calls is None                       # the default
     assert runtime.settle_max_calls(cfg, runtime.model_config(cfg), "cpu") == 8 and cfg.engine.max_calls == 8
+    full = compose_app("serve", ["model=nemotron_duplex", "model/dtype=bf16", "memory.device_gib=140",
+                                 "memory.reserve_gib=6"])
+    engine = OmegaConf.to_object(full.engine)   # the composed node and the dataclass give the same places
+    want = calls_for_device(runtime.model_config(full), "cuda", engine, device_gib=140, reserve_gib=6)
+    assert 1 < want < 256 and runtime.settle_max_calls(full, runtime.model_config(full), "cuda") == want
     given = compose_app("serve", ["engine.max_calls=3"])
     assert runtime.settle_max_calls(given, runtime.model_config(given), "cuda") == 3   # a number given is kept

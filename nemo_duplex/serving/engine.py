@@ -79,10 +79,7 @@ def build_engine(model, tokenizer, cfg: EngineConfig | None = None, device: torc
     if cfg.max_calls is None:   # null: the places the device holds (the server settles it before loading)
         from nemo_duplex.serving.memory import calls_for_device
 
-        places = calls_for_device(model.cfg, device, max(cfg.capture_buckets, default=1), max_call_s=cfg.max_call_s,
-                                  max_prompt_tokens=cfg.max_prompt_tokens, prefix_cache_mib=cfg.prefix_cache_mib,
-                                  kv_pool_gib=cfg.kv_pool_gib)
-        cfg = replace(cfg, max_calls=places)
+        cfg = replace(cfg, max_calls=calls_for_device(model.cfg, device, cfg))
     max_frames = frames_per_call(model.cfg, cfg.max_call_s)
     pages = kv_page_counts(model.cfg, cfg.max_calls, cfg.max_call_s, cfg.max_prompt_tokens, cfg.kv_page_len,
                            cfg.kv_pool_gib)

@@ -333,25 +333,26 @@ def device_budget(device: torch.device, device_gib: float | None = None,
 CPU_CALLS = 8   # engine.max_calls=null on the CPU
 
 
-def calls_for_device(cfg: ModelConfig, device: str | torch.device, largest_bucket: int, *, max_call_s: float,
-                     device_gib: float | None = None, reserve_gib: float | None = None, max_prompt_tokens: int = 512,
-                     prefix_cache_mib: int = 0, kv_pool_gib: float | None = None) -> int:
-    """engine.max_calls=null: on a GPU, as many calls of max_call_s as its memory holds beside the weights, the
-    prefix cache and the reserve (with engine.kv_pool_gib: as many call slots beside that pool), at most
-    `largest_bucket` (a larger batch steps as two); at least 1 (a server that cannot hold one is then refused by
-    check_fits with the numbers). On the CPU CPU_CALLS: there the step's time, not the memory, is the limit."""
+def calls_for_device(cfg: ModelConfig, device: str | torch.device, engine, *, device_gib: float | None = None,
+                     reserve_gib: float | None = None) -> int:
+    """engine.max_calls=null for the engine settings `engine` (an EngineConfig, or that node of a composed config):
+    on a GPU, as many calls of engine.max_call_s as its memory holds beside the weights, the prefix cache and the
+    reserve (with engine.kv_pool_gib: as many call slots beside that pool), at most the largest capture bucket (a
+    larger batch steps as two); at least 1 (a server that cannot hold one is then refused by check_fits with the
+    numbers). On the CPU CPU_CALLS: there the step's time, not the memory, is the limit."""
     device = torch.device(device)
     if device.type != "cuda":
         return CPU_CALLS
     budget, _, reserve = device_budget(device, device_gib, reserve_gib)
-    fixed = weight_bytes(cfg, device=device) + prefix_cache_mib * 2**20 + reserve
-    if kv_pool_gib is None:
+    fixed = weight_bytes(cfg, device=device) + int(engine.prefix_cache_mib) * 2**20 + reserve
+    max_call_s, max_prompt_tokens = float(engine.max_call_s), int(engine.max_prompt_tokens)
+    if engine.kv_pool_gib is None:
         fit = max_calls_that_fit(cfg, max_call_s, budget, fixed, max_prompt_tokens)
     else:
         per = bytes_per_call(cfg, max_call_s, max_prompt_tokens)
         slot = per.total - per.llm_kv - per.talker_kv
-        fit = max(0, (budget - fixed - int(float(kv_pool_gib) * GiB)) // slot - 1)
-    return max(1, min(int(fit), int(largest_bucket)))
+        fit = max(0, (budget - fixed - int(float(engine.kv_pool_gib) * GiB)) // slot - 1)
+    return max(1, min(int(fit), max(engine.capture_buckets, default=1)))
 
 
 def check_fits(cfg: ModelConfig, device: str | torch.device, *, check: bool = True, device_gib: float | None = None,
