@@ -47,7 +47,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from graphs.compile_cache import CompileCache, compile_counters
+from graphs.compile_cache import CompileCache, aot_cache_bypasses, compile_counters
 from graphs.compiled import (
     cudagraph_skips,
     inductor_options,
@@ -245,9 +245,23 @@ class StepRunner(HostStepper):
         """Record every bucket, largest first, on padding rows only (the sink slot)."""
         if not self.graphs:
             return
-        if self.compile_cache is not None:
-            self.compile_cache.activate()
-            before = compile_counters()
+        cache = self.compile_cache
+        if cache is None:
+            self._record_buckets()
+            return
+        cache.activate()
+        before = compile_counters()
+        with aot_cache_bypasses() as bypasses:
+            self._record_buckets()
+        cache.save()
+        counts = {k: v - before[k] for k, v in compile_counters().items()}
+        log.info("compile cache %s: %d graphs from the cache, %d compiled; AOTAutograd's cache: %d hits, %d misses, "
+                 "%d bypassed", cache.directory, counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"],
+                 counts["autograd_cache_hit"], counts["autograd_cache_miss"], counts["autograd_cache_bypass"])
+        for reason in dict.fromkeys(bypasses):   # each once: every build of the step gives the same
+            log.warning("AOTAutograd's cache keeps none of this build, so each start traces it again: %s", reason[:500])
+
+    def _record_buckets(self) -> None:
         n_in = self.frame_samples
         skips = cudagraph_skips()
         for b in sorted(self.buckets, reverse=True):
@@ -271,11 +285,6 @@ class StepRunner(HostStepper):
             if self.backend == "reduce-overhead" and self.device.type == "cuda" and cudagraph_skips() > skips:
                 raise RuntimeError(f"engine.graph_backend=reduce-overhead recorded no CUDA graph for bucket {b} "
                                    "(torch.compile skipped it; TORCH_LOGS=cudagraphs says why)")
-        if self.compile_cache is not None:
-            self.compile_cache.save()
-            counts = {k: v - before[k] for k, v in compile_counters().items()}
-            log.info("compile cache %s: %d graphs from the cache, %d compiled", self.compile_cache.directory,
-                     counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"])
 
     def _staged_inputs(self, b: int):
         """A bucket's static inputs as views of ONE device buffer, with a pinned host twin: a step then

@@ -15,10 +15,12 @@ under the right key can only miss (the caches check their own keys), never give 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -48,9 +50,46 @@ def cache_key(parts: dict, roots: list[Path]) -> str:
 
 
 def compile_counters() -> dict[str, int]:
-    """Inductor's FX graph cache hits and misses so far in this process."""
+    """Inductor's FX graph cache hits and misses, and AOTAutograd's cache hits, misses and bypasses, so far
+    in this process."""
     from torch._dynamo.utils import counters
-    return {k: int(counters["inductor"][k]) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    return dict({k: int(counters["inductor"][k]) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
+                **{k: int(counters["aot_autograd"][k])
+                   for k in ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")})
+
+
+AOT_CACHE_LOGGER = "torch._functorch._aot_autograd.autograd_cache"
+
+
+@contextlib.contextmanager
+def aot_cache_bypasses() -> Iterator[list[str]]:
+    """The reasons AOTAutograd's cache gives, while in the block, for not caching a graph (a list filled as
+    they come).
+
+    Why: a bypassed graph is traced by AOTAutograd again at every start even when Inductor's cache then has
+    its code: on the H100 11-21 s of the 22-35 s each of the `cudagraph` back end's builds took when
+    restored from the cache (docs/performance.md, "Compiled back ends"). torch says why only in an INFO
+    record of that logger, which its own logging setting hides; here the records are taken from the logger
+    itself for the block, and not passed on to torch's handlers."""
+    reasons: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith(("Bypassing autograd cache", "AOTAutograd cache unable to serialize")):
+                reasons.append(message)
+
+    logger = logging.getLogger(AOT_CACHE_LOGGER)
+    handler, level, propagate = Keep(), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield reasons
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 class CompileCache:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from graphs.compile_cache import cache_key
+from graphs.compile_cache import AOT_CACHE_LOGGER, aot_cache_bypasses, cache_key, compile_counters
 from nemo_duplex import REPO
 from nemo_duplex.serving.runner import engine_compile_cache
 from nemo_duplex.settings import EngineConfig
@@ -40,16 +40,40 @@ def _compile_in_a_fresh_process(directory: Path) -> dict:
 def test_artifacts_make_a_fresh_machine_skip_the_compile(tmp_path):
     """A process compiles into an empty cache (a miss) and saves its artifacts; a second process with an
     empty cache directory of its own but that artifacts file (a fresh machine given the file) loads it and
-    compiles nothing (hits only), with the same result."""
+    compiles nothing (hits only: Inductor's and AOTAutograd's caches), with the same result."""
     first = _compile_in_a_fresh_process(tmp_path / "a")
     assert first["fxgraph_cache_miss"] >= 1 and first["fxgraph_cache_hit"] == 0 and not first["loaded"]
+    assert first["autograd_cache_miss"] >= 1 and first["autograd_cache_hit"] == 0
     artifacts = tmp_path / "a" / "artifacts-k.bin"
     assert artifacts.stat().st_size > 0
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "artifacts-k.bin").write_bytes(artifacts.read_bytes())
     second = _compile_in_a_fresh_process(tmp_path / "b")
     assert second["loaded"] and second["fxgraph_cache_hit"] >= 1 and second["fxgraph_cache_miss"] == 0
+    assert second["autograd_cache_hit"] >= 1 and second["autograd_cache_miss"] == 0
+    assert first["autograd_cache_bypass"] == second["autograd_cache_bypass"] == 0
     assert second["y"] == first["y"]
+
+
+def test_aot_cache_bypasses_are_caught_with_their_reason(tmp_path, monkeypatch):
+    """A build AOTAutograd's cache refuses (here: Inductor's freezing on, one of its refusals) is counted and
+    its reason caught from torch's log record, which is not passed on to torch's own handlers; a build it
+    takes gives no reason."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    before = compile_counters()
+    logger = logging.getLogger(AOT_CACHE_LOGGER)
+    level, propagate = logger.level, logger.propagate
+    with torch._inductor.config.patch(fx_graph_cache=True, freezing=True), aot_cache_bypasses() as reasons:
+        torch.compile(lambda x: x.sin() + 1, fullgraph=True, dynamic=False)(torch.ones(4))
+    assert any("freezing" in r for r in reasons), reasons
+    assert compile_counters()["autograd_cache_bypass"] == before["autograd_cache_bypass"] + 1
+    assert (logger.level, logger.propagate) == (level, propagate)   # the logger is given back as it was
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=True), aot_cache_bypasses() as reasons:
+        torch.compile(lambda x: x.cos() * 3, fullgraph=True, dynamic=False)(torch.ones(4))
+    assert reasons == []
+    assert compile_counters()["autograd_cache_bypass"] == before["autograd_cache_bypass"] + 1
 
 
 def test_cache_key_names_code_and_shapes(tmp_path):

@@ -25,8 +25,9 @@
 #   bash scripts/dev/gpu_check.sh burst           # 128 calls with a cached prompt admitted one by one and together
 #   bash scripts/dev/gpu_check.sh capacity [lockstep|staggered] [N] [overrides...]   # N (256) calls of 20-160 s,
 #                                             # bf16 SSM state, fp8 talker KV (docs/performance.md, "Memory and capacity")
-#   bash scripts/dev/gpu_check.sh compile-cache   # a reduce-overhead bucket built cold, then from its compile cache
-#                                             # (each run's table row: that back end's step and host time)
+#   bash scripts/dev/gpu_check.sh compile-cache [backend]   # a reduce-overhead (or `backend`) bucket built cold,
+#                                             # then from its compile cache (each run's table row: that back
+#                                             # end's step and host time)
 #   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end (compiled, captured by hand) with one build
 #                                             # for the buckets above 1, cold and from its compile cache (~9.5 min)
 #   bash scripts/dev/gpu_check.sh fp8-weights     # the float8 projections' GPU tests, their GEMMs against bf16 cuBLAS at
@@ -98,13 +99,14 @@ elif [ "$PART" = capacity ]; then
     cp /tmp/gpu_check_capacity/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/capacity.log"
 elif [ "$PART" = compile-cache ]; then
-    # one reduce-overhead bucket built twice, the second time from the first's compile cache: `capture` seconds
+    # one bucket of a compiled back end (reduce-overhead unless named) built twice, the second time from the
+    # first's compile cache: `capture` seconds, and what Inductor's and AOTAutograd's caches did
     rm -rf /tmp/gpu_check_cc
     for run in cold warm; do
-        timeout 280 python3 scripts/bench_step.py $M engine.graph_backend=reduce-overhead 'engine.capture_buckets=[32]' \
+        timeout 280 python3 scripts/bench_step.py $M engine.graph_backend=${2:-reduce-overhead} 'engine.capture_buckets=[32]' \
             'bench.batch_sizes=[32]' 'bench.positions=[1000]' bench.compare_eager=false engine.greedy_graphs=false \
             engine.compile_cache_dir=/tmp/gpu_check_cc hydra.run.dir=/tmp/gpu_check_cc_$run > "$OUT/cc_$run.log" 2>&1
-        echo "$run:"; grep -E "compile cache|^capture|^copy bandwidth|^ +32 " "$OUT/cc_$run.log"
+        echo "$run:"; grep -E "compile cache|AOTAutograd|^capture|^copy bandwidth|^ +32 " "$OUT/cc_$run.log"
     done
 elif [ "$PART" = compiled ]; then
     # the `cudagraph` back end (Inductor's step, captured by hand) as a server of 128 places builds it: the default
@@ -116,7 +118,7 @@ elif [ "$PART" = compiled ]; then
             engine.compile_dynamic_batch=true 'bench.batch_sizes=[1,32,128]' 'bench.positions=[600]' \
             bench.compare_eager=false engine.compile_cache_dir=/tmp/gpu_check_cc_cudagraph \
             hydra.run.dir=/tmp/gpu_check_compiled_$run > "$OUT/compiled_$run.log" 2>&1
-        echo "$run (exit $?):"; grep -E "compile cache|^capture|^ +N |^ +(1|32|128) +600" "$OUT/compiled_$run.log" \
+        echo "$run (exit $?):"; grep -E "compile cache|AOTAutograd|^capture|^ +N |^ +(1|32|128) +600" "$OUT/compiled_$run.log" \
             || tail -n 20 "$OUT/compiled_$run.log"
     done
 elif [ "$PART" = fp8-weights ]; then
@@ -129,5 +131,5 @@ elif [ "$PART" = fp8-weights ]; then
 else
     echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] [overrides...] |" \
         "load [seconds] [server overrides...] | admission [overrides...] | burst | capacity [start] [N] [overrides...] |" \
-        "compile-cache | compiled | fp8-weights" >&2; exit 2
+        "compile-cache [backend] | compiled | fp8-weights" >&2; exit 2
 fi
