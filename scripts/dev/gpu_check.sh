@@ -28,8 +28,9 @@
 #   bash scripts/dev/gpu_check.sh compile-cache [backend]   # a reduce-overhead (or `backend`) bucket built cold,
 #                                             # then from its compile cache (each run's table row: that back
 #                                             # end's step and host time)
-#   bash scripts/dev/gpu_check.sh compiled        # the `cudagraph` back end (compiled, captured by hand) with one build
-#                                             # for the buckets above 1, cold and from its compile cache (~9.5 min)
+#   bash scripts/dev/gpu_check.sh compiled [overrides...]   # the `cudagraph` back end (compiled, captured by hand)
+#                                             # with one build for the buckets above 1, cold and from its compile
+#                                             # cache (~8 min on an H100)
 #   bash scripts/dev/gpu_check.sh fp8-weights     # the float8 projections' GPU tests, their GEMMs against bf16 cuBLAS at
 #                                             # N=1/32/128 and the weight-only kernel's sweep at N=32/128 (~9 min);
 #                                             # the step with them: `step model.dtype.llm_weights=fp8_weight_only
@@ -117,7 +118,7 @@ elif [ "$PART" = compiled ]; then
         timeout $([ $run = cold ] && echo 390 || echo 180) python3 scripts/bench_step.py $M engine.graph_backend=cudagraph \
             engine.compile_dynamic_batch=true 'bench.batch_sizes=[1,32,128]' 'bench.positions=[600]' \
             bench.compare_eager=false engine.compile_cache_dir=/tmp/gpu_check_cc_cudagraph \
-            hydra.run.dir=/tmp/gpu_check_compiled_$run > "$OUT/compiled_$run.log" 2>&1
+            hydra.run.dir=/tmp/gpu_check_compiled_$run "${@:2}" > "$OUT/compiled_$run.log" 2>&1
         echo "$run (exit $?):"; grep -E "compile cache|AOTAutograd|^capture|^ +N |^ +(1|32|128) +600" "$OUT/compiled_$run.log" \
             || tail -n 20 "$OUT/compiled_$run.log"
     done
@@ -131,5 +132,5 @@ elif [ "$PART" = fp8-weights ]; then
 else
     echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] [overrides...] |" \
         "load [seconds] [server overrides...] | admission [overrides...] | burst | capacity [start] [N] [overrides...] |" \
-        "compile-cache [backend] | compiled | fp8-weights" >&2; exit 2
+        "compile-cache [backend] | compiled [overrides...] | fp8-weights" >&2; exit 2
 fi
