@@ -60,6 +60,16 @@ def compile_counters() -> dict[str, int]:
 
 AOT_CACHE_LOGGER = "torch._functorch._aot_autograd.autograd_cache"
 
+# How a Dynamo graph reaches a CUDA stream or event it uses (the hand-run step's side streams, which the
+# `cudagraph` back end traces): a call of this function with the index Dynamo gave the object when it traced
+# the step. AOTAutograd's cache refuses any graph that calls a function it does not know, so it kept none of
+# the step's builds: each start traced them again, 11-21 s a build on the H100 (docs/performance.md,
+# "Compiled back ends"). Marking it cacheable is sound here: the index is a constant of the graph, which is
+# the cache's key, and Dynamo, whose work no cache keeps, registers the objects anew from its own trace at
+# every start, in the same order, so a restored graph's indexes name the same streams. Keyed by torch's
+# version, which owns that numbering.
+STREAM_LOOKUP = "torch._dynamo.graph_bytecode_inputs.get_external_object_by_index"
+
 
 @contextlib.contextmanager
 def aot_cache_bypasses() -> Iterator[list[str]]:
@@ -110,6 +120,8 @@ class CompileCache:
         os.environ["TRITON_CACHE_DIR"] = str(self.directory / "triton")
         torch._inductor.config.fx_graph_cache = True
         torch._functorch.config.enable_autograd_cache = True
+        torch._inductor.config.unsafe_marked_cacheable_functions = dict(
+            torch._inductor.config.unsafe_marked_cacheable_functions, **{STREAM_LOOKUP: torch.__version__})
         if self.artifacts.exists():
             torch.compiler.load_cache_artifacts(self.artifacts.read_bytes())
             self.loaded = True

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from graphs.compile_cache import AOT_CACHE_LOGGER, aot_cache_bypasses, cache_key, compile_counters
+from graphs.compile_cache import AOT_CACHE_LOGGER, STREAM_LOOKUP, aot_cache_bypasses, cache_key, compile_counters
 from nemo_duplex import REPO
 from nemo_duplex.serving.runner import engine_compile_cache
 from nemo_duplex.settings import EngineConfig
@@ -21,7 +21,12 @@ COMPILE = textwrap.dedent("""
 
     cache = CompileCache(sys.argv[1], "k")
     cache.activate()
-    f = torch.compile(lambda x: ((x.sin() * 2 + 1).relu() * x.cos()).sum(-1), fullgraph=True, dynamic=False)
+    stream = torch.Stream(device="cpu")
+
+    def step(x):   # a graph that reaches a stream, as the hand-run step's graphs do (STREAM_LOOKUP)
+        stream.synchronize()
+        return ((x.sin() * 2 + 1).relu() * x.cos()).sum(-1)
+    f = torch.compile(step, fullgraph=True, dynamic=False)
     y = f(torch.linspace(-3, 3, 64).view(8, 8))
     cache.save()
     print(json.dumps(dict(compile_counters(), loaded=cache.loaded, y=y.tolist())))
@@ -40,7 +45,9 @@ def _compile_in_a_fresh_process(directory: Path) -> dict:
 def test_artifacts_make_a_fresh_machine_skip_the_compile(tmp_path):
     """A process compiles into an empty cache (a miss) and saves its artifacts; a second process with an
     empty cache directory of its own but that artifacts file (a fresh machine given the file) loads it and
-    compiles nothing (hits only: Inductor's and AOTAutograd's caches), with the same result."""
+    compiles nothing (hits only: Inductor's and AOTAutograd's caches), with the same result. The graph
+    reaches a stream: without CompileCache's mark of STREAM_LOOKUP AOTAutograd's cache bypasses it (the
+    next test)."""
     first = _compile_in_a_fresh_process(tmp_path / "a")
     assert first["fxgraph_cache_miss"] >= 1 and first["fxgraph_cache_hit"] == 0 and not first["loaded"]
     assert first["autograd_cache_miss"] >= 1 and first["autograd_cache_hit"] == 0
@@ -74,6 +81,24 @@ def test_aot_cache_bypasses_are_caught_with_their_reason(tmp_path, monkeypatch):
         torch.compile(lambda x: x.cos() * 3, fullgraph=True, dynamic=False)(torch.ones(4))
     assert reasons == []
     assert compile_counters()["autograd_cache_bypass"] == before["autograd_cache_bypass"] + 1
+
+
+def test_a_graph_reaching_a_stream_bypasses_aot_cache_unless_marked(tmp_path, monkeypatch):
+    """What the mark in CompileCache.activate is for: the same kind of graph, with Inductor's cache on but
+    without the mark, is refused by AOTAutograd's cache, naming the function."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    stream = torch.Stream(device="cpu")
+
+    def step(x):
+        stream.synchronize()
+        return x.sin() * 2
+    torch._dynamo.reset()
+    marked = dict(torch._inductor.config.unsafe_marked_cacheable_functions)
+    marked.pop(STREAM_LOOKUP, None)
+    with torch._inductor.config.patch(fx_graph_cache=True, unsafe_marked_cacheable_functions=marked), \
+            aot_cache_bypasses() as reasons:
+        torch.compile(step, fullgraph=True, dynamic=False)(torch.ones(4))
+    assert len(reasons) == 1 and STREAM_LOOKUP.rsplit(".", 1)[1] in reasons[0], reasons
 
 
 def test_cache_key_names_code_and_shapes(tmp_path):
