@@ -170,6 +170,11 @@ class StepRunner(HostStepper):
         if dynamic_batch and not self.dynamic_batch:
             log.warning("engine.compile_dynamic_batch=true is unused: engine.graph_backend=%s (engine.graphs=%s) "
                         "builds nothing with torch.compile", backend, graphs)
+        if self.dynamic_batch and self.buckets[0] == 1 and len(self.buckets) > 1:
+            # measured on an H100: ~50 s of a 130 s restart from the compile cache (docs/performance.md)
+            log.info("engine.compile_dynamic_batch: bucket 1 is a build of its own (Dynamo specialises a size of 1), "
+                     "at every start; without 1 in engine.capture_buckets a call alone runs in bucket %d",
+                     self.buckets[1])
         self._compiled = None   # the step as capture() runs it: eager, or torch.compile's (traced with settings)
         self._built = None      # torch.compile's step itself (compiled back ends)
         self._cuda_graphs: dict[tuple, tuple] = {}  # (bucket, sampling) -> graph, its outputs (inputs: _inputs)

@@ -720,7 +720,7 @@ def test_dynamic_batch_builds_once_for_the_buckets_above_one(slim, caplog):
     dynamic batch dimension for 2, 4 and 8 and one for 1 (Dynamo specialises a size of 1), where static
     builds take four; each bucket's staged step gives what the eager step over the same padded rows gives
     (tokens and codes identical, floats within 1e-5 relative), and the calls compile nothing more. The
-    setting on a back end that does not compile is named in a warning."""
+    setting on a back end that does not compile is named in a warning; the build bucket 1 costs, in a log line."""
     from torch._dynamo.utils import counters
 
     model, _ = slim
@@ -728,8 +728,11 @@ def test_dynamic_batch_builds_once_for_the_buckets_above_one(slim, caplog):
     specials = special_ids(model, torch.device("cpu"))
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
-    runner = build_runner(model, st, specials, [1, 2, 4, 8], graphs=True, backend="reduce-overhead",
-                          compiler="aot_eager", dynamic_batch=True)
+    with caplog.at_level("INFO"):
+        runner = build_runner(model, st, specials, [1, 2, 4, 8], graphs=True, backend="reduce-overhead",
+                              compiler="aot_eager", dynamic_batch=True)
+    assert "bucket 1 is a build of its own" in caplog.text and "runs in bucket 2" in caplog.text
+    caplog.clear()
     runner.capture()   # with no step before it: the state's allocation built the streaming tables
     built = counters["stats"]["unique_graphs"] - before
     assert built == 2, built
