@@ -64,10 +64,11 @@ AOT_CACHE_LOGGER = "torch._functorch._aot_autograd.autograd_cache"
 # `cudagraph` back end traces): a call of this function with the index Dynamo gave the object when it traced
 # the step. AOTAutograd's cache refuses any graph that calls a function it does not know, so it kept none of
 # the step's builds: each start traced them again, 11-21 s a build on the H100 (docs/performance.md,
-# "Compiled back ends"). Marking it cacheable is sound here: the index is a constant of the graph, which is
-# the cache's key, and Dynamo, whose work no cache keeps, registers the objects anew from its own trace at
-# every start, in the same order, so a restored graph's indexes name the same streams. Keyed by torch's
-# version, which owns that numbering.
+# "Compiled back ends"). Marking it cacheable is sound: it reads no state of its own beyond Dynamo's table,
+# which Dynamo fills anew at every call of the traced frame (no cache keeps Dynamo's work); the index is a
+# constant of the graph, and the graph is the cache's key, so a hit returns what compiling that same graph
+# gives, with the same index looked up in the same table at run time. Keyed by torch's version, which owns
+# the table.
 STREAM_LOOKUP = "torch._dynamo.graph_bytecode_inputs.get_external_object_by_index"
 
 
