@@ -45,6 +45,11 @@ class CallBytes:
     def total(self) -> int:
         return sum(asdict(self).values())
 
+    @property
+    def slot_without_kv(self) -> int:
+        """A slot row when the KV is in a pool of its own (engine.kv_pool_gib), not sized per call."""
+        return self.total - self.llm_kv - self.talker_kv
+
     def by_pool(self) -> dict[str, int]:
         """Grouped as `CallState.nbytes_per_slot()` groups them (one entry per CallState field)."""
         return {"encoder": self.encoder_window + self.encoder_other, "rnnt": self.rnnt,
@@ -217,8 +222,7 @@ class MemoryPlan:
     def pools(self) -> int:   # max_calls + 1 rows: the last is the sink (docs/design.md)
         if self.kv_pool is None:
             return (self.max_calls + 1) * self.per_call.total
-        return (self.max_calls + 1) * (self.per_call.total - self.per_call.llm_kv - self.per_call.talker_kv) \
-            + self.kv_pool
+        return (self.max_calls + 1) * self.per_call.slot_without_kv + self.kv_pool
 
     @property
     def total(self) -> int:
@@ -349,8 +353,7 @@ def calls_for_device(cfg: ModelConfig, device: str | torch.device, engine, *, de
     if engine.kv_pool_gib is None:
         fit = max_calls_that_fit(cfg, max_call_s, budget, fixed, max_prompt_tokens)
     else:
-        per = bytes_per_call(cfg, max_call_s, max_prompt_tokens)
-        slot = per.total - per.llm_kv - per.talker_kv
+        slot = bytes_per_call(cfg, max_call_s, max_prompt_tokens).slot_without_kv
         fit = max(0, (budget - fixed - int(float(engine.kv_pool_gib) * GiB)) // slot - 1)
     return max(1, min(int(fit), max(engine.capture_buckets, default=1)))
 
