@@ -155,7 +155,7 @@ def consistency(ctx: GateContext, criteria: Criteria) -> RowResult:
         tag = "graphs" if graphs else "eager"
         slots = max(batch, 2)
         engine = make_engine(model, ms.tokenizer, slots, seconds, graphs=graphs,
-                             graph_backend=s.get("graph_backend", "reduce-overhead"))
+                             graph_backend=s.get("graph_backend"))
         # every clip's live call and upload side by side (as many at once as the engine holds): a tick steps
         # them all for little more than one call costs on the CPU, and the batch below then reuses their slots
         pairs = [CallPlan(audio, upload=upload, seed=seed) for audio in audios for upload in (False, True)]

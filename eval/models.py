@@ -123,12 +123,15 @@ def offline_encoder(model, audio: torch.Tensor) -> torch.Tensor:
 
 
 def make_engine(model, tokenizer, max_calls: int, seconds: float, graphs: bool = False,
-                graph_backend: str = "reduce-overhead"):
-    """An engine sized for `max_calls` calls of at most `seconds` of input, graphs captured if asked."""
+                graph_backend: str | None = None):
+    """An engine sized for `max_calls` calls of at most `seconds` of input, graphs captured if asked (with
+    `graph_backend`, the server's default unless named)."""
     from nemo_duplex.serving.engine import build_engine
     from nemo_duplex.settings import EngineConfig
 
-    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_calls] + [max_calls]
+    graph_backend = graph_backend or EngineConfig.graph_backend
+    # from 2, as the server's (nemo_duplex/settings.py CAPTURE_BUCKETS): 1 would be a build of its own
+    buckets = [b for b in (2, 4, 8, 16, 32, 64, 128) if b < max_calls] + [max_calls]
     engine = build_engine(model, tokenizer, EngineConfig(max_calls=max_calls, max_call_s=seconds + 1.0,
                                                          max_pending_s=seconds + 1.0, capture_buckets=buckets,
                                                          graphs=graphs, graph_backend=graph_backend))

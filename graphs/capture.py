@@ -15,9 +15,12 @@ cuDNN's convolution algorithm, the decode attention's split count) is the same w
 and a call's outputs are the same bit for bit alone or beside others.
 
 Capture back ends (`engine.graph_backend`):
-- "cudagraph-eager" (default): the step as written, captured by hand with `torch.cuda.CUDAGraph` into
-  static input buffers. Seconds to capture. The fusion Inductor would bring is done by hand instead: ops/
-  kernels for the norms, the attention, the Mamba step, the RNG and the codec GEMMs.
+- "cudagraph" (default): `torch.compile` (Inductor's default mode) for fusion, each bucket's CUDA graph
+  recorded by hand as below. With `engine.compile_dynamic_batch` ("auto": on here) one build with a dynamic
+  batch dimension serves every bucket but 1, per variant.
+- "cudagraph-eager" (the fallback: no compiler): the step as written, captured by hand with
+  `torch.cuda.CUDAGraph` into static input buffers. Seconds to capture. The fusion Inductor would bring is
+  done by hand instead: ops/ kernels for the norms, the attention, the Mamba step, the RNG and the codec GEMMs.
 - "cudagraph-regions": the same hand capture, with the step's pure small-op pieces (the talker's MoG
   passes, the RNN-T symbol loop) compiled by Inductor on their own (graphs/regions.py says why it is off).
 - "reduce-overhead": `torch.compile(fullgraph=True)` with mode="reduce-overhead"'s options (inductor_options);
@@ -26,15 +29,13 @@ Capture back ends (`engine.graph_backend`):
   place. Its inputs are the bucket's staged buffers, static too, so a step moves its inputs with one copy and
   its host fields with one copy each, and cudagraph trees copy nothing in; once capture() has built every
   bucket, a call checks only the guards that tell the builds apart (_run_prepared).
-- "cudagraph": `torch.compile` (default mode) for fusion, captured by hand as above.
-Why the hand capture serves: at full size on the H200, N=32 at position 1000, reduce-overhead took 22.75 ms a
-step with 3.66 ms of host work (Dynamo's guards and cudagraph trees' checks over the graph's 1,385 inputs at
-every call), against 18.18 ms and 0.74 ms for the hand capture, and 71 s to build one bucket
-(docs/performance.md, "Compiled back ends"; graphs/fallbacks.py is what made the build finish at all). That
-build still copied the LLM's KV pools and the codec's histories whole at every step, checked every guard at
-every call, and took its inputs and outputs through ~50 torch calls a step; none does now, and the figures
-have not been measured since. The
-Triton kernels are custom ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True.
+Why "cudagraph" and not "reduce-overhead" (docs/performance.md, "Compiled back ends"): on an H100,
+reduce-overhead's step is 1.07x the hand capture's GPU time and 6.7-7.8x its host time per call (Dynamo's
+frame and guards, cudagraph trees' check of the graph's 1,385 static input addresses, AOTAutograd's and
+Inductor's wrappers: work a hand replay does not do). The same Inductor build recorded by hand is at parity:
+N = 1 / 32 / 128 at position 600, 12.93 / 20.18 / 45.33 ms against the hand capture's 12.56 / 20.15 / 45.66;
+a server of 128 places is ready 61 s after a restart (its compile cache), 206 s cold.
+The Triton kernels are custom ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True.
 On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
 `compiler="aot_eager"`, which the CPU graphs-vs-eager test uses to trace the same graph cheaply).
 """
@@ -149,7 +150,7 @@ class StepRunner(HostStepper):
                  buckets: list[int], graphs: bool | str = True, backend: str = "reduce-overhead",
                  compiler: str = "inductor", greedy_graphs: bool = False, pad_eager: bool = False,
                  host_fields: tuple[str, ...] = (), regions_root=None, label: str = "",
-                 compile_cache: CompileCache | None = None, dynamic_batch: bool = False):
+                 compile_cache: CompileCache | None = None, dynamic_batch: bool | str = False):
         self.step, self.sink, self.frame_samples = step, sink, frame_samples
         self.compile_cache = compile_cache   # the compiled back ends' work kept between runs (capture())
         self.label = label   # what the capture log says of the step (its pipeline depth, its SM carveout)
@@ -166,8 +167,11 @@ class StepRunner(HostStepper):
         if backend not in BACKENDS:
             raise ValueError(f"engine.graph_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
-        self.dynamic_batch = dynamic_batch and self.graphs and backend in COMPILED   # _bucket_inputs
-        if dynamic_batch and not self.dynamic_batch:
+        if dynamic_batch not in ("auto", True, False):
+            raise ValueError(f"engine.compile_dynamic_batch must be auto, true or false, got {dynamic_batch!r}")
+        # "auto": one dynamic build wherever torch.compile builds the step (the default back end does)
+        self.dynamic_batch = bool(dynamic_batch) and self.graphs and backend in COMPILED   # _bucket_inputs
+        if dynamic_batch is True and not self.dynamic_batch:
             log.warning("engine.compile_dynamic_batch=true is unused: engine.graph_backend=%s (engine.graphs=%s) "
                         "builds nothing with torch.compile", backend, graphs)
         if self.dynamic_batch and self.buckets[0] == 1 and len(self.buckets) > 1:
@@ -251,10 +255,17 @@ class StepRunner(HostStepper):
         if not self.graphs:
             return
         cache = self.compile_cache
+        if cache is not None:
+            cache.activate()
+        if self.backend in COMPILED and (cache is None or not cache.loaded):
+            # the first start's wait is the compiler's; say so, and what the fallback would cost
+            log.info("engine.graph_backend=%s: torch.compile builds the step (minutes: ~3.5 on an H100 for 128 "
+                     "places); %s engine.graph_backend=cudagraph-eager captures it by hand in under a minute",
+                     self.backend, "no compile cache (engine.compile_cache_dir=null), so every start builds it;"
+                     if cache is None else f"a restart loads it from {cache.directory};")
         if cache is None:
             self._record_buckets()
             return
-        cache.activate()
         before = compile_counters()
         with aot_cache_bypasses() as bypasses:
             self._record_buckets()

@@ -134,7 +134,7 @@ class CompileCache:
         if saved is None:
             return
         data, _ = saved
-        tmp = self.artifacts.with_suffix(".tmp")
+        tmp = self.artifacts.with_suffix(f".{os.getpid()}.tmp")   # replicas of one machine may save at once
         tmp.write_bytes(data)
         tmp.replace(self.artifacts)
         log.info("compile cache: saved %s (%.1f MiB)", self.artifacts, len(data) / 2**20)

@@ -40,7 +40,10 @@ OmegaConf.register_new_resolver("deployment_dtype", deployment_dtype, replace=Tr
 # Every 8 calls from 16 to 64, every 16 to 160, every 32 to 256: a batch pads to the next bucket, and with
 # powers of two a batch of 65 ran as 128 (49 ms instead of ~34 on the H200); buckets above engine.max_calls
 # are not captured (graphs/capture.py buckets_for). docs/performance.md "Load" has both sets measured.
-CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+# From 2, not 1: the compiled step's one dynamic build serves every bucket but 1 (Dynamo specialises a size
+# of 1), which would be a build of its own at every start (~50 s of a restart on an H100); a call alone
+# runs padded to 2 (H100, position 600: 12.93 ms against 12.56 captured by hand at 1).
+CAPTURE_BUCKETS = (2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
 
 
 @dataclass
@@ -97,17 +100,22 @@ class EngineConfig:
     prefill_graphs: Any = "auto"
     capture_buckets: list[int] = field(default_factory=lambda: list(CAPTURE_BUCKETS))
     graphs: Any = "auto"               # "auto" | true | false: "auto" = captured on CUDA, eager on the CPU (graphs/capture.py)
-    graph_backend: str = "cudagraph-eager"  # any of graphs/capture.py's BACKENDS (its docstring says when)
+    # any of graphs/capture.py's BACKENDS (its docstring says when). "cudagraph": torch.compile (Inductor)
+    # builds the step once for every bucket, each bucket's CUDA graph recorded by hand; at the hand capture's
+    # step and host time (H100, N = 1 / 32 / 128), and through the server as real time at 128 calls. Its
+    # first start compiles (~3.5 min on an H100), a restart loads the compile cache (61 s to ready);
+    # "cudagraph-eager", the hand capture of the step as written, is the fallback: no compiler, ready in
+    # under a minute (docs/performance.md, "Compiled back ends").
+    graph_backend: str = "cudagraph"
     # Where the compiled back ends keep torch.compile's work between runs (graphs/compile_cache.py):
     # "auto" = outputs/compile_cache in this checkout when the back end compiles; a directory; null = off.
     compile_cache_dir: Optional[str] = "auto"
     # The compiled back ends build the step with a dynamic batch dimension: one build serves every bucket
     # except 1 (and any that a branch on the batch size sets apart), not one build per bucket and variant;
     # each bucket still records its own CUDA graph. For start-up time (graphs/capture.py): with `cudagraph`
-    # and the buckets from 2 (a call alone padded to 2, since a bucket of 1 is a build of its own), a server
-    # of 128 places restarted from its compile cache in 81 s on an H100, its step at the hand capture's
-    # (docs/performance.md, "Compiled back ends").
-    compile_dynamic_batch: bool = False
+    # and the buckets from 2, a server of 128 places restarted from its compile cache in 61 s on an H100.
+    # "auto": on wherever the step is compiled; true names a setting a back end that compiles nothing warns of.
+    compile_dynamic_batch: Any = "auto"    # "auto" | true | false
     # Also capture each bucket for batches of greedy calls only (no sort over the vocabulary; greedy is the
     # default sampling): H200, position 1000, N=32 / 128: -1.0 / -2.8 ms per step, for twice the captures.
     greedy_graphs: bool = True

@@ -12,6 +12,7 @@ where the eager step's top-1/top-2 margin is below 1e-3, and the test reports ho
 lines on purpose: every capture back end against the same eager step and its fixtures.
 """
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -733,9 +734,13 @@ def test_dynamic_batch_builds_once_for_the_buckets_above_one(slim, caplog):
                               compiler="aot_eager", dynamic_batch=True)
     assert "bucket 1 is a build of its own" in caplog.text and "runs in bucket 2" in caplog.text
     caplog.clear()
-    runner.capture()   # with no step before it: the state's allocation built the streaming tables
+    with caplog.at_level("INFO"):
+        runner.capture()   # with no step before it: the state's allocation built the streaming tables
     built = counters["stats"]["unique_graphs"] - before
     assert built == 2, built
+    # a build with no compile cache says it is one, at every start, and names the fallback
+    assert "torch.compile builds the step" in caplog.text and "compile_cache_dir=null" in caplog.text
+    assert "engine.graph_backend=cudagraph-eager captures it by hand" in caplog.text
     g = torch.Generator().manual_seed(9)
     for n in (1, 3, 2, 8, 5):
         slots, forced = torch.arange(n), torch.full((n,), -1)
@@ -754,6 +759,28 @@ def test_dynamic_batch_builds_once_for_the_buckets_above_one(slim, caplog):
     with caplog.at_level("WARNING"):
         build_runner(model, st, specials, [1], graphs=True, backend="cudagraph-eager", dynamic_batch=True)
     assert "engine.compile_dynamic_batch=true is unused" in caplog.text
+
+
+def test_dynamic_batch_auto_is_on_where_the_step_compiles_and_silent_elsewhere(slim, caplog):
+    """engine.compile_dynamic_batch "auto" (the default) builds one dynamic step under the compiled back ends
+    and is off, with no warning, under the hand capture (the fallback) and on eager steps; true under the hand
+    capture warns; any other value is refused, naming the setting."""
+    model, _ = slim
+    st = _admitted_state(model, 4)
+    specials = special_ids(model, torch.device("cpu"))
+    make = partial(build_runner, model, st, specials, [2, 4])
+    with caplog.at_level("WARNING"):
+        assert make(graphs=True, backend="cudagraph", compiler="aot_eager", dynamic_batch="auto").dynamic_batch
+        assert make(graphs=True, backend="reduce-overhead", compiler="aot_eager", dynamic_batch="auto").dynamic_batch
+        assert not make(graphs=True, backend="cudagraph", compiler="aot_eager", dynamic_batch=False).dynamic_batch
+        assert not make(graphs=True, backend="cudagraph-eager", dynamic_batch="auto").dynamic_batch
+        assert not make(graphs="auto", backend="cudagraph", dynamic_batch="auto").dynamic_batch   # CPU: eager
+    assert "compile_dynamic_batch" not in caplog.text
+    with caplog.at_level("WARNING"):
+        make(graphs=True, backend="cudagraph-eager", dynamic_batch=True)
+    assert "engine.compile_dynamic_batch=true is unused" in caplog.text
+    with pytest.raises(ValueError, match="engine.compile_dynamic_batch must be auto, true or false"):
+        make(graphs=True, backend="cudagraph", compiler="aot_eager", dynamic_batch="yes")
 
 
 def test_every_served_cuda_graph_is_recorded_on_a_stream_it_names():

@@ -27,10 +27,11 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
                                repetition_penalty=sampling.repetition_penalty)
     engine = build_engine(model, tokenizer, engine_cfg)
     voices = sorted(model.tts_model.audio_prompt_latents.keys())
+    steps = engine.step_runner.backend if engine.step_runner.graphs else "eager"   # graphs "auto" resolved
     print(runtime.summary(cfg, loaded, "serve", [
-        f"engine: {engine_cfg.max_calls} call places of up to {engine_cfg.max_call_s:g} s, graphs "
-        f"{engine_cfg.graphs}, pipeline {engine_cfg.pipeline}; calls default to seed {cfg.seed}, text "
-        f"temperature {sampling.temperature:g}"]), flush=True)
+        f"engine: {engine_cfg.max_calls} call places of up to {engine_cfg.max_call_s:g} s, {steps} steps, "
+        f"pipeline {engine_cfg.pipeline}; calls default to seed {cfg.seed}, text temperature {sampling.temperature:g}"]),
+        flush=True)
     if (run_dir := runtime.run_dir()) is not None:
         print(f"  settings: {runtime.write_settings(run_dir, cfg, loaded)}", flush=True)
     if mcfg.talker.speaker not in voices:

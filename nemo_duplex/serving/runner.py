@@ -91,7 +91,7 @@ def build_runner(model, state, specials: torch.Tensor, buckets: list[int], graph
                  backend: str = "reduce-overhead", compiler: str = "inductor", greedy_graphs: bool = False,
                  side_stream: bool = True, pad_eager: bool = False, pipeline: int = 0,
                  llm_sm_carveout=0, compile_cache: CompileCache | None = None,
-                 dynamic_batch: bool = False) -> StepRunner:
+                 dynamic_batch: bool | str = False) -> StepRunner:
     """A StepRunner of the frame step over `state` (the engine settings of the same names)."""
     device = state.llm_len.device
     captured = resolve_graphs(graphs, device)

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Device-machine checks and measurements of the serving defaults, in calls that each fit the device
-# tool's 600 s limit (from a cold machine: the GPU tests > 5 min, the step part ~2 min, the load
+# tool's 600 s limit (from a cold machine: the GPU tests > 5 min, the step part ~4 min, the load
 # part ~6.5 min). Results under $OUT (small files only: Hydra and load directories stay under /tmp, and only
-# their summaries are copied).
+# their summaries are copied). The parts that run the default (compiled) step keep torch.compile's work in
+# one compile cache under /tmp ($CC), so a later part on the same warm machine restores instead of building.
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (+ pytest's wheels in .whl/extra/,
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
 #   bash scripts/dev/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
-#   bash scripts/dev/gpu_check.sh step [overrides...]   # bench_step N=1/32/128 at position 1000
+#   bash scripts/dev/gpu_check.sh step [overrides...]   # bench_step N=1/32/128 at position 1000 (buckets 2/32/128)
 #   bash scripts/dev/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
-#                                             # graphs and eager (its command: 99 s)
-#   bash scripts/dev/gpu_check.sh profile         # the captured greedy step's kernels at N=32/128 (what `step` times), then every compiled
+#                                             # graphs and eager (its command: 99 s), captured by hand (the
+#                                             # compiled default's step time without its build)
+#   bash scripts/dev/gpu_check.sh profile         # the hand-captured greedy step's kernels at N=32/128, then every compiled
 #                                             # Triton kernel's loads by width (scripts/dev/ptx_loads.py)
 #   [GATE_DTYPE=fp32] bash scripts/dev/gpu_check.sh gate [seconds] [rows] [overrides...]   # the gate's model rows at full size (random
 #                                             # weights, bf16 deployment vs the fp32 yardstick) on clips made
@@ -42,23 +44,25 @@ export OUT=${OUT:-outputs/gpu_check}
 mkdir -p "$OUT"
 PART=${1:-step}
 M="model=nemotron_duplex model.weights=random device=cuda"
+CC="engine.compile_cache_dir=/tmp/gpu_check_compile_cache"
+HAND="engine.graph_backend=cudagraph-eager"   # the hand capture (the fallback): kernels as written, no build
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$PART" = tests ]; then
     timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/ tests/test_graphs.py tests/test_talker.py -k "not regions" \
         > "$OUT/pytest.log" 2>&1; tail -n 3 "$OUT/pytest.log"
 elif [ "$PART" = step ]; then
     mkdir -p "$OUT/step"
-    OUT="$OUT/step" timeout 200 python3 scripts/bench_step.py $M 'engine.capture_buckets=[1,32,128]' \
+    OUT="$OUT/step" timeout 420 python3 scripts/bench_step.py $M $CC 'engine.capture_buckets=[2,32,128]' \
         'bench.batch_sizes=[1,32,128]' 'bench.positions=[1000]' bench.iters=10 bench.warmup=2 \
         bench.compare_eager=false hydra.run.dir=/tmp/gpu_check_step "${@:2}" > "$OUT/step.log" 2>&1; tail -n 5 "$OUT/step.log"
 elif [ "$PART" = table ]; then
     mkdir -p "$OUT/table"
-    OUT="$OUT/table" timeout 500 python3 scripts/bench_step.py $M 'engine.capture_buckets=[1,8,32,64,128]' \
+    OUT="$OUT/table" timeout 500 python3 scripts/bench_step.py $M $HAND 'engine.capture_buckets=[1,8,32,64,128]' \
         'bench.batch_sizes=[1,8,32,64,128]' 'bench.positions=[100,1000,2000]' bench.iters=10 bench.warmup=2 \
         bench.compare_eager=true hydra.run.dir=/tmp/gpu_check_table > "$OUT/table.log" 2>&1; tail -n 17 "$OUT/table.log"
 elif [ "$PART" = profile ]; then
     export TRITON_CACHE_DIR=/tmp/gpu_check_triton_cache
-    timeout 200 python3 scripts/dev/profile_step.py $M profile.graphs=true profile.greedy=true 'bench.batch_sizes=[32,128]' \
+    timeout 200 python3 scripts/dev/profile_step.py $M $HAND profile.graphs=true profile.greedy=true 'bench.batch_sizes=[32,128]' \
         'bench.positions=[1000]' hydra.run.dir=/tmp/gpu_check_profile > "$OUT/profile.log" 2>&1
     python3 scripts/dev/ptx_loads.py "$TRITON_CACHE_DIR" > "$OUT/ptx_loads.txt" 2>&1
     grep -A12 "====" "$OUT/profile.log"; head -n 12 "$OUT/ptx_loads.txt"
@@ -73,7 +77,7 @@ elif [ "$PART" = load ]; then
     shift $(( $# >= 2 ? 2 : $# ))
     ARGS="[]"
     if [ $# -gt 0 ]; then ARGS=$(printf '"%s",' "$@"); ARGS="[${ARGS%,}]"; fi
-    timeout $((LOAD_S + 60)) python3 scripts/bench.py $M model/dtype=bf16 \
+    timeout $((LOAD_S + 60)) python3 scripts/bench.py $M $CC model/dtype=bf16 \
         "loadtest.n_calls=${N_CALLS:-[1,16,32,64,96,128,160]}" loadtest.duration_s=12 \
         "loadtest.upload_runs=${UPLOAD_RUNS:-[32]}" "loadtest.server_args=$ARGS" loadtest.time_budget_s=$LOAD_S \
         loadtest.out=/tmp/gpu_check_load hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/load.log" 2>&1
@@ -84,7 +88,7 @@ elif [ "$PART" = load ]; then
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
 elif [ "$PART" = admission ]; then
     # live lag at 128 lockstep calls without and with calls arriving (2 a second, fresh 500-token prompts)
-    timeout 540 python3 scripts/bench.py $M model/dtype=bf16 'loadtest.n_calls=[128]' 'loadtest.starts=[lockstep]' \
+    timeout 540 python3 scripts/bench.py $M $CC model/dtype=bf16 'loadtest.n_calls=[128]' 'loadtest.starts=[lockstep]' \
         loadtest.duration_s=12 'loadtest.arrival_runs=[128]' loadtest.time_budget_s=200 "${@:2}" \
         loadtest.out=/tmp/gpu_check_admission hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/admission.log" 2>&1
     cp /tmp/gpu_check_admission/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
@@ -93,7 +97,7 @@ elif [ "$PART" = burst ]; then
     timeout 400 python3 scripts/dev/time_admission.py --prompt-tokens 32 --chunk 256 --burst 128 > "$OUT/burst.log" 2>&1
     grep -E "^(graphs|burst)" "$OUT/burst.log" || tail -n 20 "$OUT/burst.log"
 elif [ "$PART" = capacity ]; then
-    timeout 560 python3 scripts/bench.py $M model/dtype=bf16 model.dtype.talker_kv=fp8 model.dtype.mamba_ssm_state=bf16 \
+    timeout 560 python3 scripts/bench.py $M $CC model/dtype=bf16 model.dtype.talker_kv=fp8 model.dtype.mamba_ssm_state=bf16 \
         "loadtest.n_calls=[${3:-256}]" "loadtest.starts=[${2:-lockstep}]" 'loadtest.length_mix=[20,160]' \
         loadtest.max_call_s=162 engine.kv_pool_gib=73 engine.max_prompt_tokens=32 "${@:4}" \
         loadtest.out=/tmp/gpu_check_capacity hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/capacity.log" 2>&1
