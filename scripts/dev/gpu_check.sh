@@ -7,6 +7,7 @@
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (+ pytest's wheels in .whl/extra/,
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
 #   bash scripts/dev/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
+#   bash scripts/dev/gpu_check.sh tests-compiled  # the GPU tests of the compiled (default) step (~4 min: its builds)
 #   bash scripts/dev/gpu_check.sh step [overrides...]   # bench_step N=1/32/128 at position 1000 (buckets 2/32/128)
 #   bash scripts/dev/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
 #                                             # graphs and eager (its command: 99 s), captured by hand (the
@@ -48,8 +49,11 @@ CC="engine.compile_cache_dir=/tmp/gpu_check_compile_cache"
 HAND="engine.graph_backend=cudagraph-eager"   # the hand capture (the fallback): kernels as written, no build
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$PART" = tests ]; then
-    timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/ tests/test_graphs.py tests/test_talker.py -k "not regions" \
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/ tests/test_graphs.py tests/test_talker.py -k "not regions and not compiled" \
         > "$OUT/pytest.log" 2>&1; tail -n 3 "$OUT/pytest.log"
+elif [ "$PART" = tests-compiled ]; then
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs.py -k compiled \
+        > "$OUT/pytest_compiled.log" 2>&1; tail -n 3 "$OUT/pytest_compiled.log"
 elif [ "$PART" = step ]; then
     mkdir -p "$OUT/step"
     OUT="$OUT/step" timeout 420 python3 scripts/bench_step.py $M $CC 'engine.capture_buckets=[2,32,128]' \
@@ -134,7 +138,7 @@ elif [ "$PART" = fp8-weights ]; then
     timeout 270 python3 scripts/dev/bench_ops.py --only fp8_weights --quick --sweep --out "$OUT/fp8_sweep" \
         > "$OUT/fp8_sweep.log" 2>&1; tail -n 2 "$OUT/fp8_sweep.log"   # rows as they come: bench_ops_rows.jsonl
 else
-    echo "usage: bash scripts/dev/gpu_check.sh tests | step | table | profile | gate [seconds] [rows] [overrides...] |" \
+    echo "usage: bash scripts/dev/gpu_check.sh tests | tests-compiled | step | table | profile | gate [seconds] [rows] [overrides...] |" \
         "load [seconds] [server overrides...] | admission [overrides...] | burst | capacity [start] [N] [overrides...] |" \
         "compile-cache [backend] | compiled [overrides...] | fp8-weights" >&2; exit 2
 fi
