@@ -109,15 +109,17 @@ def _teacher_forced(st, eager_step, graph_step, chunks, check_int_state: bool):
 def test_graphs_match_eager_teacher_forced(tiny, slim, example_clip, compiler):
     """Both compilers over 80 frames of 2 calls (one with a prompt): past the encoder's 70-frame left
     context and the talker's 48-position window. aot_eager traces the tiny model's whole step; Inductor
-    compiles the slim one's (a layer of each kind: more layers of a kind add nothing to check). The KV pools
-    are paged, as the engine has them."""
+    compiles the slim one's (a layer of each kind: more layers of a kind add nothing to check) as the server's
+    default back end builds it, with a dynamic batch dimension. The KV pools are paged, as the engine has them."""
     model, tok = slim if compiler == "inductor" else tiny[:2]
     st = whole_call_state(model, 2, FRAMES + 4, torch.device("cpu"), 16, PAGE_LEN)
     admit(model, st, 0, None, 3, SamplingParams())
     admit(model, st, 1, model.prompt_ids(tok, "Be brief."), 4, SamplingParams())
     specials = special_ids(model, torch.device("cpu"))
     torch._dynamo.reset()
-    graphs = build_runner(model, st, specials, [4], graphs=True, compiler=compiler)
+    graphs = build_runner(model, st, specials, [4], graphs=True, compiler=compiler, backend="cudagraph",
+                          dynamic_batch="auto")
+    assert graphs.dynamic_batch
     slots = torch.tensor([0, 1])
     forced = torch.tensor([-1, -1])
 
