@@ -264,11 +264,11 @@ class StepRunner(HostStepper):
                      self.backend, "no compile cache (engine.compile_cache_dir=null), so every start builds it;"
                      if cache is None else f"a restart loads it from {cache.directory};")
         if cache is None:
-            self._record_buckets()
+            self._record_or_name_the_fallback()
             return
         before = compile_counters()
         with aot_cache_bypasses() as bypasses:
-            self._record_buckets()
+            self._record_or_name_the_fallback()
         cache.save()
         counts = {k: v - before[k] for k, v in compile_counters().items()}
         log.info("compile cache %s: %d graphs from the cache, %d compiled; AOTAutograd's cache: %d hits, %d misses, "
@@ -276,6 +276,18 @@ class StepRunner(HostStepper):
                  counts["autograd_cache_hit"], counts["autograd_cache_miss"], counts["autograd_cache_bypass"])
         for reason in dict.fromkeys(bypasses):   # each once: every build of the step gives the same
             log.warning("AOTAutograd's cache keeps none of this build, so each start traces it again: %s", reason[:500])
+
+    def _record_or_name_the_fallback(self) -> None:
+        """_record_buckets, where a compiler's failure (Dynamo's or Inductor's: a torch or Triton this code was
+        not built against, no C compiler) ends the start with the setting that serves without the compiler."""
+        try:
+            self._record_buckets()
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if self.backend not in COMPILED:
+                raise
+            raise RuntimeError(f"engine.graph_backend={self.backend}: torch.compile could not build the step "
+                               f"({type(e).__name__}: {str(e)[:400]}); engine.graph_backend=cudagraph-eager "
+                               "captures the step as written, without the compiler") from e
 
     def _record_buckets(self) -> None:
         n_in = self.frame_samples

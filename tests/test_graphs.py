@@ -787,6 +787,31 @@ def test_dynamic_batch_auto_is_on_where_the_step_compiles_and_silent_elsewhere(s
         make(graphs=True, backend="cudagraph", compiler="aot_eager", dynamic_batch="yes")
 
 
+def test_a_compiler_failure_at_start_names_the_fallback(slim, monkeypatch):
+    """A build torch.compile cannot make (here Dynamo's error, raised in place of the build) ends the start with
+    an error naming the setting that serves without the compiler; an error that is not the compiler's passes
+    through as it was."""
+    model, _ = slim
+    st = _admitted_state(model, 4)
+    runner = build_runner(model, st, special_ids(model, torch.device("cpu")), [2, 4], graphs=True,
+                          backend="cudagraph", compiler="aot_eager", dynamic_batch="auto")
+
+    def failing(*args, **kwargs):
+        raise torch._dynamo.exc.TorchDynamoException("no compiler here")
+    monkeypatch.setattr(runner, "_compiled", failing)
+    with pytest.raises(RuntimeError, match="engine.graph_backend=cudagraph: torch.compile could not build the step "
+                                           r"\(TorchDynamoException: no compiler here\); "
+                                           "engine.graph_backend=cudagraph-eager captures") as raised:
+        runner.capture()
+    assert isinstance(raised.value.__cause__, torch._dynamo.exc.TorchDynamoException)
+
+    def broken(*args, **kwargs):
+        raise ValueError("not the compiler")
+    monkeypatch.setattr(runner, "_compiled", broken)
+    with pytest.raises(ValueError, match="not the compiler"):
+        runner.capture()
+
+
 def test_every_served_cuda_graph_is_recorded_on_a_stream_it_names():
     """torch gives cuBLAS a workspace per (thread, stream) and a graph keeps the one it was recorded with:
     graphs recorded on torch.cuda.graph's default capture stream share it, and two of them replayed at once
