@@ -348,16 +348,16 @@ def test_side_stream_step_is_the_one_stream_step_bit_for_bit(serving_blas):
     print(f"side stream: identical over {frames} captured + 5 eager frames; {emitted} RNN-T tokens emitted")
 
 
-def _alone_and_shared(model, buckets, n_calls: int, frames: int, dev) -> list[int]:
+def _alone_and_shared(model, buckets, n_calls: int, frames: int, dev, backend: str = "cudagraph-eager") -> list[int]:
     """Slot 0 stepped alone on one state and beside n_calls - 1 other calls on a twin state, both through
-    captured graphs of `buckets`, free-running. -> the frames at which slot 0's outputs differ."""
+    captured graphs of `buckets` (`backend`), free-running. -> the frames at which slot 0's outputs differ."""
     specials = special_ids(model, dev)
     runners = []
     for _ in range(2):
         st = allocate_call_state(model, n_calls, frames + 8, dev, max_prompt_tokens=0)
         for s in range(n_calls):  # slot 0 samples (the sort over the vocabulary), every third call is greedy
             admit(model, st, s, None, 100 + s, SamplingParams() if s % 3 == 1 else SamplingParams(0.8, 0.9))
-        runners.append(build_runner(model, st, specials, buckets, graphs=True, backend="cudagraph-eager"))
+        runners.append(build_runner(model, st, specials, buckets, graphs=True, backend=backend, dynamic_batch="auto"))
         runners[-1].capture()
     slots, forced = torch.arange(n_calls), torch.full((n_calls,), -1)
     g = torch.Generator().manual_seed(7)
@@ -374,21 +374,25 @@ def _alone_and_shared(model, buckets, n_calls: int, frames: int, dev) -> list[in
 
 @torch.no_grad()
 @pytest.mark.gpu
-def test_one_capture_bucket_makes_a_call_batch_invariant_full_size_bf16(serving_blas):
+@pytest.mark.parametrize("backend", ["cudagraph-eager", pytest.param("cudagraph", id="compiled")])
+def test_one_capture_bucket_makes_a_call_batch_invariant_full_size_bf16(serving_blas, backend):
     """Determinism on the GPU in bf16 (engine.batch_invariant; docs/design.md). With the default buckets a call's
     bits depend on how many calls share its step (cuBLASLt's split-K and cuDNN's convolution pick kernels by
     row count). With ONE capture bucket every step runs the same rows, so every kernel is the same whatever
     shares the batch: a call's outputs (text, function token, margins, codes, PCM, RNN-T tokens, encoder
     frame) are identical bit for bit alone and beside 31 others, full size, bf16, 40 frames free-running
     (one differing bit at a near-tie would part the runs for good; with random weights most frames are
-    near-ties). The default buckets' result is printed beside it."""
+    near-ties). The hand capture and the compiled default (Inductor's own kernels in place of the
+    hand-written pointwise ones); the hand capture's result with two buckets is printed beside it."""
     dev = torch.device("cuda")
     model = _full_size_bf16(dev)
     n_calls, frames = 32, 40
-    one_bucket = _alone_and_shared(model, [n_calls], n_calls, frames, dev)
-    default = _alone_and_shared(model, [1, n_calls], n_calls, frames, dev)
-    print(f"slot 0 alone vs beside {n_calls - 1} calls, {frames} frames: one bucket [{n_calls}]: "
-          f"{len(one_bucket)} frames differ; buckets [1, {n_calls}]: {len(default)} differ (first {default[:3]})")
+    one_bucket = _alone_and_shared(model, [n_calls], n_calls, frames, dev, backend)
+    if backend == "cudagraph-eager":
+        default = _alone_and_shared(model, [1, n_calls], n_calls, frames, dev, backend)
+        print(f"slot 0 alone vs beside {n_calls - 1} calls, {frames} frames: buckets [1, {n_calls}]: "
+              f"{len(default)} frames differ (first {default[:3]})")
+    print(f"{backend}: one bucket [{n_calls}]: {len(one_bucket)} frames differ")
     assert one_bucket == [], one_bucket
 
 
