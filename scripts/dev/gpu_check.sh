@@ -7,7 +7,7 @@
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (+ pytest's wheels in .whl/extra/,
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
 #   bash scripts/dev/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
-#   bash scripts/dev/gpu_check.sh tests-compiled  # the GPU tests of the compiled (default) step (~4 min: its builds)
+#   bash scripts/dev/gpu_check.sh tests-compiled  # the GPU tests of the compiled (default) step (minutes: three builds)
 #   bash scripts/dev/gpu_check.sh step [overrides...]   # bench_step N=1/32/128 at position 1000 (buckets 2/32/128)
 #   bash scripts/dev/gpu_check.sh table           # the full table: N=1/8/32/64/128 x positions 100/1000/2000,
 #                                             # graphs and eager (its command: 99 s), captured by hand (the
