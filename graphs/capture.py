@@ -38,6 +38,8 @@ a server of 128 places is ready 61 s after a restart (its compile cache), 206 s 
 The Triton kernels are custom ops (opaque to torch.compile), so the compiled back ends keep fullgraph=True.
 On a CPU there are no graphs: the compiled back ends still compile (Inductor's C++ back end, or
 `compiler="aot_eager"`, which the CPU graphs-vs-eager test uses to trace the same graph cheaply).
+One file past 500 lines on purpose: every back end records and replays through the same staged buffers,
+padding and host copies, so they read side by side.
 """
 from __future__ import annotations
 

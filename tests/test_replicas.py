@@ -1,7 +1,7 @@
 """serve.replicas: the server on Ray Serve, two tiny replicas on the CPU behind one endpoint
 (server/replicas.py, docs/deploy.md). The deployment tests start the user's command, `scripts/serve.py
 serve.replicas=2`, once for the module (a local Ray cluster; about 30 s to ready on two cores); the
-middleware and aggregation tests need no Ray."""
+middleware and aggregation tests need no Ray. Just past 500 lines: the deployment tests share one Ray start."""
 from __future__ import annotations
 
 import asyncio

@@ -13,6 +13,7 @@ Places: a connection reserves one of `engine.max_calls` places when it arrives (
 none is free, never queued) and gives it back only once the engine has ended its call, so the server
 never promises a slot the engine does not have. The engine steps on its own thread; this event loop only
 moves bytes (server/bridge.py, server/handover.py).
+One file past 500 lines on purpose: every route and the places' accounting that each of them goes through.
 """
 from __future__ import annotations
 
