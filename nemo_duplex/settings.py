@@ -205,6 +205,9 @@ class ServeConfig:
     speech_hangover_ms: float = 800.0   # Realtime speech_stopped: this long after the user transcript's last token
     static_dir: str | None = None       # serve the page from here instead of the package's static/
     replicas: int = 1                   # >1: that many engines on Ray Serve, one GPU each (server/replicas.py)
+    # Build the engine (the compiled step into engine.compile_cache_dir), then exit without serving: an image
+    # or a first deployment prepared ahead, so that each server and replica starts from the compile cache
+    prepare_only: bool = False
     ray_address: Optional[str] = None   # the Ray cluster of the replicas: "local" (start one here), "auto" (join the
                                         # running one), "ray://host:port"; null: local if replicas > 1, else no Ray
 

@@ -142,3 +142,36 @@ def test_help_is_what_the_script_prints():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == _help_text("serve", ["engine.max_calls=37"]).strip()
+
+
+def test_prepare_only_builds_the_engine_and_serves_nothing(tmp_path):
+    """serve.prepare_only=true (tiny model, CPU): the model and engine are built and prepared, the line says what
+    was kept (here nothing: eager steps compile nothing), and the process exits 0 without serving; with
+    replicas it is refused, naming the setting."""
+    run = [sys.executable, str(REPO / "scripts/serve.py"), "serve.port=9", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(run + ["serve.prepare_only=true"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "prepared eager steps in" in out.stdout and "nothing kept: these steps compile nothing" in out.stdout
+    assert "not serving (serve.prepare_only=true)" in out.stdout and "serving nemotron" not in out.stdout
+    refused = subprocess.run(run + ["serve.prepare_only=true", "serve.replicas=2"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and "serve.prepare_only prepares one engine" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_prepare_only_names_the_compile_cache_it_filled(tmp_path):
+    """What serve.prepare_only reports for a compiled step: the artifacts file its start saved (the engine here
+    is a stand-in whose prepare() records that it ran; the filling itself is tests/test_compile_cache.py's)."""
+    from types import SimpleNamespace
+
+    from graphs.compile_cache import CompileCache
+    from nemo_duplex.server.build import prepare_only
+
+    cache = CompileCache(tmp_path, "k")
+    prepared = []
+    runner = SimpleNamespace(compile_cache=cache, graphs=True, backend="cudagraph")
+    engine = SimpleNamespace(step_runner=runner, prepare=lambda: prepared.append(True))
+    line = prepare_only(SimpleNamespace(engine=engine))
+    assert prepared == [True]
+    assert line.startswith("prepared cudagraph steps in") and str(cache.artifacts) in line
+    runner.compile_cache = None
+    assert "nothing kept: engine.compile_cache_dir=null" in prepare_only(SimpleNamespace(engine=engine))

@@ -39,3 +39,21 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
                                     f"{voices}")
     return Server(engine, tokenizer, rnnt_vocab, serve, model_name=mcfg.name, voices=voices,
                   default_voice=mcfg.talker.speaker, session_defaults=defaults)
+
+
+def prepare_only(server) -> str:
+    """serve.prepare_only: capture (and compile) the engine's steps as a start does, saving the compiled
+    back end's work in its compile cache, and serve nothing. -> the line that says what was kept."""
+    import time
+
+    t0 = time.perf_counter()
+    server.engine.prepare()
+    runner = server.engine.step_runner
+    took = time.perf_counter() - t0
+    if runner.compile_cache is None:
+        kept = ("nothing kept: these steps compile nothing" if not runner.graphs or runner.backend == "cudagraph-eager"
+                else "nothing kept: engine.compile_cache_dir=null")
+    else:
+        kept = f"the compile cache {runner.compile_cache.artifacts} (a start with these settings loads it)"
+    steps = runner.backend if runner.graphs else "eager"
+    return f"prepared {steps} steps in {took:.0f} s; {kept}; not serving (serve.prepare_only=true)"
