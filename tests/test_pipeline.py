@@ -242,6 +242,44 @@ def test_pipelined_engine_runs_a_late_frames_speech_alone(tiny, example_clip, de
     assert eng.slots.in_use == 0
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_compiled_pipelined_step_equals_serial(slim, depth):
+    """The pipelined step as the default back end builds it (torch.compile of the whole step, fullgraph, with a
+    dynamic batch; aot_eager on the CPU, which runs the traced graph with eager kernels and has no streams): it
+    traces whole at each depth, and its halves give the serial eager step's outputs one or two steps later, bit
+    for bit (fp32, the slim model: a layer of each kind; 3 calls over 6 frames in a bucket of ROWS)."""
+    from nemo_duplex.serving.runner import build_runner
+    model = slim[0]
+    frames, n_calls = 6, 3
+    sampling = SamplingParams(temperature=0.8, top_p=0.9)
+    specials = special_ids(model, torch.device("cpu"))
+    audio = torch.randn(n_calls, frames, 1280, generator=torch.Generator().manual_seed(5)) * 0.1
+    states = [_state(model, n_calls, frames + 2, sampling) for _ in range(2)]
+    torch._dynamo.reset()
+    piped = build_runner(model, states[1], specials, [ROWS], graphs=True, backend="cudagraph",
+                         compiler="aot_eager", pipeline=depth, dynamic_batch="auto")
+    assert piped.dynamic_batch and piped.step.pipeline == depth
+    piped.capture()
+    serial = build_runner(model, states[0], specials, [ROWS], graphs=False, pad_eager=True)
+    slots, forced = torch.arange(n_calls), torch.full((n_calls,), -1, dtype=torch.int64)
+    expected = []
+    for k in range(frames):
+        out = serial(slots, audio[:, k], forced)
+        expected.append((out.user.clone(), out.text.clone(), out.codes.clone(), out.pcm.clone()))
+    none = torch.full((n_calls,), states[1].sink)
+    for k in range(frames + depth):
+        heard, text_k, speech_k = k, k - (depth - 1), k - depth
+        out = piped(slots if heard < frames else none, audio[:, min(k, frames - 1)], forced,
+                    speech=slots if speech_k >= 0 else none, text=slots if 0 <= text_k < frames else none)
+        if heard < frames:
+            assert torch.equal(out.user, expected[heard][0]), k
+        if 0 <= text_k < frames:
+            assert torch.equal(out.text, expected[text_k][1]), k
+        if speech_k >= 0:
+            assert torch.equal(out.codes, expected[speech_k][2]), k
+            assert torch.equal(out.pcm, expected[speech_k][3]), k
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth, carveout", [(1, 0), (2, 0), (2, "auto")])
 def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, depth, carveout):
