@@ -216,6 +216,17 @@ class StepRunner(HostStepper):
         return bool(self._staging)
 
     @property
+    def kind(self) -> str:
+        """What the steps run as: the capture back end, or "eager" where there are no graphs (graphs "auto"
+        resolved)."""
+        return self.backend if self.graphs else "eager"
+
+    @property
+    def compiles(self) -> bool:
+        """Whether anything of the step is built by torch.compile (what a compile cache would keep)."""
+        return self.graphs and self.backend != "cudagraph-eager"
+
+    @property
     def hand_run(self) -> bool:
         """Eager steps, or captured by hand: what may switch CUDA streams and process-wide settings inside a
         step (torch.compile's whole-step graphs would have to trace those)."""
@@ -261,8 +272,9 @@ class StepRunner(HostStepper):
             cache.activate()
         if self.backend in COMPILED and (cache is None or not cache.loaded):
             # the first start's wait is the compiler's; say so, and what the fallback would cost
-            log.info("engine.graph_backend=%s: torch.compile builds the step (minutes: ~3.5 on an H100 for 128 "
-                     "places); %s engine.graph_backend=cudagraph-eager captures it by hand in under a minute",
+            log.info("engine.graph_backend=%s: torch.compile builds the step (minutes; docs/performance.md, "
+                     "\"Compiled back ends\", has them measured); %s engine.graph_backend=cudagraph-eager captures "
+                     "it by hand in under a minute",
                      self.backend, "no compile cache (engine.compile_cache_dir=null), so every start builds it;"
                      if cache is None else f"a restart loads it from {cache.directory};")
         if cache is None:

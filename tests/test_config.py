@@ -168,7 +168,7 @@ def test_prepare_only_names_the_compile_cache_it_filled(tmp_path):
 
     cache = CompileCache(tmp_path, "k")
     prepared = []
-    runner = SimpleNamespace(compile_cache=cache, graphs=True, backend="cudagraph")
+    runner = SimpleNamespace(compile_cache=cache, kind="cudagraph", compiles=True)
     engine = SimpleNamespace(step_runner=runner, prepare=lambda: prepared.append(True))
     line = prepare_only(SimpleNamespace(engine=engine))
     assert prepared == [True]

@@ -791,6 +791,20 @@ def test_dynamic_batch_auto_is_on_where_the_step_compiles_and_silent_elsewhere(s
         make(graphs=True, backend="cudagraph", compiler="aot_eager", dynamic_batch="yes")
 
 
+def test_a_runner_says_what_its_steps_run_as_and_whether_they_compile(slim):
+    """StepRunner.kind (the server's start line, serve.prepare_only) is the back end where graphs are on and "eager"
+    where they are not (graphs "auto" on the CPU); compiles is whether torch.compile builds any of the step."""
+    model, _ = slim
+    st = _admitted_state(model, 4)
+    make = partial(build_runner, model, st, special_ids(model, torch.device("cpu")), [2, 4])
+    for graphs, backend, kind, compiles in [("auto", "cudagraph", "eager", False), (False, "cudagraph", "eager", False),
+                                            (True, "cudagraph", "cudagraph", True),
+                                            (True, "cudagraph-eager", "cudagraph-eager", False),
+                                            (True, "reduce-overhead", "reduce-overhead", True)]:
+        runner = make(graphs=graphs, backend=backend, compiler="aot_eager")
+        assert (runner.kind, runner.compiles) == (kind, compiles), (graphs, backend)
+
+
 def test_a_compiler_failure_at_start_names_the_fallback(slim, monkeypatch):
     """A build torch.compile cannot make (here Dynamo's error, raised in place of the build) ends the start with
     an error naming the setting that serves without the compiler; an error that is not the compiler's passes

@@ -27,11 +27,10 @@ def build_server(cfg: DictConfig, overrides: list[str] | None = None):
                                repetition_penalty=sampling.repetition_penalty)
     engine = build_engine(model, tokenizer, engine_cfg)
     voices = sorted(model.tts_model.audio_prompt_latents.keys())
-    steps = engine.step_runner.backend if engine.step_runner.graphs else "eager"   # graphs "auto" resolved
     print(runtime.summary(cfg, loaded, "serve", [
-        f"engine: {engine_cfg.max_calls} call places of up to {engine_cfg.max_call_s:g} s, {steps} steps, "
-        f"pipeline {engine_cfg.pipeline}; calls default to seed {cfg.seed}, text temperature {sampling.temperature:g}"]),
-        flush=True)
+        f"engine: {engine_cfg.max_calls} call places of up to {engine_cfg.max_call_s:g} s, "
+        f"{engine.step_runner.kind} steps, pipeline {engine_cfg.pipeline}; calls default to seed {cfg.seed}, text "
+        f"temperature {sampling.temperature:g}"]), flush=True)
     if (run_dir := runtime.run_dir()) is not None:
         print(f"  settings: {runtime.write_settings(run_dir, cfg, loaded)}", flush=True)
     if mcfg.talker.speaker not in voices:
@@ -50,10 +49,8 @@ def prepare_only(server) -> str:
     server.engine.prepare()
     runner = server.engine.step_runner
     took = time.perf_counter() - t0
-    if runner.compile_cache is None:
-        kept = ("nothing kept: these steps compile nothing" if not runner.graphs or runner.backend == "cudagraph-eager"
-                else "nothing kept: engine.compile_cache_dir=null")
-    else:
+    if runner.compile_cache is not None:
         kept = f"the compile cache {runner.compile_cache.artifacts} (a start with these settings loads it)"
-    steps = runner.backend if runner.graphs else "eager"
-    return f"prepared {steps} steps in {took:.0f} s; {kept}; not serving (serve.prepare_only=true)"
+    else:
+        kept = "nothing kept: " + ("engine.compile_cache_dir=null" if runner.compiles else "these steps compile nothing")
+    return f"prepared {runner.kind} steps in {took:.0f} s; {kept}; not serving (serve.prepare_only=true)"
