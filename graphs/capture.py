@@ -86,6 +86,13 @@ def resolve_graphs(graphs, device: torch.device) -> bool:
     return device.type == "cuda" if graphs == "auto" else bool(graphs)
 
 
+def step_compiles(graphs: bool, backend: str) -> bool:
+    """Whether torch.compile builds any of the step (what a compile cache would keep): `graphs` resolved
+    (resolve_graphs), `backend` an engine.graph_backend. Every back end but the hand capture of the eager
+    step compiles something (cudagraph-regions its regions)."""
+    return graphs and backend != "cudagraph-eager"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # A step for the engine: numpy in, numpy out, as few torch calls as possible
 # ---------------------------------------------------------------------------------------------------------
@@ -224,7 +231,7 @@ class StepRunner(HostStepper):
     @property
     def compiles(self) -> bool:
         """Whether anything of the step is built by torch.compile (what a compile cache would keep)."""
-        return self.graphs and self.backend != "cudagraph-eager"
+        return step_compiles(self.graphs, self.backend)
 
     @property
     def hand_run(self) -> bool:

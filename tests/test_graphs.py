@@ -21,8 +21,9 @@ from graphs.regions import regions_bypassed
 from nemo_duplex.models.config import SamplingParams
 from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
 from nemo_duplex.serving.pages import whole_call_state
-from nemo_duplex.serving.runner import HOST_FIELDS, build_runner
+from nemo_duplex.serving.runner import HOST_FIELDS, build_runner, engine_compile_cache
 from nemo_duplex.serving.state import allocate_call_state, state_tensors
+from nemo_duplex.settings import EngineConfig
 
 FRAMES = 200
 
@@ -793,16 +794,22 @@ def test_dynamic_batch_auto_is_on_where_the_step_compiles_and_silent_elsewhere(s
 
 def test_a_runner_says_what_its_steps_run_as_and_whether_they_compile(slim):
     """StepRunner.kind (the server's start line, serve.prepare_only) is the back end where graphs are on and "eager"
-    where they are not (graphs "auto" on the CPU); compiles is whether torch.compile builds any of the step."""
+    where they are not (graphs "auto" on the CPU); compiles is whether torch.compile builds any of the step. The
+    engine's compile cache, decided before a runner exists, exists exactly where the runner compiles."""
     model, _ = slim
+    cpu = torch.device("cpu")
     st = _admitted_state(model, 4)
-    make = partial(build_runner, model, st, special_ids(model, torch.device("cpu")), [2, 4])
+    make = partial(build_runner, model, st, special_ids(model, cpu), [2, 4])
     for graphs, backend, kind, compiles in [("auto", "cudagraph", "eager", False), (False, "cudagraph", "eager", False),
                                             (True, "cudagraph", "cudagraph", True),
                                             (True, "cudagraph-eager", "cudagraph-eager", False),
+                                            (True, "cudagraph-regions", "cudagraph-regions", True),
                                             (True, "reduce-overhead", "reduce-overhead", True)]:
         runner = make(graphs=graphs, backend=backend, compiler="aot_eager")
         assert (runner.kind, runner.compiles) == (kind, compiles), (graphs, backend)
+        cache = engine_compile_cache(model, cpu, EngineConfig(graphs=graphs, graph_backend=backend,
+                                                              compile_cache_dir="auto"), [2, 4])
+        assert (cache is not None) == compiles, (graphs, backend)
 
 
 def test_a_compiler_failure_at_start_names_the_fallback(slim, monkeypatch):

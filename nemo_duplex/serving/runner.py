@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from graphs.capture import StepRunner, buckets_for, resolve_graphs
+from graphs.capture import StepRunner, buckets_for, resolve_graphs, step_compiles
 from graphs.compile_cache import CompileCache, cache_key
 from nemo_duplex import REPO
 from nemo_duplex.serving.admission_graphs import AdmissionGraphs
@@ -127,7 +127,7 @@ def engine_compile_cache(model, device: torch.device, cfg, buckets: list[int]) -
     model's config (dimensions, dtypes) and the device. None where nothing compiles (a directory given
     then is named in a warning) or the setting is null."""
     where = cfg.compile_cache_dir
-    compiles = resolve_graphs(cfg.graphs, device) and cfg.graph_backend != "cudagraph-eager"
+    compiles = step_compiles(resolve_graphs(cfg.graphs, device), cfg.graph_backend)   # StepRunner.compiles' rule
     if where is None:
         return None
     if not compiles:
