@@ -11,6 +11,7 @@ cascade. Criteria: every stage's output within 1e-4 relative (fp32); a token or 
 where the eager step's top-1/top-2 margin is below 1e-3, and the test reports how many did. One file past 500
 lines on purpose: every capture back end against the same eager step and its fixtures.
 """
+import copy
 import dataclasses
 from functools import partial
 
@@ -19,6 +20,7 @@ import torch
 
 from graphs.regions import regions_bypassed
 from nemo_duplex.models.config import SamplingParams
+from nemo_duplex.models.encoder import EncoderStreamState
 from nemo_duplex.serving.frame_step import admit, frame_step, special_ids
 from nemo_duplex.serving.pages import whole_call_state
 from nemo_duplex.serving.runner import HOST_FIELDS, build_runner, engine_compile_cache
@@ -69,6 +71,25 @@ def _full_size_bf16(dev):
     cfg = dataclasses.replace(cfg, dtype=dataclasses.replace(cfg.dtype, encoder="bf16", llm="bf16", talker="bf16"))
     model, _, _ = random_model(cfg, dev, seed=0)
     return model.cast_for_inference().eval()
+
+
+# full-size bf16 comparisons of a compiled step with the eager one (test_graphs_match_eager_full_size_bf16)
+LOGIT_ULPS = 4          # a row's top two text logits off eager's by at most this many bf16 ulps of its top-1; a
+                        # token may differ where eager's top-1 / top-2 margin is at most twice that (a near-tie)
+CODE_FLIP_RATE = 0.02   # the share of rows (text agreeing) whose codes may differ
+ENCODER_VS_FP32 = 1.5   # the encoder frame's distance from fp32's, against the eager bf16 step's
+
+
+def _fp32_twin(state: EncoderStreamState) -> EncoderStreamState:
+    """A copy of the encoder's streaming state with its caches in fp32, for the fp32 encoder's step."""
+    def copy_of(t: torch.Tensor) -> torch.Tensor:
+        return t.clone().float() if t.is_floating_point() else t.clone()
+    return EncoderStreamState(**{f.name: copy_of(getattr(state, f.name)) for f in dataclasses.fields(state)})
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |x| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().float().clamp_min(1e-30))) - 7)
 
 
 def _rel(a, b):
@@ -273,12 +294,18 @@ def test_reduce_overhead_records_a_graph_and_matches_eager(tiny, static_pools, m
                "frame 0 for 5 of 8 calls (the text comes before any region; its margins there were 0.47-0.63); "
                "cause not isolated (graphs/regions.py). Why cudagraph-regions is not the serving default."))])
 def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
-    """The GPU criterion: full size, bf16, 200 teacher-forced frames, 8 calls padded into a
-    bucket of 16. Stated bf16 tolerance: every stage within 2e-2 relative (the kernels' bf16 rounding
-    differs between captured and eager launches only through cuBLAS choices, and Inductor's fusions round
-    elsewhere); a token or code may differ only where eager's top-1/top-2 margin is below 1e-3, and the test
-    reports how many did. The serving default (Inductor's whole step with a dynamic batch, recorded by hand),
-    the hand capture, and the hand capture with the Inductor-compiled regions (graphs/regions.py)."""
+    """The GPU criterion: full size, bf16, 200 teacher-forced frames, 8 calls padded into a bucket of 16; the
+    serving default (Inductor's whole step with a dynamic batch, recorded by hand), the hand capture, and the
+    hand capture with the Inductor-compiled regions (graphs/regions.py). Stated bf16 tolerances:
+    - the hand capture runs the eager step's own kernels: every output equal, no token or code differs;
+    - a compiled step's fusions round elsewhere: the text logits' top two and the PCM of the rows whose tokens
+      agree within 2e-2 relative of eager's; each row's top two text logits within LOGIT_ULPS bf16 ulps of
+      eager's, and a text token may differ only at a near-tie, eager's top-1 / top-2 margin at most twice that;
+      the talker's codes (the RVQ's nearest codeword of a latent that rounds elsewhere too, which has no margin
+      in the step's outputs) may differ in at most CODE_FLIP_RATE of the rows whose text agrees; the encoder
+      frame, 17 bf16 layers that round wherever a fusion puts it, no further from the fp32 encoder's frame
+      (from the same state) than ENCODER_VS_FP32 times the eager bf16 step's worst distance from it.
+    The test reports how many tokens and codes differed and each path's distance from fp32."""
     dev = torch.device("cuda")
     model = _full_size_bf16(dev)
     n_calls = 8
@@ -288,10 +315,12 @@ def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
     graphs.capture()
     slots = torch.arange(n_calls)
     forced = torch.full((n_calls,), -1)
+    perception_fp32 = copy.deepcopy(model.perception).float()
     g = torch.Generator().manual_seed(0)
-    worst, flips = {}, 0
+    worst, margins, deviations, code_flips = {}, [], [], 0
     for t in range(FRAMES):
         chunk = torch.randn(n_calls, 1280, generator=g) * 0.1
+        enc_fp32 = perception_fp32.stream_step(chunk.to(dev), _fp32_twin(st.encoder), slots.to(dev))
         before = _snapshot(st)
         s, a, f, *_ = graphs._padded_inputs(16, slots, chunk, forced)
         with regions_bypassed(model):  # the plain eager step, not the compiled regions uncaptured
@@ -299,15 +328,32 @@ def test_graphs_match_eager_full_size_bf16(backend, serving_blas):
         after_e = _snapshot(st)
         _restore(st, before)
         out_g = graphs(slots, chunk, forced)
-        for name in ("enc", "top2", "pcm"):
-            worst[name] = max(worst.get(name, 0.0), _rel(getattr(out_g, name), getattr(out_e, name)[:n_calls]))
-        margin = (out_e.top2[:n_calls, 0] - out_e.top2[:n_calls, 1]).abs()
-        differs = (out_g.text != out_e.text[:n_calls]) | (out_g.codes != out_e.codes[:n_calls]).any(-1)
-        assert (margin[differs.to(margin.device)] < 1e-3).all(), f"frame {t}: margins {margin[differs].tolist()}"
-        flips += int(differs.sum())
+        text_flip = (out_g.text != out_e.text[:n_calls]).to(dev)
+        code_flip = (out_g.codes != out_e.codes[:n_calls]).any(-1).to(dev) & ~text_flip  # else another text token
+        top1, top2 = out_e.top2[:n_calls, 0], out_e.top2[:n_calls, 1]
+        ulp = _bf16_ulp(top1)
+        margins.append(((top1 - top2).abs() / ulp)[text_flip])
+        deviations.append(((out_g.top2.to(dev) - out_e.top2[:n_calls]).abs().amax(-1) / ulp)[~text_flip])
+        agree = ~(text_flip | code_flip)
+        for name, rows in (("enc", slice(None)), ("top2", slice(None)), ("pcm", agree)):
+            worst[name] = max(worst.get(name, 0.0), _rel(getattr(out_g, name).to(dev)[rows],
+                                                          getattr(out_e, name)[:n_calls][rows]))
+        for name, enc in (("eager enc vs fp32", out_e.enc[:n_calls]), ("enc vs fp32", out_g.enc.to(dev))):
+            worst[name] = max(worst.get(name, 0.0), _rel(enc.float(), enc_fp32))
+        code_flips += int(code_flip.sum())
         _restore(st, after_e)
-    print(f"{backend}: worst relative error {worst}; {flips} near-tie flips over {FRAMES} frames x {n_calls} calls")
-    assert all(v <= 2e-2 for v in worst.values()), worst
+    margins, deviations = torch.cat(margins).cpu(), torch.cat(deviations).cpu()
+    print(f"{backend}: worst relative error {worst}; the text differed in {margins.numel()} of {FRAMES * n_calls} rows "
+          f"(eager's top-1 / top-2 margins there, bf16 ulps: {margins.tolist()}), the codes alone in {code_flips}; "
+          f"the top two logits of the other rows off eager's by p50 / p99 / max "
+          f"{deviations.quantile(0.5):.2f} / {deviations.quantile(0.99):.2f} / {deviations.max():.2f} ulps")
+    if backend == "cudagraph-eager":
+        assert margins.numel() == 0 and not code_flips and all(worst[k] == 0.0 for k in ("enc", "top2", "pcm")), worst
+    assert deviations.max() <= LOGIT_ULPS, deviations.max()
+    assert (margins <= 2 * LOGIT_ULPS).all(), margins
+    assert worst["enc vs fp32"] <= ENCODER_VS_FP32 * worst["eager enc vs fp32"], worst
+    assert all(worst[name] <= 2e-2 for name in ("top2", "pcm")), worst
+    assert code_flips <= CODE_FLIP_RATE * FRAMES * n_calls, code_flips
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
 # tool's 600 s limit (from a cold machine: the GPU tests > 5 min, the step part ~4 min, the load
 # part ~6.5 min). Results under $OUT (small files only: Hydra and load directories stay under /tmp, and only
 # their summaries are copied). The parts that run the default (compiled) step keep torch.compile's work in
-# one compile cache under /tmp ($CC), so a later part on the same warm machine restores instead of building.
+# one compile cache under /tmp ($CACHE), so a later part on the same warm machine restores instead of building.
 # Here first: mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/ (+ pytest's wheels in .whl/extra/,
 # wandb's in .whl/wandb/), then run each part with carry [".whl"]:
 #   bash scripts/dev/gpu_check.sh tests           # GPU tests of the kernels, the captured step and the talker
@@ -45,7 +45,8 @@ export OUT=${OUT:-outputs/gpu_check}
 mkdir -p "$OUT"
 PART=${1:-step}
 M="model=nemotron_duplex model.weights=random device=cuda"
-CC="engine.compile_cache_dir=/tmp/gpu_check_compile_cache"
+# not CC: that is the C compiler Triton builds its launcher with, where the machine exports it
+CACHE="engine.compile_cache_dir=/tmp/gpu_check_compile_cache"
 HAND="engine.graph_backend=cudagraph-eager"   # the hand capture (the fallback): kernels as written, no build
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$PART" = tests ]; then
@@ -56,7 +57,7 @@ elif [ "$PART" = tests-compiled ]; then
         > "$OUT/pytest_compiled.log" 2>&1; tail -n 3 "$OUT/pytest_compiled.log"
 elif [ "$PART" = step ]; then
     mkdir -p "$OUT/step"
-    OUT="$OUT/step" timeout 420 python3 scripts/bench_step.py $M $CC 'engine.capture_buckets=[2,32,128]' \
+    OUT="$OUT/step" timeout 420 python3 scripts/bench_step.py $M $CACHE 'engine.capture_buckets=[2,32,128]' \
         'bench.batch_sizes=[1,32,128]' 'bench.positions=[1000]' bench.iters=10 bench.warmup=2 \
         bench.compare_eager=false hydra.run.dir=/tmp/gpu_check_step "${@:2}" > "$OUT/step.log" 2>&1; tail -n 5 "$OUT/step.log"
 elif [ "$PART" = table ]; then
@@ -81,7 +82,7 @@ elif [ "$PART" = load ]; then
     shift $(( $# >= 2 ? 2 : $# ))
     ARGS="[]"
     if [ $# -gt 0 ]; then ARGS=$(printf '"%s",' "$@"); ARGS="[${ARGS%,}]"; fi
-    timeout $((LOAD_S + 60)) python3 scripts/bench.py $M $CC model/dtype=bf16 \
+    timeout $((LOAD_S + 60)) python3 scripts/bench.py $M $CACHE model/dtype=bf16 \
         "loadtest.n_calls=${N_CALLS:-[1,16,32,64,96,128,160]}" loadtest.duration_s=12 \
         "loadtest.upload_runs=${UPLOAD_RUNS:-[32]}" "loadtest.server_args=$ARGS" loadtest.time_budget_s=$LOAD_S \
         loadtest.out=/tmp/gpu_check_load hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/load.log" 2>&1
@@ -92,7 +93,7 @@ elif [ "$PART" = load ]; then
     cat "$OUT/summary.md" 2>/dev/null || tail -n 20 "$OUT/load.log"
 elif [ "$PART" = admission ]; then
     # live lag at 128 lockstep calls without and with calls arriving (2 a second, fresh 500-token prompts)
-    timeout 540 python3 scripts/bench.py $M $CC model/dtype=bf16 'loadtest.n_calls=[128]' 'loadtest.starts=[lockstep]' \
+    timeout 540 python3 scripts/bench.py $M $CACHE model/dtype=bf16 'loadtest.n_calls=[128]' 'loadtest.starts=[lockstep]' \
         loadtest.duration_s=12 'loadtest.arrival_runs=[128]' loadtest.time_budget_s=200 "${@:2}" \
         loadtest.out=/tmp/gpu_check_admission hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/admission.log" 2>&1
     cp /tmp/gpu_check_admission/{summary.md,load.json,server.log} "$OUT/" 2>/dev/null
@@ -101,7 +102,7 @@ elif [ "$PART" = burst ]; then
     timeout 400 python3 scripts/dev/time_admission.py --prompt-tokens 32 --chunk 256 --burst 128 > "$OUT/burst.log" 2>&1
     grep -E "^(graphs|burst)" "$OUT/burst.log" || tail -n 20 "$OUT/burst.log"
 elif [ "$PART" = capacity ]; then
-    timeout 560 python3 scripts/bench.py $M $CC model/dtype=bf16 model.dtype.talker_kv=fp8 model.dtype.mamba_ssm_state=bf16 \
+    timeout 560 python3 scripts/bench.py $M $CACHE model/dtype=bf16 model.dtype.talker_kv=fp8 model.dtype.mamba_ssm_state=bf16 \
         "loadtest.n_calls=[${3:-256}]" "loadtest.starts=[${2:-lockstep}]" 'loadtest.length_mix=[20,160]' \
         loadtest.max_call_s=162 engine.kv_pool_gib=73 engine.max_prompt_tokens=32 "${@:4}" \
         loadtest.out=/tmp/gpu_check_capacity hydra.run.dir=/tmp/gpu_check_hydra > "$OUT/capacity.log" 2>&1
