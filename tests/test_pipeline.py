@@ -281,14 +281,18 @@ def test_compiled_pipelined_step_equals_serial(slim, depth):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("depth, carveout", [(1, 0), (2, 0), (2, "auto")])
-def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, depth, carveout):
+@pytest.mark.parametrize("backend, depth, carveout", [
+    ("cudagraph-eager", 1, 0), ("cudagraph-eager", 2, 0), ("cudagraph-eager", 2, "auto"),
+    pytest.param("cudagraph", 1, 0, id="compiled-1"), pytest.param("cudagraph", 2, 0, id="compiled-2")])
+def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, backend, depth, carveout):
     """On CUDA the pipelined step's halves run on their own streams inside the captured graph
-    (graphs/capture.py, cudagraph-eager): the speech half beside the step's stream, and two deep the
-    listening half too. A missed ordering between the streams would show here as tokens, codes or PCM
-    that differ from the serial eager step's (same bucket rows on both sides, fp32 tiny model; compared bit
-    for bit over 12 frames of 3 calls). With engine.llm_sm_carveout "auto" (half the SMs, two deep) on both
-    sides too (the same SM target, so the same GEMM kernels)."""
+    (graphs/capture.py): the speech half beside the step's stream, and two deep the listening half too. A
+    missed ordering between the streams would show here as tokens, codes or PCM that differ from the serial
+    eager step's (same bucket rows on both sides, fp32 tiny model; compared bit for bit over 12 frames of 3
+    calls). The hand capture (cudagraph-eager), with engine.llm_sm_carveout "auto" (half the SMs, two deep) on
+    both sides too (the same SM target, so the same GEMM kernels); and the compiled default's build, whose
+    fullgraph trace holds the stream switches and waits (compiled with aot_eager here, so its kernels are
+    eager's and the comparison stays bit for bit; Inductor's own kernels at full size: tests/test_graphs.py)."""
     import copy
 
     from nemo_duplex.serving.runner import build_runner
@@ -302,8 +306,9 @@ def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, depth, carveout)
     for st in states:
         for s in range(n_calls):
             admit(model, st, s, None, 60 + s, sampling)
-    piped = build_runner(model, states[1], specials, [ROWS], graphs=True, backend="cudagraph-eager", pipeline=depth,
-                       llm_sm_carveout=carveout)
+    torch._dynamo.reset()   # each compiled case traces afresh
+    piped = build_runner(model, states[1], specials, [ROWS], graphs=True, backend=backend, pipeline=depth,
+                         llm_sm_carveout=carveout, compiler="aot_eager", dynamic_batch="auto")
     assert (piped.step.llm_sm_carveout > 0) == (carveout == "auto")  # two deep, hand capture: half the SMs
     # the serial side with the SM target the pipelined step resolved ("auto" would be 0 there)
     serial = build_runner(model, states[0], specials, [ROWS], graphs=False, pad_eager=True,
