@@ -22,11 +22,37 @@ def _padded(rows, sink):
     return torch.tensor(slots), torch.tensor(text), torch.tensor(speech), torch.stack(chunks)
 
 
-def _state(model, n_calls: int, frames: int, sampling: SamplingParams):
-    st = allocate_call_state(model, n_calls, frames, torch.device("cpu"), max_prompt_tokens=0)
+def _state(model, n_calls: int, frames: int, sampling: SamplingParams, device=torch.device("cpu"),
+           first_seed: int = 100):
+    st = allocate_call_state(model, n_calls, frames, device, max_prompt_tokens=0)
     for s in range(n_calls):
-        admit(model, st, s, None, 100 + s, sampling)
+        admit(model, st, s, None, first_seed + s, sampling)
     return st
+
+
+def _assert_pipelined_step_is_serial(piped, serial, audio: torch.Tensor, depth: int, sink: int) -> None:
+    """Runners `piped` (pipelined `depth` deep) and `serial` (the serial step) over the same calls' `audio`
+    [calls, frames, 1280], each from its own state: every half of each piped step gives the serial step's
+    outputs of that half's frame (its listening half this step's, text one step back two deep, speech `depth`
+    steps back), bit for bit; a half with no frame runs on the sink."""
+    n_calls, frames = audio.shape[:2]
+    slots, forced = torch.arange(n_calls), torch.full((n_calls,), -1, dtype=torch.int64)
+    expected = []
+    for k in range(frames):
+        out = serial(slots, audio[:, k], forced)
+        expected.append([t.to("cpu", copy=True) for t in (out.user, out.text, out.codes, out.pcm)])
+    none = torch.full((n_calls,), sink)
+    for k in range(frames + depth):
+        heard, text_k, speech_k = k, k - (depth - 1), k - depth
+        out = piped(slots if heard < frames else none, audio[:, min(k, frames - 1)], forced,
+                    speech=slots if speech_k >= 0 else none, text=slots if 0 <= text_k < frames else none)
+        if heard < frames:
+            assert torch.equal(out.user.cpu(), expected[heard][0]), k
+        if 0 <= text_k < frames:
+            assert torch.equal(out.text.cpu(), expected[text_k][1]), k
+        if speech_k >= 0:
+            assert torch.equal(out.codes.cpu(), expected[speech_k][2]), k
+            assert torch.equal(out.pcm.cpu(), expected[speech_k][3]), k
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -261,23 +287,7 @@ def test_compiled_pipelined_step_equals_serial(slim, depth):
     assert piped.dynamic_batch and piped.step.pipeline == depth
     piped.capture()
     serial = build_runner(model, states[0], specials, [ROWS], graphs=False, pad_eager=True)
-    slots, forced = torch.arange(n_calls), torch.full((n_calls,), -1, dtype=torch.int64)
-    expected = []
-    for k in range(frames):
-        out = serial(slots, audio[:, k], forced)
-        expected.append((out.user.clone(), out.text.clone(), out.codes.clone(), out.pcm.clone()))
-    none = torch.full((n_calls,), states[1].sink)
-    for k in range(frames + depth):
-        heard, text_k, speech_k = k, k - (depth - 1), k - depth
-        out = piped(slots if heard < frames else none, audio[:, min(k, frames - 1)], forced,
-                    speech=slots if speech_k >= 0 else none, text=slots if 0 <= text_k < frames else none)
-        if heard < frames:
-            assert torch.equal(out.user, expected[heard][0]), k
-        if 0 <= text_k < frames:
-            assert torch.equal(out.text, expected[text_k][1]), k
-        if speech_k >= 0:
-            assert torch.equal(out.codes, expected[speech_k][2]), k
-            assert torch.equal(out.pcm, expected[speech_k][3]), k
+    _assert_pipelined_step_is_serial(piped, serial, audio, depth, states[1].sink)
 
 
 @pytest.mark.gpu
@@ -302,10 +312,7 @@ def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, backend, depth, 
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
     specials = special_ids(model, dev)
     audio = torch.randn(n_calls, frames, 1280, generator=torch.Generator().manual_seed(5)) * 0.1
-    states = [allocate_call_state(model, n_calls, frames + 2, dev, max_prompt_tokens=0) for _ in range(2)]
-    for st in states:
-        for s in range(n_calls):
-            admit(model, st, s, None, 60 + s, sampling)
+    states = [_state(model, n_calls, frames + 2, sampling, dev, first_seed=60) for _ in range(2)]
     torch._dynamo.reset()   # each compiled case traces afresh
     piped = build_runner(model, states[1], specials, [ROWS], graphs=True, backend=backend, pipeline=depth,
                          llm_sm_carveout=carveout, compiler="aot_eager", dynamic_batch="auto")
@@ -315,22 +322,4 @@ def test_captured_pipelined_step_equals_serial_on_the_gpu(tiny, backend, depth, 
                         llm_sm_carveout=piped.step.llm_sm_carveout)
     assert piped.step.speech_stream is not None and (piped.step.encoder_stream is not None) == (depth == 2)
     piped.capture()
-    sink = states[1].sink
-    slots = torch.arange(n_calls)
-    forced = torch.full((n_calls,), -1, dtype=torch.int64)
-    expected = []
-    for k in range(frames):
-        out = serial(slots, audio[:, k], forced)
-        expected.append((out.user.cpu(), out.text.cpu(), out.codes.cpu(), out.pcm.cpu()))
-    none = torch.full((n_calls,), sink)
-    for k in range(frames + depth):
-        heard, text_k, speech_k = k, k - (depth - 1), k - depth
-        out = piped(slots if heard < frames else none, audio[:, min(k, frames - 1)], forced,
-                    speech=slots if speech_k >= 0 else none, text=slots if 0 <= text_k < frames else none)
-        if heard < frames:
-            assert torch.equal(out.user.cpu(), expected[heard][0]), k
-        if 0 <= text_k < frames:
-            assert torch.equal(out.text.cpu(), expected[text_k][1]), k
-        if speech_k >= 0:
-            assert torch.equal(out.codes.cpu(), expected[speech_k][2]), k
-            assert torch.equal(out.pcm.cpu(), expected[speech_k][3]), k
+    _assert_pipelined_step_is_serial(piped, serial, audio, depth, states[1].sink)
