@@ -849,7 +849,10 @@ def test_admission_thread_keeps_live_calls_stepping(tiny, example_clip, monkeypa
         live_frames = []
         live = eng.open_call(CallOptions(seed=1), on_event=lambda ev: isinstance(ev, FrameEvent) and
                              live_frames.append(time.monotonic()))
-        time.sleep(0.8)                                    # admitted (slowly)
+        deadline = time.monotonic() + 10                   # admitted (slowly)
+        while not live.admitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert live.admitted
         events, ended = [], threading.Event()
 
         def on_event(ev):
